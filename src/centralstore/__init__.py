@@ -1,0 +1,51 @@
+"""centralstore: TensorFlow's ``tf.distribute`` Strategy API for PyTorch.
+
+Variables live once on a parameter device; ``strategy.run`` replicates a step over compute
+devices and folds the replicas' gradients back onto the central variables.
+"""
+
+from ._context import get_replica_context as get_replica_context
+from ._context import get_strategy as get_strategy
+from ._context import has_strategy as has_strategy
+from ._context import in_cross_replica_context as in_cross_replica_context
+from ._losses import compute_average_loss as compute_average_loss
+from ._losses import scale_regularization_loss as scale_regularization_loss
+from ._reduce import ReduceOp as ReduceOp
+from ._replica_context import ReplicaContext as ReplicaContext
+from ._values import PerReplica as PerReplica
+from ._values import ValueContext as ValueContext
+from ._variables import Variable as Variable
+from ._variables import VariableAggregation as VariableAggregation
+from ._variables import set_aggregation as set_aggregation
+from .input.dataset import Dataset as Dataset
+from .input.options import InputContext as InputContext
+from .input.options import InputOptions as InputOptions
+from .strategies.base import Strategy as Strategy
+from .strategies.central_storage import CentralStorageStrategy as CentralStorageStrategy
+from .strategies.extended import StrategyExtended as StrategyExtended
+from .strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CentralStorageStrategy",
+    "Dataset",
+    "InputContext",
+    "InputOptions",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "StrategyExtended",
+    "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "compute_average_loss",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+    "set_aggregation",
+]

@@ -1,0 +1,129 @@
+"""Device names: parse every accepted spelling once into one canonical name.
+
+A canonical name is torch's spelling: ``"cpu:k"`` for logical CPU device k, ``"cuda:i"`` for
+GPU i, ``"mps"``. Logical CPU devices are names for the one host CPU, so that several replicas
+can run on a machine without GPUs; tensors on any of them live on ``torch.device("cpu")``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Union
+
+import torch
+
+DeviceLike = Union[str, torch.device]
+
+_PATTERN = re.compile(
+    r"""^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?   # TensorFlow's full names
+        (?:/device:|/)?                                   # "/device:GPU:0", "/cpu:0"
+        (?P<type>cpu|gpu|cuda|mps)(?::(?P<index>\d+))?$""",
+    re.IGNORECASE | re.VERBOSE,
+)
+
+
+def visible_devices() -> list[str]:
+    """The canonical names of the devices torch can see: ``cpu:0``, every GPU, ``mps``."""
+    names = ["cpu:0"]
+    names += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        names.append("mps")
+    return names
+
+
+def canonical(device: DeviceLike) -> str:
+    """The canonical name of ``device``; raises ``ValueError`` for unknown or missing devices.
+
+    >>> canonical("/job:localhost/replica:0/task:0/device:CPU:1")
+    'cpu:1'
+    >>> canonical("cpu")
+    'cpu:0'
+    """
+    if isinstance(device, torch.device):
+        kind, index = device.type, device.index
+    elif isinstance(device, str):
+        match = _PATTERN.match(device.strip())
+        if match is None:
+            raise ValueError(
+                f"Cannot parse the device name {device!r}. Expected a name such as 'CPU:0', "
+                f"'GPU:1', '/device:CPU:0', 'cuda:1', 'cpu' or 'mps'; visible devices: "
+                f"{visible_devices()}."
+            )
+        kind = match["type"].lower()
+        index = None if match["index"] is None else int(match["index"])
+    else:
+        raise TypeError(
+            f"A device must be a string or a torch.device, but got {type(device).__name__}. "
+            f"Received: device={device!r}"
+        )
+    if kind == "cpu":
+        return f"cpu:{index or 0}"
+    if kind in ("gpu", "cuda"):
+        index = index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"The device {device!r} names GPU {index}, but torch sees "
+                f"{torch.cuda.device_count()} GPU(s); visible devices: {visible_devices()}."
+            )
+        return f"cuda:{index}"
+    if kind == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(
+                f"The device {device!r} is not available on this machine; visible devices: "
+                f"{visible_devices()}."
+            )
+        return "mps"
+    raise ValueError(f"Unsupported device type {kind!r} in {device!r}.")
+
+
+def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
+    """Canonical names for a list of devices, keeping order and duplicates."""
+    if isinstance(devices, (str, torch.device)):
+        raise TypeError(
+            f"{what} must be a list of devices, not a single device. "
+            f"Wrap it in a list: {what}=[{devices!r}]."
+        )
+    if not isinstance(devices, Sequence) or isinstance(devices, bytes):
+        raise TypeError(
+            f"{what} must be a list or tuple of devices. Received: {what}={devices!r}"
+        )
+    if len(devices) == 0:
+        raise ValueError(
+            f"{what} is empty; name at least one device, e.g. ['cpu:0', 'cpu:1']. "
+            f"Visible devices: {visible_devices()}."
+        )
+    return tuple(canonical(d) for d in devices)
+
+
+def torch_device(name: str) -> torch.device:
+    """The ``torch.device`` for a canonical name (``torch.device("cpu", 1)`` for ``cpu:1``)."""
+    if name == "mps":
+        return torch.device("mps")
+    kind, index = name.split(":")
+    return torch.device(kind, int(index))
+
+
+def storage_device(name: str) -> torch.device:
+    """Where tensors on ``name`` physically live: every logical CPU device is the host CPU."""
+    if name.startswith("cpu"):
+        return torch.device("cpu")
+    return torch_device(name)
+
+
+def same_storage(a: str, b: str) -> bool:
+    """Whether tensors on devices ``a`` and ``b`` live in the same memory."""
+    return storage_device(a) == storage_device(b)
+
+
+def default_compute_devices() -> tuple[str, ...]:
+    """TensorFlow's default: every visible GPU, else the CPU."""
+    gpus = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+    return gpus or ("cpu:0",)
+
+
+def default_parameter_device(compute_devices: Sequence[str]) -> str:
+    """TensorFlow's default: the only compute device when there is one, else the CPU."""
+    if len(set(compute_devices)) == 1:
+        return compute_devices[0]
+    return "cpu:0"

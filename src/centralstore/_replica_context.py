@@ -1,0 +1,193 @@
+"""``ReplicaContext``: what a replica can do with its peers inside ``run``.
+
+``all_reduce`` and ``all_gather`` are differentiable as in TensorFlow: the gradient of a SUM
+all-reduce is the SUM all-reduce of the replicas' incoming gradients (so every replica must
+run its backward inside ``run``), and the gradient of an all-gather is the replica's slice of
+the summed incoming gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _context, _tree
+from ._reduce import ReduceOp, as_tensor, gather_components, reduce_components
+from ._values import regroup, select
+
+if TYPE_CHECKING:
+    from ._replicas import RunState
+    from .strategies.base import Strategy
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run``; ``get_replica_context()`` returns it.
+
+    >>> import centralstore as cs
+    >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    >>> total = s.run(lambda: cs.get_replica_context().all_reduce("sum", 1.0))
+    >>> [float(t) for t in s.experimental_local_results(total)]
+    [2.0, 2.0]
+    """
+
+    def __init__(self, strategy: Strategy, replica_id: int, state: RunState | None = None) -> None:
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._state = state
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index, 0 to ``num_replicas_in_sync - 1`` (a Python int)."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device of this replica, e.g. ``torch.device("cpu", 1)``."""
+        return self._strategy._torch_devices[self._replica_id]
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
+        )
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def all_reduce(self, reduce_op: ReduceOp | str, value: Any) -> Any:
+        """Reduce ``value`` over replicas; every replica gets the result on its own device.
+
+        Nested structures are reduced leaf by leaf; shapes must agree across replicas.
+        """
+        op = ReduceOp.parse(reduce_op)
+        leaves, spec = _tree.flatten(value)
+        tensors = [as_tensor(leaf, self.device) for leaf in leaves]
+        reduced = _AllReduce.apply(self, op, spec, *tensors)
+        return _tree.unflatten(list(reduced), spec)
+
+    def all_gather(self, value: Any, axis: int) -> Any:
+        """Concatenate ``value`` from every replica along ``axis``; each replica gets its own
+        copy on its device. Sizes along ``axis`` may differ."""
+        leaves, spec = _tree.flatten(value)
+        tensors = [as_tensor(leaf, self.device) for leaf in leaves]
+        gathered = _AllGather.apply(self, axis, spec, *tensors)
+        return _tree.unflatten(list(gathered), spec)
+
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        Every replica waits; their ``args`` arrive regrouped as PerReplica values. Pending
+        gradients are folded into the central variables first, so
+        ``merge_call(lambda s: optimizer.step())`` works. A PerReplica result gives each replica
+        its component; anything else reaches every replica as the same object.
+        """
+        kwargs = {} if kwargs is None else kwargs
+        if self._state is None:
+            return self._merge([(tuple(args), kwargs)], merge_fn)[0]
+        return self._state.meet(
+            self._replica_id, "merge_call", (tuple(args), kwargs),
+            lambda arrived: self._merge(arrived, merge_fn),
+        )
+
+    def _merge(self, arrived: list[Any], merge_fn: Callable[..., Any]) -> list[Any]:
+        args, kwargs = regroup(arrived) if len(arrived) > 1 else arrived[0]
+        strategy = self._strategy
+        _context.push(_context.Entry(strategy, None))
+        try:
+            with strategy._variables.cross_replica():
+                strategy._sync_point()
+                result = merge_fn(strategy, *args, **kwargs)
+        finally:
+            _context.pop()
+        return [select(result, replica) for replica in range(len(arrived))]
+
+    def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:
+        if self._state is None:
+            return combine([value])[0]
+        return self._state.meet(self._replica_id, kind, value, combine)
+
+
+def _same_structure(specs: Sequence[Any], what: str) -> None:
+    for replica, spec in enumerate(specs):
+        if spec != specs[0]:
+            raise ValueError(
+                f"{what} requires the same structure on every replica, but replica 0 gave "
+                f"{specs[0]} and replica {replica} gave {spec}."
+            )
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, rc: ReplicaContext, op: ReduceOp, spec: Any, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.rc, ctx.op = rc, op
+        return _all_reduce(rc, op, spec, tensors, "all_reduce")
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        reduced = _all_reduce(ctx.rc, ctx.op, None, grads, "the backward of all_reduce")
+        return (None, None, None, *reduced)
+
+
+def _all_reduce(
+    rc: ReplicaContext, op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str
+) -> tuple[torch.Tensor, ...]:
+    devices = rc.strategy._torch_devices
+
+    def combine(arrived: list[Any]) -> list[Any]:
+        _same_structure([s for s, _ in arrived], what)
+        home = devices[0]
+        columns = list(zip(*(ts for _, ts in arrived)))
+        totals = [reduce_components(op, column, None, home) for column in columns]
+        return [
+            tuple(t.to(devices[r], copy=r > 0) for t in totals) for r in range(len(arrived))
+        ]
+
+    return rc._collective(what, (spec, tuple(tensors)), combine)  # type: ignore[no-any-return]
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, rc: ReplicaContext, axis: int, spec: Any, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.rc, ctx.axis = rc, axis
+        devices = rc.strategy._torch_devices
+
+        def combine(arrived: list[Any]) -> list[Any]:
+            _same_structure([s for s, _ in arrived], "all_gather")
+            columns = list(zip(*(ts for _, ts in arrived)))
+            gathered = [gather_components(column, axis, devices[0]) for column in columns]
+            sizes = [[t.shape[axis] for t in column] for column in columns]
+            return [
+                (tuple(g.to(devices[r], copy=r > 0) for g in gathered), sizes)
+                for r in range(len(arrived))
+            ]
+
+        gathered, ctx.sizes = rc._collective("all_gather", (spec, tensors), combine)
+        return gathered  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        summed = _all_reduce(ctx.rc, ReduceOp.SUM, None, grads, "the backward of all_gather")
+        replica = ctx.rc.replica_id_in_sync_group
+        slices = []
+        for grad, sizes in zip(summed, ctx.sizes):
+            start = sum(sizes[:replica])
+            slices.append(grad.narrow(ctx.axis, start, sizes[replica]))
+        return (None, None, None, *slices)

@@ -1,0 +1,274 @@
+"""Replica views: what a replica sees when its code touches a central variable.
+
+Inside ``run`` a thread-local ``ResolutionMode`` swaps central variables for the replica's
+views in the arguments of every torch call (top level and one level of lists/tuples, which
+covers ``torch.cat``, RNN flat weights and ``_foreach`` calls). A parameter's view shares
+storage with it when the replica computes where it lives (no copy) and is a cached copy
+otherwise, refreshed only when the central value changed. Buffers get a private copy per
+replica, since kernels such as batch norm write them in place. An in-place call on a shared
+view is routed to a private copy first, so replicas never race on central storage; the sync
+point folds the writes by aggregation (``_folding.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import _folding
+
+if TYPE_CHECKING:
+    from ._variables import Central, VariableStore
+
+READ, DELTA, ASSIGN = 0, 1, 2
+_DELTA_NAMES = frozenset({"add_", "sub_", "__iadd__", "__isub__"})
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_", "retain_grad"})
+_AUGMENTED = frozenset(
+    f"__i{op}__" for op in
+    ("mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
+)
+_write_kinds: dict[Any, int] = {}
+
+# Kernels that write running statistics in place without bumping the version counter:
+# function -> (index and name of the flag that enables the write, (index, name) written).
+_KERNEL_WRITES: dict[Any, tuple[tuple[int, str], tuple[tuple[int, str], ...]]] = {
+    torch.nn.functional.batch_norm: ((5, "training"), ((1, "running_mean"), (2, "running_var"))),
+    torch.batch_norm: ((5, "training"), ((3, "running_mean"), (4, "running_var"))),
+    torch.nn.functional.instance_norm: (
+        (5, "use_input_stats"), ((1, "running_mean"), (2, "running_var"))
+    ),
+    torch.instance_norm: ((5, "use_input_stats"), ((3, "running_mean"), (4, "running_var"))),
+}
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+def kernel_writes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[int]:
+    """The ids of the arguments that ``func`` will write without a version bump."""
+    spec = _KERNEL_WRITES.get(func)
+    if spec is None:
+        return set()
+    (flag_index, flag_name), written = spec
+    if not _argument(args, kwargs, flag_index, flag_name):
+        return set()
+    return {id(_argument(args, kwargs, i, name)) for i, name in written}
+
+
+def write_kind(func: Any) -> int:
+    """Whether ``func`` writes its first argument in place, and how (by its name)."""
+    kind = _write_kinds.get(func)
+    if kind is None:
+        name = getattr(func, "__name__", "")
+        if name in _DELTA_NAMES:
+            kind = DELTA
+        elif name in _NOT_WRITES:
+            kind = READ
+        elif name == "__setitem__" or name in _AUGMENTED or (
+            name.endswith("_") and not name.endswith("__")
+        ):
+            kind = ASSIGN
+        else:
+            kind = READ
+        _write_kinds[func] = kind
+    return kind
+
+
+class View:
+    """One replica's view of one central variable."""
+
+    __slots__ = (
+        "alias", "assigned", "central_version", "epoch", "pending", "private", "record",
+        "start_version", "tensor",
+    )
+
+    def __init__(self, record: Central, tensor: torch.Tensor, private: bool) -> None:
+        self.record = record
+        self.tensor = tensor
+        self.private = private
+        self.alias: torch.Tensor | None = None  # the shared view, while routed to a copy
+        self.assigned = False
+        self.central_version = -1
+        self.start_version = tensor._version
+        self.epoch = -1
+        self.pending: list[tuple[torch.Tensor, Any]] = []  # (host gradient, CUDA event)
+
+    def written(self) -> bool:
+        return self.private and (self.assigned or self.tensor._version != self.start_version)
+
+
+class ReplicaViews:
+    """The views of one replica, created on first use and validated once per epoch."""
+
+    def __init__(self, store: VariableStore, replica: int, device: torch.device) -> None:
+        self.store = store
+        self.replica = replica
+        self.device = device
+        self.views: dict[int, View] = {}
+        self.touched: list[View] = []
+
+    def forget(self, key: int) -> None:
+        self.views.pop(key, None)
+
+    def central_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        for view in self.views.values():
+            if tensor is view.tensor or tensor is view.alias:
+                return view.record.ref()
+        return None
+
+    def resolve(self, record: Central, write: bool) -> View:
+        view = self.views.get(record.key)
+        if view is None or view.epoch != self.store.epoch:
+            view = self._validate(record, view)
+        if write and not view.private:
+            self._route(view)
+        return view
+
+    def _validate(self, record: Central, view: View | None) -> View:
+        central = record.ref()
+        assert central is not None  # records of dead tensors are removed by their weakref
+        if view is None or view.tensor.shape != central.shape or view.tensor.dtype != (
+            central.dtype
+        ):
+            view = self._create(record, central)
+        elif not view.private:
+            if view.tensor.data_ptr() != central.data_ptr():  # storage replaced (.data = ...)
+                view = self._create(record, central)
+        elif central._version != view.central_version or view.written():
+            with torch.no_grad():
+                view.tensor.copy_(central, non_blocking=True)
+        view.central_version = central._version
+        view.start_version = view.tensor._version
+        view.assigned = False
+        view.epoch = self.store.epoch
+        self.touched.append(view)
+        return view
+
+    def _create(self, record: Central, central: torch.Tensor) -> View:
+        if central.device == self.device and not record.is_buffer:
+            view = View(record, central.detach(), private=False)
+        else:
+            copy = central.detach().to(self.device, copy=True, non_blocking=True)
+            view = View(record, copy, private=True)
+        self._make_leaf(view, view.tensor, central.requires_grad)
+        self.views[record.key] = view
+        return view
+
+    def _make_leaf(self, view: View, tensor: torch.Tensor, requires_grad: bool) -> None:
+        """Let ``tensor`` collect gradients for ``view``'s variable, forwarded by a hook."""
+        if requires_grad:
+            tensor.requires_grad_(True)
+            store = self.store
+            tensor.register_post_accumulate_grad_hook(
+                lambda t: _folding.on_gradient(store, view, t)
+            )
+
+    def _route(self, view: View) -> None:
+        """Give this replica a private copy of a shared parameter before it writes it."""
+        self._check_aggregation(view)
+        central = view.record.ref()
+        assert central is not None
+        private = central.detach().clone()
+        self._make_leaf(view, private, central.requires_grad)
+        view.alias, view.tensor, view.private = view.tensor, private, True
+        view.start_version = private._version
+
+    def _check_aggregation(self, view: View) -> None:
+        from ._variables import VariableAggregation
+
+        if self.store.num_replicas > 1 and view.record.aggregation is VariableAggregation.NONE:
+            central = view.record.ref()
+            shape = None if central is None else tuple(central.shape)
+            raise ValueError(
+                f"Replica {self.replica} wrote in place to a central variable of shape {shape} "
+                "whose aggregation is NONE, so it is unclear how the replicas' writes combine. "
+                "Give it one: cs.set_aggregation(var, cs.VariableAggregation.SUM) (or MEAN, "
+                "ONLY_FIRST_REPLICA) inside strategy.scope(), or create it with "
+                "cs.Variable(..., aggregation=...)."
+            )
+
+    def note_write(self, view: View, kind: int) -> None:
+        self._check_aggregation(view)
+        if kind != DELTA:
+            view.assigned = True
+
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call ``func`` with central variables swapped for this replica's views."""
+        records = self.store.records
+        kind = write_kind(func)
+        targets: set[int] = set()
+        if kind != READ:
+            first = args[0] if args else next(
+                (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None
+            )
+            targets.add(id(first))
+        out = kwargs.get("out")
+        if out is not None:
+            targets.update(id(t) for t in (out if isinstance(out, (tuple, list)) else (out,)))
+            kind = kind or ASSIGN
+        private: list[View] = []
+        kernel_targets = kernel_writes(func, args, kwargs)
+        kernel_written: list[View] = []
+
+        def swap(value: Any) -> Any:
+            record = records.get(id(value))
+            if record is None:
+                return value
+            view = self.resolve(record, id(value) in targets)
+            if view.private:
+                private.append(view)
+                if id(value) in kernel_targets:
+                    kernel_written.append(view)
+            return view.tensor
+
+        def swap_one_level(value: Any) -> Any:
+            if type(value) is list or type(value) is tuple:
+                return type(value)(swap(v) for v in value)
+            return swap(value)
+
+        args = tuple(swap_one_level(a) for a in args)
+        kwargs = {k: swap_one_level(v) for k, v in kwargs.items()}
+        before = [view.tensor._version for view in private]
+        result = func(*args, **kwargs)
+        for view, version in zip(private, before):
+            if view.tensor._version != version:
+                self.note_write(view, kind)
+        for view in kernel_written:
+            self.note_write(view, ASSIGN)
+        return result
+
+
+def _has_central(values: Any, records: dict[int, Any]) -> bool:
+    for value in values:
+        if id(value) in records:
+            return True
+        if type(value) is list or type(value) is tuple:
+            for item in value:
+                if id(item) in records:
+                    return True
+    return False
+
+
+class ResolutionMode(TorchFunctionMode):
+    """Active on a replica's thread while it runs: torch calls see views, not variables."""
+
+    def __init__(self, views: ReplicaViews) -> None:
+        super().__init__()
+        self._views = views
+        self._records = views.store.records
+        self.suspended = False  # while merge_call runs cross-replica code on this thread
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        records = self._records
+        if self.suspended:
+            return func(*args, **kwargs)
+        if _has_central(args, records) or (kwargs and _has_central(kwargs.values(), records)):
+            return self._views.call(func, args, kwargs)
+        return func(*args, **kwargs)

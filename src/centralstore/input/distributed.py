@@ -1,0 +1,443 @@
+"""Distributed datasets: global batches cut or dealt over replicas, placed, prefetched.
+
+Three stages. A *cut* turns source elements into steps of per-replica slices (``split_steps``
+applies the split rule to global batches, ``deal_steps`` deals whole elements round-robin;
+both in ``split.py``). A ``_Placement`` puts each slice on its replica's device. A
+``PrefetchIterator`` runs both ahead of the training loop on a background thread with a
+bounded queue.
+
+The background thread holds only the source iterator, the stages and the queue, never the
+iterator object the user holds: dropping that object (a ``break``, garbage collection) sets
+the stop event through ``weakref.finalize``, and the thread, which only ever blocks on the
+queue with a timeout, ends promptly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from .. import _tree
+from .._devices import storage_device
+from .._values import PerReplica
+from .options import InputContext, InputOptions
+from .split import Columns, deal_steps, split_steps
+
+_POLL_S = 0.05  # how often a producer blocked on a full queue checks the stop event
+_JOIN_S = 1.0  # how long close() waits for the producer thread
+
+Step = tuple[Any, tuple[Callable[[], None], ...]]  # a value, and the waits before using it
+Cut = Callable[[Iterator[Any]], Iterator[tuple[Columns, _tree.TreeSpec]]]
+
+
+class PrefetchIterator(Iterator[Any]):
+    """``source`` run ahead by a background thread, through a queue of ``buffer_size`` items.
+
+    Exceptions raised by ``source`` are re-raised by ``next`` (the same object). Dropping the
+    iterator or calling ``close()`` stops the thread.
+
+    >>> it = PrefetchIterator(iter(range(3)), buffer_size=1)
+    >>> list(it)
+    [0, 1, 2]
+    """
+
+    def __init__(self, source: Iterator[Any], buffer_size: int) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=_produce,
+            args=(source, self._queue, self._stop),
+            name="centralstore-input",
+            daemon=True,
+        )
+        self._halt = weakref.finalize(self, _halt, self._queue, self._stop)
+        self._thread.start()
+
+    def __iter__(self) -> PrefetchIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        item = self._queue.get()
+        if type(item) is _Signal:
+            self._done = True
+            self._thread.join(_JOIN_S)
+            if item.error is not None:
+                raise item.error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the background thread and wait for it briefly; ``next`` then ends."""
+        self._done = True
+        self._halt()
+        if self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_S)
+
+
+class _Signal:
+    """The producer's last item: the end of the source, or the error it raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+
+def _produce(source: Iterator[Any], items: queue.Queue[Any], stop: threading.Event) -> None:
+    try:
+        for item in source:
+            if not _put(items, item, stop):
+                return
+        _put(items, _Signal(None), stop)
+    except BaseException as error:  # every failure belongs to the consumer
+        _put(items, _Signal(error), stop)
+    finally:
+        if stop.is_set():  # wake a consumer that may be waiting on the drained queue
+            with contextlib.suppress(queue.Full):
+                items.put_nowait(_Signal(None))
+
+
+def _put(items: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put ``item``, waiting for room; False when the consumer has gone."""
+    while not stop.is_set():
+        try:
+            items.put(item, timeout=_POLL_S)
+        except queue.Full:
+            continue
+        return not stop.is_set()
+    return False
+
+
+def _halt(items: queue.Queue[Any], stop: threading.Event) -> None:
+    """Tell the producer to stop, and make room so that a blocked ``put`` returns at once."""
+    stop.set()
+    with contextlib.suppress(queue.Empty):
+        while True:
+            items.get_nowait()
+
+
+# The placement: per-replica slices -> values on the replicas' devices.
+
+
+class _Target(Protocol):
+    def put(self, leaf: Any) -> Any: ...
+
+    def finish(self) -> Callable[[], None] | None: ...
+
+
+class _Copy:
+    """A device without streams (the host CPU, MPS): a leaf elsewhere is copied, else kept."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def put(self, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device == self._device:
+            return leaf
+        return leaf.to(self._device)
+
+    def finish(self) -> Callable[[], None] | None:
+        return None
+
+
+class _CudaCopy:
+    """A GPU: copies from pinned host memory on a side stream, ready behind a CUDA event.
+
+    The copies run on this target's own stream, so they overlap the training step. The
+    consumer's current stream then waits for the event before it uses the tensors, and
+    ``record_stream`` keeps the caching allocator from reusing their memory (allocated on the
+    side stream) while the consumer's kernels may still read it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._copied: list[torch.Tensor] = []
+
+    def put(self, leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor) or leaf.device == self._device:
+            return leaf
+        if leaf.device.type == "cpu":
+            if not leaf.is_pinned():
+                leaf = leaf.pin_memory()
+        else:  # another GPU: copy after the work that produced the leaf, and keep it alive
+            self._stream.wait_stream(torch.cuda.current_stream(leaf.device))
+            leaf.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            copy = leaf.to(self._device, non_blocking=True)
+        self._copied.append(copy)
+        return copy
+
+    def finish(self) -> Callable[[], None] | None:
+        if not self._copied:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self._stream)
+        ready = _CudaReady(self._device, event, self._copied)
+        self._copied = []
+        return ready
+
+
+class _CudaReady:
+    """Run by the consumer: order its current stream after the copies of one step."""
+
+    __slots__ = ("_device", "_event", "_tensors")
+
+    def __init__(self, device: torch.device, event: torch.cuda.Event, tensors: list[Any]):
+        self._device = device
+        self._event = event
+        self._tensors = tensors
+
+    def __call__(self) -> None:
+        stream = torch.cuda.current_stream(self._device)
+        stream.wait_event(self._event)
+        for tensor in self._tensors:
+            tensor.record_stream(stream)
+
+
+class _Placement:
+    """Puts each local replica's slices on its device and builds the step's value."""
+
+    def __init__(self, devices: tuple[str, ...], fetch_to_device: bool) -> None:
+        targets: dict[str, _Target] = {}
+        for name in devices:
+            if name not in targets:
+                device = storage_device(name)
+                targets[name] = _CudaCopy(device) if device.type == "cuda" else _Copy(device)
+        self._targets = [targets[name] for name in devices] if fetch_to_device else None
+        self._distinct = list(targets.values())
+        self._per_replica = len(devices) > 1
+
+    def __call__(self, columns: Columns, spec: _tree.TreeSpec) -> Step:
+        targets = self._targets
+        waits: tuple[Callable[[], None], ...] = ()
+        if targets is not None:
+            columns = [[t.put(leaf) for t, leaf in zip(targets, column, strict=True)] for column in columns]
+            finished = (target.finish() for target in self._distinct)
+            waits = tuple(wait for wait in finished if wait is not None)
+        if self._per_replica:
+            leaves: list[Any] = [PerReplica(column) for column in columns]
+        else:
+            leaves = [column[0] for column in columns]
+        if spec.is_leaf():
+            return leaves[0], waits
+        return _tree.unflatten(leaves, spec), waits
+
+
+def _steps(elements: Iterator[Any], cut: Cut, place: _Placement) -> Generator[Step, None, None]:
+    for columns, spec in cut(elements):
+        yield place(columns, spec)
+
+
+# The public face: the dataset and its iterator.
+
+
+class _Steps(Protocol):
+    def __next__(self) -> Step: ...
+
+    def close(self) -> None: ...
+
+
+class DistributedIterator(Iterator[Any]):
+    """One pass over a distributed dataset; each ``next`` is one step for every replica.
+
+    ``get_next()`` is TensorFlow's name for ``next`` (at the end it raises ``StopIteration``
+    where TensorFlow raises ``OutOfRangeError``). ``close()`` stops the prefetch thread early;
+    dropping the iterator does the same.
+    """
+
+    def __init__(self, steps: _Steps) -> None:
+        self._steps = steps
+
+    def __iter__(self) -> DistributedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        value, waits = next(self._steps)
+        for wait in waits:
+            wait()
+        return value
+
+    def get_next(self) -> Any:
+        """The next step's value: the batch structure with one PerReplica leaf per leaf."""
+        return next(self)
+
+    def close(self) -> None:
+        """Stop producing steps; the background thread ends and ``next`` raises StopIteration."""
+        self._steps.close()
+
+    def __enter__(self) -> DistributedIterator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class DistributedDataset:
+    """A re-iterable dataset whose elements are steps: per-replica batches on their devices.
+
+    Built by ``strategy.experimental_distribute_dataset`` and
+    ``strategy.distribute_datasets_from_function``. Each ``iter`` is one pass over the source.
+    With one replica the values are the plain batches; with several, every leaf of the batch
+    structure is a ``PerReplica``. It has ``len`` when its source has.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[Any],
+        cut: Cut,
+        elements_per_step: int,
+        devices: tuple[str, ...],
+        options: InputOptions,
+    ) -> None:
+        self._source = source
+        self._cut = cut
+        self._elements_per_step = elements_per_step
+        self._devices = devices
+        self._options = options
+
+    def __iter__(self) -> DistributedIterator:
+        options = self._options
+        place = _Placement(self._devices, fetch_to_device=not _host_only(options))
+        steps = _steps(iter(self._source), self._cut, place)
+        if options.experimental_place_dataset_on_device:
+            return DistributedIterator(steps)
+        return DistributedIterator(
+            PrefetchIterator(steps, options.experimental_per_replica_buffer_size)
+        )
+
+    def __len__(self) -> int:
+        try:
+            source_length = len(self._source)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                "This distributed dataset has no len(): its source, a "
+                f"{type(self._source).__name__}, has none (it may be infinite or of unknown "
+                "length)."
+            ) from None
+        return -(-source_length // self._elements_per_step)
+
+
+def _host_only(options: InputOptions) -> bool:
+    """Whether slices stay where the source made them (no fetch, no on-device pipeline)."""
+    return not (
+        options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
+    )
+
+
+def distribute_dataset(
+    dataset: Iterable[Any],
+    devices: tuple[str, ...],
+    options: InputOptions | None = None,
+    *,
+    replica_offset: int = 0,
+    global_replicas: int | None = None,
+) -> DistributedDataset:
+    """Split each global batch of ``dataset`` over the replicas on ``devices``.
+
+    ``dataset`` is a ``Dataset``, a ``DataLoader`` or any re-iterable of global batches.
+    With ``global_replicas``, the batch is split over that many replicas and this process
+    keeps replicas ``[replica_offset, replica_offset + len(devices))``.
+
+    >>> from centralstore.input.dataset import Dataset
+    >>> dist = distribute_dataset(Dataset.range(5).batch(4), ("cpu:0", "cpu:1"))
+    >>> [[s.tolist() for s in step] for step in dist]
+    [[[0, 1], [2, 3]], [[4], []]]
+    """
+    devices = _check_devices(devices)
+    options = _check_options(options)
+    _check_source(dataset, "distribute_dataset's dataset")
+    if global_replicas is None:
+        global_replicas = len(devices)
+    if replica_offset < 0 or replica_offset + len(devices) > global_replicas:
+        raise ValueError(
+            "The local replicas must lie within the replicas in sync: 0 <= replica_offset "
+            "and replica_offset + len(devices) <= global_replicas, but got "
+            f"replica_offset == {replica_offset}, len(devices) == {len(devices)} and "
+            f"global_replicas == {global_replicas}."
+        )
+    cut = functools.partial(
+        split_steps,
+        num_replicas=global_replicas,
+        replica_offset=replica_offset,
+        local_replicas=len(devices),
+    )
+    return DistributedDataset(dataset, cut, 1, devices, options)
+
+
+def distribute_datasets_from_function(
+    dataset_fn: Callable[[InputContext], Iterable[Any]],
+    devices: tuple[str, ...],
+    options: InputOptions | None = None,
+    *,
+    input_context: InputContext | None = None,
+) -> DistributedDataset:
+    """Deal the elements of ``dataset_fn(input_context)`` round-robin over the replicas.
+
+    ``dataset_fn`` is called once, here; its elements are per-replica batches, element j
+    going to replica j mod R unsplit. The last incomplete step is padded with empty batches.
+
+    >>> from centralstore.input.dataset import Dataset
+    >>> dist = distribute_datasets_from_function(
+    ...     lambda ctx: Dataset.range(7).batch(3), ("cpu:0", "cpu:1"))
+    >>> [[s.tolist() for s in step] for step in dist]
+    [[[0, 1, 2], [3, 4, 5]], [[6], []]]
+    """
+    devices = _check_devices(devices)
+    options = _check_options(options)
+    if not callable(dataset_fn):
+        raise TypeError(
+            "dataset_fn must be a function of an InputContext that returns a dataset. "
+            f"Received: dataset_fn={dataset_fn!r}"
+        )
+    if input_context is None:
+        input_context = InputContext(1, 0, len(devices))
+    elif not isinstance(input_context, InputContext):
+        raise TypeError(
+            f"input_context must be an InputContext. Received: input_context={input_context!r}"
+        )
+    dataset = dataset_fn(input_context)
+    _check_source(dataset, "The value returned by dataset_fn")
+    cut = functools.partial(deal_steps, num_replicas=len(devices))
+    return DistributedDataset(dataset, cut, len(devices), devices, options)
+
+
+def _check_devices(devices: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(devices, str) or not all(isinstance(d, str) for d in devices) or not devices:
+        raise TypeError(
+            "devices must be a non-empty tuple of canonical device names, e.g. "
+            f"('cpu:0', 'cpu:1'). Received: devices={devices!r}"
+        )
+    return tuple(devices)
+
+
+def _check_options(options: InputOptions | None) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"options must be an InputOptions or None. Received: options={options!r}")
+    return options
+
+
+def _check_source(dataset: Any, what: str) -> None:
+    if isinstance(dataset, Iterator):
+        raise TypeError(
+            f"{what} is a one-shot iterator ({type(dataset).__name__}), but a distributed "
+            "dataset is iterated once per epoch. Pass a re-iterable: a Dataset, a DataLoader, "
+            "a list, or an object whose __iter__ starts a fresh generator."
+        )
+    if not isinstance(dataset, Iterable) and not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            f"{what} must be iterable (a Dataset, a DataLoader or a list of global batches), "
+            f"but got a {type(dataset).__name__}."
+        )

@@ -1,0 +1,237 @@
+"""How input becomes per-replica slices: the split rule and the deal rule (DESIGN 3.7).
+
+TensorFlow's rule, measured: a global batch of actual size ``g`` over ``R`` replicas is cut
+into consecutive slices of ``c = ceil(g / R)`` rows; replica ``i`` gets rows
+``[min(i*c, g), min((i+1)*c, g))``. Slices may be short or empty, and every leaf of a nested
+batch is split on its own first dimension. These are pure functions (no devices, no threads)
+so that the rule is tested on literal tables; on the CPU every slice is a view (``narrow``),
+never a copy.
+
+Several processes can share one global batch: each keeps only its contiguous range of
+replicas ``[replica_offset, replica_offset + local_replicas)`` of the ``num_replicas`` in sync.
+
+The deal rule (``distribute_datasets_from_function``) hands whole elements out round-robin
+instead, padding the last incomplete step with empty batches.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _tree
+
+Columns = list[list[Any]]  # columns[k][i]: leaf k of local replica i
+
+
+def slice_bounds(size: int, num_replicas: int) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` rows of every replica for a global batch of ``size`` rows.
+
+    >>> slice_bounds(5, 3)
+    [(0, 2), (2, 4), (4, 5)]
+    >>> slice_bounds(4, 3)
+    [(0, 2), (2, 4), (4, 4)]
+    """
+    _check_counts(num_replicas, 0, num_replicas)
+    per_replica = -(-size // num_replicas)
+    return [
+        (min(i * per_replica, size), min((i + 1) * per_replica, size))
+        for i in range(num_replicas)
+    ]
+
+
+def split_sizes(size: int, num_replicas: int) -> list[int]:
+    """How many rows each replica gets from a global batch of ``size`` rows.
+
+    >>> split_sizes(6, 2), split_sizes(5, 3), split_sizes(4, 3), split_sizes(1, 2)
+    ([3, 3], [2, 2, 1], [2, 2, 0], [1, 0])
+    """
+    return [stop - start for start, stop in slice_bounds(size, num_replicas)]
+
+
+def from_numpy(leaf: Any) -> Any:
+    """``leaf`` as a tensor when it is a numpy array (sharing its memory), else unchanged.
+
+    ``torch.from_numpy`` shares memory; only arrays it cannot wrap (negative strides) are
+    copied once into a contiguous array first.
+
+    >>> a = np.arange(3)
+    >>> t = from_numpy(a)
+    >>> t[0] = 7
+    >>> int(a[0])
+    7
+    """
+    if not isinstance(leaf, np.ndarray):
+        return leaf
+    if any(stride < 0 for stride in leaf.strides):
+        leaf = np.ascontiguousarray(leaf)
+    return torch.from_numpy(leaf)
+
+
+def split_leaves(
+    batch: Any,
+    num_replicas: int,
+    *,
+    replica_offset: int = 0,
+    local_replicas: int | None = None,
+) -> tuple[Columns, _tree.TreeSpec]:
+    """Every leaf of ``batch`` cut into the slices of the local replicas, and the structure.
+
+    ``columns[k][i]`` is leaf ``k`` of local replica ``i`` (global replica
+    ``replica_offset + i``). This column layout is what the distributed iterator needs: each
+    column becomes one ``PerReplica`` leaf. With ``num_replicas == 1`` the leaves are returned
+    whole (numpy arrays become tensors), scalars included.
+
+    >>> columns, spec = split_leaves((torch.arange(5), torch.zeros(5, 2)), 2)
+    >>> [[tuple(s.shape) for s in column] for column in columns]
+    [[(3,), (2,)], [(3, 2), (2, 2)]]
+    """
+    if local_replicas is None:
+        local_replicas = num_replicas - replica_offset
+    _check_counts(num_replicas, replica_offset, local_replicas)
+    leaves, spec = _tree.flatten(batch)
+    stop = replica_offset + local_replicas
+    if num_replicas == 1:
+        return [[from_numpy(leaf)] for leaf in leaves], spec
+    columns = [
+        _split_leaf(from_numpy(leaf), num_replicas, replica_offset, stop) for leaf in leaves
+    ]
+    return columns, spec
+
+
+def split_batch(
+    batch: Any,
+    num_replicas: int,
+    *,
+    replica_offset: int = 0,
+    local_replicas: int | None = None,
+) -> list[Any]:
+    """One copy of ``batch``'s structure per local replica, holding that replica's slices.
+
+    >>> [s.tolist() for s in split_batch(torch.arange(5), 3)]
+    [[0, 1], [2, 3], [4]]
+    >>> [s["x"].tolist() for s in split_batch({"x": torch.arange(4)}, 3, replica_offset=1)]
+    [[2, 3], []]
+    """
+    columns, spec = split_leaves(
+        batch, num_replicas, replica_offset=replica_offset, local_replicas=local_replicas
+    )
+    if not columns:
+        count = local_replicas if local_replicas is not None else num_replicas - replica_offset
+        return [_tree.unflatten([], spec) for _ in range(count)]
+    return [_tree.unflatten(list(row), spec) for row in zip(*columns, strict=True)]
+
+
+def split_steps(
+    batches: Iterable[Any], num_replicas: int, replica_offset: int, local_replicas: int
+) -> Iterator[tuple[Columns, _tree.TreeSpec]]:
+    """``split_leaves`` of every global batch: one step per batch, none dropped."""
+    for batch in batches:
+        yield split_leaves(
+            batch, num_replicas, replica_offset=replica_offset, local_replicas=local_replicas
+        )
+
+
+def deal_steps(
+    elements: Iterable[Any], num_replicas: int
+) -> Iterator[tuple[Columns, _tree.TreeSpec]]:
+    """Element ``j`` whole to replica ``j mod num_replicas``; steps in ``split_leaves``' layout.
+
+    The last, incomplete step is padded with empty batches (0 rows, the trailing shape and
+    dtype of the last element, as views). Scalar elements cannot be padded, so that step is
+    dropped with a ``UserWarning`` counting the dropped elements.
+
+    >>> steps = deal_steps([torch.ones(2, 3)] * 3, 2)
+    >>> [[tuple(s.shape) for s in columns[0]] for columns, _ in steps]
+    [[(2, 3), (2, 3)], [(2, 3), (0, 3)]]
+    """
+    step: list[Any] = []
+    for element in elements:
+        step.append(element)
+        if len(step) == num_replicas:
+            yield _columns(step)
+            step = []
+    if step:
+        padding = _empty_like(step[-1])
+        if padding is None:
+            warnings.warn(
+                f"Dropped the last {len(step)} element(s) of the dataset: they fill only "
+                f"{len(step)} of {num_replicas} replicas, and scalar elements cannot be padded "
+                "with empty batches. Batch the elements in dataset_fn to keep them.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        yield _columns(step + [padding] * (num_replicas - len(step)))
+
+
+def _columns(step: list[Any]) -> tuple[Columns, _tree.TreeSpec]:
+    """The leaves of one element per replica, as columns; every element alike in structure."""
+    leaves, spec = _tree.flatten(step[0])
+    columns = [[from_numpy(leaf)] for leaf in leaves]
+    for replica, element in enumerate(step[1:], start=1):
+        leaves, other = _tree.flatten(element)
+        if other != spec:
+            raise ValueError(
+                "Every element of the dataset must have the same structure, but replica 0 got "
+                f"{spec} and replica {replica} got {other} in the same step."
+            )
+        for column, leaf in zip(columns, leaves, strict=True):
+            column.append(from_numpy(leaf))
+    return columns, spec
+
+
+def _empty_like(element: Any) -> Any:
+    """A 0-row batch shaped like ``element`` (a view), or None when a leaf has no rows."""
+    leaves, spec = _tree.flatten(element)
+    leaves = [from_numpy(leaf) for leaf in leaves]
+    if not all(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 for leaf in leaves):
+        return None
+    return _tree.unflatten([leaf.narrow(0, 0, 0) for leaf in leaves], spec)
+
+
+def _split_leaf(leaf: Any, num_replicas: int, first: int, stop: int) -> list[Any]:
+    """Slices ``first .. stop - 1`` of one leaf: views along its first dimension."""
+    if not isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, (bool, int, float, complex)):
+            _raise_scalar("a Python number", num_replicas)
+        raise TypeError(
+            f"Cannot split a leaf of type {type(leaf).__name__} over {num_replicas} replicas: "
+            "the leaves of a global batch must be tensors or numpy arrays with a batch "
+            f"dimension. Received: {leaf!r}"
+        )
+    if leaf.dim() == 0:
+        _raise_scalar("a scalar tensor (shape [])", num_replicas)
+    size = leaf.shape[0]
+    per_replica = -(-size // num_replicas)
+    slices = []
+    for i in range(first, stop):
+        start = min(i * per_replica, size)
+        slices.append(leaf.narrow(0, start, min(start + per_replica, size) - start))
+    return slices
+
+
+def _raise_scalar(what: str, num_replicas: int) -> None:
+    raise ValueError(
+        f"Cannot split {what} over {num_replicas} replicas: an element of a distributed "
+        "dataset is a global batch and needs a batch (first) dimension to split. Batch the "
+        "dataset first, e.g. dataset.batch(global_batch_size)."
+    )
+
+
+def _check_counts(num_replicas: int, replica_offset: int, local_replicas: int) -> None:
+    if num_replicas < 1:
+        raise ValueError(
+            f"num_replicas must be at least 1. Received: num_replicas={num_replicas}"
+        )
+    if replica_offset < 0 or local_replicas < 1 or replica_offset + local_replicas > num_replicas:
+        raise ValueError(
+            "The local replicas must be a non-empty range inside the replicas in sync: "
+            "0 <= replica_offset and replica_offset + local_replicas <= num_replicas, "
+            f"but got replica_offset={replica_offset}, local_replicas={local_replicas} and "
+            f"num_replicas={num_replicas}."
+        )

@@ -1,0 +1,1 @@
+"""The strategies: ``CentralStorageStrategy`` and ``OneDeviceStrategy`` over ``Strategy``."""

@@ -1,0 +1,319 @@
+"""``Strategy``: everything a strategy does, given its compute and parameter devices.
+
+Subclasses only choose the devices (``CentralStorageStrategy``, ``OneDeviceStrategy``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .. import _context, _devices, _replicas, _tree
+from .._reduce import Axis, ReduceOp, gather_components, reduce_components, reduce_plain
+from .._reduce import result_device as _result_device
+from .._replica_context import ReplicaContext
+from .._values import PerReplica, ValueContext, local_results, regroup, select
+from .._variables import VariableStore
+from ..input import distributed as _distributed
+from ..input.dataset import Dataset
+from ..input.options import InputContext, InputOptions
+from .extended import StrategyExtended
+
+
+def _cross_replica_only(call: str) -> None:
+    if _context.in_replica_of_strategy():
+        raise RuntimeError(
+            f"strategy.{call} was called in replica context (inside strategy.run). It is a "
+            f"cross-replica call: to run cross-replica code from a replica, use "
+            f"get_replica_context().merge_call(fn)."
+        )
+
+
+class Strategy(abc.ABC):
+    """A distribution strategy: where variables live and where replicas compute.
+
+    Abstract: use ``CentralStorageStrategy`` or ``OneDeviceStrategy``.
+    """
+
+    @abc.abstractmethod
+    def __init__(self, compute_devices: Sequence[str], parameter_device: str) -> None:
+        self._compute_devices = tuple(compute_devices)
+        self._parameter_device = parameter_device
+        self._torch_devices = tuple(_devices.torch_device(d) for d in compute_devices)
+        self._storage_devices = tuple(_devices.storage_device(d) for d in compute_devices)
+        self._parameter_storage = _devices.storage_device(parameter_device)
+        self._pool = _replicas.new_pool(self, type(self).__name__)
+        self._variables = VariableStore(self)
+        self._extended = StrategyExtended(self)
+
+    # -- properties ------------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """R, the number of replicas (one per compute device)."""
+        return len(self._compute_devices)
+
+    @property
+    def compute_devices(self) -> tuple[str, ...]:
+        """The canonical names of the compute devices, in replica order."""
+        return self._compute_devices
+
+    @property
+    def parameter_device(self) -> str:
+        """The canonical name of the device that stores the variables."""
+        return self._parameter_device
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """Lower-level calls used by custom training code (``reduce_to``, ``update``, ...)."""
+        return self._extended
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(compute_devices={list(self._compute_devices)}, "
+            f"parameter_device={self._parameter_device!r})"
+        )
+
+    # -- scope -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[Strategy]:
+        """Enter cross-replica context: tensors created here default to the parameter device,
+        and module parameters, buffers and tensors made with ``requires_grad=True`` become
+        central variables of this strategy.
+
+        >>> import centralstore as cs
+        >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     layer = torch.nn.Linear(2, 1)
+        >>> strategy.extended.variable_created_in_scope(layer.weight)
+        True
+        """
+        _cross_replica_only("scope()")
+        entry = _context.current()
+        if entry.strategy is not self and entry.strategy is not _context.default_strategy():
+            raise RuntimeError(
+                f"Mixing different strategies: {self!r}.scope() was entered inside the scope of "
+                f"{entry.strategy!r}. Leave the outer scope first."
+            )
+        _context.push(_context.Entry(self, None))
+        try:
+            with torch.device(self._parameter_storage), self._variables.scope():
+                yield self
+        finally:
+            _context.pop()
+
+    # -- run -------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` once per replica and regroup the outputs.
+
+        PerReplica values in ``args``/``kwargs`` give each replica its component. With one
+        replica ``fn``'s output is returned as is; otherwise each leaf that differs between
+        replicas becomes a ``PerReplica``. Gradients computed by the replicas are summed into
+        the central variables' ``.grad`` before ``run`` returns.
+
+        >>> import centralstore as cs
+        >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.run(lambda: cs.get_replica_context().replica_id_in_sync_group)
+        PerReplica({
+          0: 0,
+          1: 1
+        })
+        """
+        _cross_replica_only("run()")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(
+                f"args must be a list or a tuple of positional arguments for fn. Received: "
+                f"args={args!r}"
+            )
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
+        environment = _replicas.Environment()
+        self._variables.begin_run()
+
+        def body(state: _replicas.RunState, replica: int) -> None:
+            self._run_replica(state, replica, fn, args, kwargs, environment)
+
+        try:
+            state = _replicas.execute(self.num_replicas_in_sync, self._pool, body)
+        finally:
+            self._variables.end_run()
+        for replica, error in enumerate(state.errors):
+            if error is not None:
+                error.add_note(
+                    f"(raised in replica {replica} on device {self._compute_devices[replica]})"
+                )
+                raise error
+        if self.num_replicas_in_sync == 1:
+            return state.outputs[0]
+        return regroup(state.outputs)
+
+    experimental_run_v2 = run
+
+    def _run_replica(
+        self,
+        state: _replicas.RunState,
+        replica: int,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        environment: _replicas.Environment,
+    ) -> None:
+        on_worker = replica > 0 and state.threaded
+        _context.push(_context.Entry(self, ReplicaContext(self, replica, state)))
+        try:
+            with (
+                environment.applied() if on_worker else contextlib.nullcontext(),
+                self._device_guard(replica),
+                self._variables.replica_mode(replica),
+            ):
+                output = fn(*select(args, replica), **select(kwargs, replica))
+        except _replicas.ReplicaAborted:
+            pass
+        except BaseException as error:
+            state.failed(replica, error)
+        else:
+            state.returned(replica, output)
+        finally:
+            _context.pop()
+
+    def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
+        device = self._storage_devices[replica]
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(device))
+        stack.enter_context(torch.device(device))
+        return stack
+
+    def _sync_point(self) -> None:
+        """Fold the replicas' gradients and writes into the central variables."""
+        self._variables.sync()
+
+    # -- reduce, gather, local results ----------------------------------------------------
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Axis = None) -> Any:
+        """Reduce a PerReplica ``value`` to one value on the CPU (or the current
+        ``torch.device`` context).
+
+        SUM adds the components in replica order; MEAN divides by R, or with ``axis`` by the
+        total number of elements along it over all replicas. Nested structures are reduced
+        leaf by leaf. The autograd graph is kept.
+
+        >>> import centralstore as cs
+        >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> v = cs.PerReplica([torch.tensor([0., 1, 2, 3]), torch.tensor([4., 5])])
+        >>> strategy.reduce("SUM", v, axis=0), strategy.reduce("MEAN", v, axis=0)
+        (tensor(15.), tensor(2.5000))
+        """
+        _cross_replica_only("reduce()")
+        op = ReduceOp.parse(reduce_op)
+        replicas = self.num_replicas_in_sync
+
+        def leaf(v: Any) -> Any:
+            if isinstance(v, PerReplica):
+                return reduce_components(op, v.values, axis, _result_device())
+            return reduce_plain(op, v, replicas, axis)
+
+        if isinstance(value, PerReplica):
+            return leaf(value)
+        return _tree.map_leaves(leaf, value)
+
+    def gather(self, value: Any, axis: int) -> Any:
+        """Concatenate a PerReplica ``value``'s components along ``axis`` (sizes along it may
+        differ); a plain value is returned unchanged.
+
+        >>> import centralstore as cs
+        >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> strategy.gather(cs.PerReplica([torch.tensor([1, 2]), torch.tensor([3])]), axis=0)
+        tensor([1, 2, 3])
+        """
+        _cross_replica_only("gather()")
+
+        def leaf(v: Any) -> Any:
+            if isinstance(v, PerReplica):
+                return gather_components(v.values, axis, _result_device())
+            return v
+
+        if isinstance(value, PerReplica):
+            return leaf(value)
+        return _tree.map_leaves(leaf, value)
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The local components of ``value``: one per replica for a PerReplica (or a structure
+        holding some), ``(value,)`` for anything else.
+
+        >>> import centralstore as cs
+        >>> cs.CentralStorageStrategy(["cpu:0", "cpu:1"]).experimental_local_results(3)
+        (3,)
+        """
+        return local_results(value, self.num_replicas_in_sync)
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> PerReplica[Any]:
+        """A PerReplica whose component i is ``value_fn(ValueContext(i, R))``.
+
+        >>> import centralstore as cs
+        >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> s.experimental_distribute_values_from_function(
+        ...     lambda ctx: ctx.replica_id_in_sync_group * 10).values
+        (0, 10)
+        """
+        replicas = self.num_replicas_in_sync
+        return PerReplica(value_fn(ValueContext(i, replicas)) for i in range(replicas))
+
+    # -- input -----------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, options: InputOptions | None = None
+    ) -> _distributed.DistributedDataset:
+        """Split each global batch of ``dataset`` over the replicas (TensorFlow's rule: slices
+        of ceil(g/R), the last ones short or empty) and place each slice on its device.
+
+        ``dataset`` is a ``cs.Dataset``, a ``DataLoader`` or any re-iterable of batches.
+
+        >>> import centralstore as cs
+        >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> [b.values for b in s.experimental_distribute_dataset(cs.Dataset.range(4).batch(4))]
+        [(tensor([0, 1]), tensor([2, 3]))]
+        """
+        _cross_replica_only("experimental_distribute_dataset()")
+        return _distributed.distribute_dataset(dataset, self._compute_devices, options)
+
+    def experimental_distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Any],
+        options: InputOptions | None = None,
+    ) -> _distributed.DistributedDataset:
+        """Call ``dataset_fn(InputContext)`` once and deal its per-replica batches round-robin
+        (element j to replica j mod R); a final incomplete step is padded with empty batches.
+        """
+        _cross_replica_only("experimental_distribute_datasets_from_function()")
+        return _distributed.distribute_datasets_from_function(
+            dataset_fn, self._compute_devices, options
+        )
+
+    distribute_datasets_from_function = experimental_distribute_datasets_from_function
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:
+        """A ``Dataset`` of the slices of a numpy array (or a tuple/dict of arrays), on the host.
+
+        >>> import centralstore as cs
+        >>> ds = cs.CentralStorageStrategy(["cpu:0"]).experimental_make_numpy_dataset(
+        ...     np.arange(3))
+        >>> [int(x) for x in ds]
+        [0, 1, 2]
+        """
+        return Dataset.from_tensor_slices(numpy_input)

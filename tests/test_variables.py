@@ -1,0 +1,448 @@
+"""Central variables: scope, replica views, gradient folding and aggregated writes."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import centralstore as cs
+
+AGG = cs.VariableAggregation
+
+
+def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
+    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+
+
+def halves(x: torch.Tensor) -> cs.PerReplica[torch.Tensor]:
+    size = -(-len(x) // 2)
+    return cs.PerReplica([x[:size], x[size:]])
+
+
+# -- scope -----------------------------------------------------------------------------------
+
+
+def test_scope_registers_parameters_buffers_and_requires_grad_tensors() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(3)
+        w = torch.zeros(2, requires_grad=True)
+        plain = torch.zeros(2)
+    created = strategy.extended.variable_created_in_scope
+    assert created(bn.weight) and created(bn.running_mean) and created(bn.num_batches_tracked)
+    assert created(w)
+    assert not created(plain)
+    assert not created(nn.Linear(1, 1).weight)  # built outside the scope
+    assert not strategy_of(2).extended.variable_created_in_scope(bn.weight)
+
+
+def test_variables_are_held_weakly() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 3)
+    strategy.run(lambda: model(torch.ones(1, 3)).sum().backward())
+    assert len(strategy._variables.records) == 2
+    del model
+    gc.collect()
+    assert strategy._variables.records == {}
+    assert all(not views.views for views in strategy._variables.replicas)
+
+
+def test_scope_places_factories_on_the_parameter_device() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:1", "cpu:2"], parameter_device="cpu:3")
+    with strategy.scope():
+        t = torch.zeros(2)
+    assert t.device == torch.device("cpu")
+    assert torch.get_default_device() == torch.device("cpu")
+
+
+def test_explicit_device_in_scope_is_respected_and_still_central() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        v = torch.zeros(2, device="cpu", requires_grad=True)
+    assert strategy.extended.variable_created_in_scope(v)
+
+
+def test_variable_and_set_aggregation() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        v = cs.Variable([1.0, 2.0], aggregation="sum")
+        frozen = cs.Variable(3, trainable=False)
+        cs.set_aggregation(frozen, AGG.ONLY_FIRST_REPLICA)
+    assert v.requires_grad and not frozen.requires_grad
+    assert strategy._variables.record(v).aggregation is AGG.SUM
+    assert strategy._variables.record(frozen).aggregation is AGG.ONLY_FIRST_REPLICA
+    with pytest.raises(ValueError, match="not one"), strategy.scope():
+        cs.set_aggregation(torch.zeros(1), AGG.SUM)
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        AGG.parse("max")
+
+
+def test_integer_variables_cannot_be_mean_aggregated() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope(), pytest.raises(ValueError, match="cannot be MEAN"):
+        cs.Variable(1, aggregation=AGG.MEAN, trainable=False)
+
+
+# -- views -----------------------------------------------------------------------------------
+
+
+def test_no_parameter_copies_on_cpu() -> None:
+    strategy = strategy_of(3)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    pointers = {p.data_ptr() for p in model.parameters()}
+    seen: list[set[int]] = []
+
+    def step(x: torch.Tensor) -> None:
+        seen.append({p.data_ptr() for p in model.parameters()})
+        model(x).sum().backward()
+
+    for _ in range(3):
+        strategy.run(step, args=(cs.PerReplica([torch.ones(2, 4)] * 3),))
+    assert all(s == pointers for s in seen)
+    views = [v for r in strategy._variables.replicas for v in r.views.values()]
+    assert len(views) == 3 * 4
+    assert {v.tensor.data_ptr() for v in views} == pointers
+
+
+def test_replicas_see_views_not_central_variables() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(2, 2)
+    owners = strategy.run(lambda: strategy.extended.value_container(torch.mul(model.weight, 1)))
+    assert all(o is not model.weight for o in owners)
+    inside = strategy.run(lambda: torch.Tensor.detach(model.weight))
+    assert all(t.data_ptr() == model.weight.data_ptr() for t in inside)
+
+
+def test_in_place_write_on_parameter_is_routed_to_a_private_copy() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        w = cs.Variable([10.0], aggregation=AGG.MEAN)
+    seen = []
+
+    def step() -> None:
+        replica = cs.get_replica_context().replica_id_in_sync_group
+        with torch.no_grad():
+            w.add_(replica + 1.0)
+        seen.append(float(torch.mul(w, 1)))  # the replica reads its own write
+
+    strategy.run(step)
+    assert seen == [11.0, 12.0]
+    assert w.item() == 11.5
+
+
+# -- the aggregation table of DESIGN 3.6.5 ----------------------------------------------------
+
+WRITES = {
+    "add_": lambda v, x: v.add_(x),
+    "sub_": lambda v, x: v.sub_(x),
+    "copy_": lambda v, x: v.copy_(torch.tensor(x)),
+    "fill_": lambda v, x: v.fill_(x),
+}
+TABLE_R2 = {  # var = 10; replicas write 1 and 2
+    ("add_", AGG.SUM): 13, ("add_", AGG.MEAN): 11.5, ("add_", AGG.ONLY_FIRST_REPLICA): 11,
+    ("sub_", AGG.SUM): 7, ("sub_", AGG.MEAN): 8.5, ("sub_", AGG.ONLY_FIRST_REPLICA): 9,
+    ("copy_", AGG.SUM): 3, ("copy_", AGG.MEAN): 1.5, ("copy_", AGG.ONLY_FIRST_REPLICA): 1,
+    ("fill_", AGG.SUM): 3, ("fill_", AGG.MEAN): 1.5, ("fill_", AGG.ONLY_FIRST_REPLICA): 1,
+}
+TABLE_R3_ADD = {AGG.SUM: 16, AGG.MEAN: 12, AGG.ONLY_FIRST_REPLICA: 11}
+
+
+def write_in_replicas(replicas: int, op: str, aggregation: AGG, trainable: bool) -> float:
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        var = cs.Variable(10.0, aggregation=aggregation, trainable=trainable)
+
+    def step() -> None:
+        with torch.no_grad():
+            WRITES[op](var, float(cs.get_replica_context().replica_id_in_sync_group + 1))
+
+    strategy.run(step)
+    return var.item()
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+@pytest.mark.parametrize(("op", "aggregation"), list(TABLE_R2))
+def test_aggregation_table_two_replicas(op: str, aggregation: AGG, trainable: bool) -> None:
+    assert write_in_replicas(2, op, aggregation, trainable) == TABLE_R2[op, aggregation]
+
+
+@pytest.mark.parametrize("aggregation", list(TABLE_R3_ADD))
+def test_aggregation_three_replicas_adding(aggregation: AGG) -> None:
+    assert write_in_replicas(3, "add_", aggregation, False) == TABLE_R3_ADD[aggregation]
+
+
+@pytest.mark.parametrize("op", list(WRITES))
+def test_aggregation_none_raises_in_the_writing_replica(op: str) -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        var = cs.Variable(10.0)
+
+    def step() -> None:
+        with torch.no_grad():
+            WRITES[op](var, 1.0)
+
+    with pytest.raises(ValueError, match="aggregation is NONE") as info:
+        strategy.run(step)
+    assert "replica 0" in str(info.value.__notes__)
+    assert var.item() == 10.0
+
+
+def test_mixed_assign_and_add_takes_final_values() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        var = cs.Variable(10.0, aggregation=AGG.SUM, trainable=False)
+
+    def step() -> None:
+        if cs.get_replica_context().replica_id_in_sync_group == 0:
+            var.copy_(torch.tensor(1.0))
+        else:
+            var.add_(2.0)
+
+    strategy.run(step)
+    assert var.item() == 1.0 + 12.0
+
+
+def test_single_replica_writes_apply_directly_whatever_the_aggregation() -> None:
+    strategy = strategy_of(1)
+    with strategy.scope():
+        var = cs.Variable(10.0, trainable=False)
+    strategy.run(lambda: var.add_(5.0))
+    assert var.item() == 15.0
+
+
+def test_cross_replica_writes_apply_directly() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        var = cs.Variable(10.0, trainable=False)
+        var.add_(1.0)
+    strategy.extended.update(var, lambda v: v.mul_(2.0))
+    assert var.item() == 22.0
+
+
+# -- BatchNorm ---------------------------------------------------------------------------------
+
+
+def test_batch_norm_running_statistics_are_averaged() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(2, momentum=0.5)
+    torch.manual_seed(0)
+    x = torch.randn(8, 2) * 3 + 1
+    strategy.run(lambda b: bn(b).sum().backward(), args=(halves(x),))
+    # Hand computation: each replica updates (1 - m) * old + m * batch statistic of its half.
+    a, b = x[:4], x[4:]
+    mean = 0.5 * (0.5 * 0 + 0.5 * a.mean(0)) + 0.5 * (0.5 * 0 + 0.5 * b.mean(0))
+    var = 0.5 * (0.5 * 1 + 0.5 * a.var(0)) + 0.5 * (0.5 * 1 + 0.5 * b.var(0))
+    torch.testing.assert_close(bn.running_mean, mean)
+    torch.testing.assert_close(bn.running_var, var)
+    assert bn.num_batches_tracked.item() == 1
+    strategy.run(lambda b: bn(b), args=(halves(x),))
+    assert bn.num_batches_tracked.item() == 2
+
+
+# -- gradients ----------------------------------------------------------------------------------
+
+
+def linear_model(strategy: cs.Strategy) -> tuple[nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, optimizer
+
+
+def test_gradients_are_summed_in_replica_order_and_added_to_existing() -> None:
+    strategy = strategy_of(3)
+    with strategy.scope():
+        w = torch.ones(1, requires_grad=True)
+    w.grad = torch.full((1,), 100.0)
+    parts = cs.PerReplica([torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([4.0])])
+    strategy.run(lambda c: (w * c).sum().backward(), args=(parts,))
+    assert w.grad.item() == 107.0
+
+
+def test_gradient_accumulation_over_two_runs_equals_one_step_on_the_concatenation() -> None:
+    x, y = torch.randn(8, 3), torch.randn(8, 1)
+    oracle, oracle_opt = linear_model(cs.OneDeviceStrategy("cpu"))
+    nn.functional.mse_loss(oracle(x), y, reduction="sum").backward()
+    oracle_opt.step()
+
+    strategy = strategy_of(2)
+    model, optimizer = linear_model(strategy)
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        nn.functional.mse_loss(model(xs), ys, reduction="sum").backward()
+
+    for part in (slice(0, 4), slice(4, 8)):
+        strategy.run(step, args=(halves(x[part]), halves(y[part])))
+    optimizer.step()
+    torch.testing.assert_close(model.weight, oracle.weight)
+    torch.testing.assert_close(model.bias, oracle.bias)
+
+
+def test_clip_grad_norm_after_run_sees_folded_gradients() -> None:
+    x = torch.randn(6, 3)
+    strategy = strategy_of(2)
+    model, _ = linear_model(strategy)
+    strategy.run(lambda xs: model(xs).sum().backward(), args=(halves(x),))
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    oracle, _ = linear_model(cs.OneDeviceStrategy("cpu"))
+    oracle(x).sum().backward()
+    torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(oracle.parameters(), 1e9))
+
+
+def test_backward_on_reduced_loss_outside_run_reaches_central_grad() -> None:
+    x = torch.randn(6, 3)
+    strategy = strategy_of(2)
+    model, _ = linear_model(strategy)
+    losses = strategy.run(lambda xs: model(xs).sum(), args=(halves(x),))
+    assert model.weight.grad is None
+    strategy.reduce("SUM", losses).backward()
+    oracle, _ = linear_model(cs.OneDeviceStrategy("cpu"))
+    oracle(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, oracle.weight.grad)
+    torch.testing.assert_close(model.bias.grad, oracle.bias.grad)
+
+
+def test_merge_call_optimizer_step_inside_the_step_function() -> None:
+    x = torch.randn(6, 3)
+    strategy = strategy_of(2)
+    model, optimizer = linear_model(strategy)
+    after: list[torch.Tensor] = []
+
+    def step(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+        cs.get_replica_context().merge_call(lambda s: optimizer.step())
+        after.append(torch.mul(model.weight, 1).detach())
+
+    strategy.run(step, args=(halves(x),))
+    oracle, oracle_opt = linear_model(cs.OneDeviceStrategy("cpu"))
+    oracle(x).sum().backward()
+    oracle_opt.step()
+    torch.testing.assert_close(model.weight, oracle.weight)
+    for seen in after:  # replicas read the updated value after the merge
+        torch.testing.assert_close(seen, oracle.weight.detach())
+
+
+def test_optimizer_step_inside_a_replica_raises() -> None:
+    strategy = strategy_of(2)
+    model, optimizer = linear_model(strategy)
+
+    def step() -> None:
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+
+    with pytest.raises(RuntimeError, match="merge_call"):
+        strategy.run(step)
+
+
+def test_autocast_bfloat16_inside_run() -> None:
+    x = torch.randn(4, 3)
+    strategy = strategy_of(2)
+    model, _ = linear_model(strategy)
+
+    def step(xs: torch.Tensor) -> torch.dtype:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(xs)
+        out.float().sum().backward()
+        return out.dtype
+
+    dtypes = strategy.run(step, args=(halves(x),))
+    assert dtypes == torch.bfloat16
+    assert model.weight.grad is not None and model.weight.grad.dtype == torch.float32
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def test_checkpoint_moves_between_replica_counts() -> None:
+    torch.manual_seed(0)
+    batches = [(torch.randn(6, 3), torch.randn(6, 1)) for _ in range(6)]
+
+    def train(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
+              steps: list) -> None:
+        replicas = strategy.num_replicas_in_sync
+        for x, y in steps:
+            optimizer.zero_grad()
+            size = -(-len(x) // replicas)
+            xs = cs.PerReplica([x[i * size:(i + 1) * size] for i in range(replicas)])
+            ys = cs.PerReplica([y[i * size:(i + 1) * size] for i in range(replicas)])
+            strategy.run(lambda a, b: cs.compute_average_loss(
+                (model(a) - b).pow(2).sum(1), global_batch_size=len(x)).backward(), args=(xs, ys))
+            optimizer.step()
+
+    oracle_strategy = strategy_of(1)
+    oracle, oracle_opt = linear_model(oracle_strategy)
+    oracle_opt = torch.optim.Adam(oracle.parameters(), lr=0.05)
+    train(oracle_strategy, oracle, oracle_opt, batches)
+
+    two = strategy_of(2)
+    model, _ = linear_model(two)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    train(two, model, optimizer, batches[:3])
+    import io
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+
+    three = strategy_of(3)
+    with three.scope():
+        restored = nn.Linear(3, 1)
+        restored.load_state_dict(checkpoint["model"])
+        restored_opt = torch.optim.Adam(restored.parameters(), lr=0.05)
+        restored_opt.load_state_dict(checkpoint["optimizer"])
+    train(three, restored, restored_opt, batches[3:])
+    torch.testing.assert_close(restored.weight, oracle.weight, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(restored.bias, oracle.bias, atol=1e-6, rtol=1e-5)
+
+
+# -- extended and losses -------------------------------------------------------------------------
+
+
+def test_extended_calls() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        v = cs.Variable([1.0, 2.0])
+    parts = cs.PerReplica([torch.tensor(1.0), torch.tensor(3.0)])
+    assert strategy.extended.reduce_to("SUM", parts, "cpu:0").item() == 4.0
+    assert strategy.extended.reduce_to("MEAN", parts, v).item() == 2.0
+    assert [t.item() for t in strategy.extended.batch_reduce_to("SUM", [(parts, v)] * 2)] == [4, 4]
+    with pytest.raises(ValueError, match="destinations"):
+        strategy.extended.reduce_to("SUM", parts, 3)
+    with strategy.extended.colocate_vars_with(v):
+        assert torch.zeros(1).device == v.device
+    assert strategy.extended.value_container(v) is v
+    with pytest.raises(RuntimeError, match="merge_call"):
+        strategy.run(lambda: strategy.extended.update(v, lambda t: t))
+
+
+def test_compute_average_loss() -> None:
+    per_example = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert cs.compute_average_loss(per_example, global_batch_size=8).item() == 1.25
+    weights = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    assert cs.compute_average_loss(per_example, weights, global_batch_size=4).item() == 1.0
+    matrix = torch.ones(2, 3)
+    assert cs.compute_average_loss(matrix, torch.tensor([1.0, 2.0]), 2).item() == 4.5
+    assert cs.compute_average_loss(per_example).item() == 2.5  # default replica context: R = 1
+    strategy = strategy_of(2)
+    local = strategy.run(lambda x: cs.compute_average_loss(x), args=(halves(per_example),))
+    assert [t.item() for t in local.values] == [0.75, 1.75]  # local sum / (2 * R)
+    with strategy.scope(), pytest.raises(RuntimeError, match="global_batch_size"):
+        cs.compute_average_loss(per_example)
+    with pytest.raises(TypeError, match="must be an int"):
+        cs.compute_average_loss(per_example, global_batch_size=2.0)  # type: ignore[arg-type]
+
+
+def test_scale_regularization_loss() -> None:
+    strategy = strategy_of(2)
+    out = strategy.run(lambda: cs.scale_regularization_loss(torch.tensor([1.0, 3.0])))
+    assert out.item() == 2.0 if not isinstance(out, cs.PerReplica) else out[0].item() == 2.0
+    with strategy.scope(), pytest.raises(RuntimeError, match="cross-replica"):
+        cs.scale_regularization_loss(torch.tensor(1.0))
