@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import io
 
 import pytest
 import torch
@@ -42,10 +43,14 @@ def test_scope_registers_parameters_buffers_and_requires_grad_tensors() -> None:
 def test_variables_are_held_weakly() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
-        model = nn.Linear(3, 3)
-    strategy.run(lambda: model(torch.ones(1, 3)).sum().backward())
+        models = [nn.Linear(3, 3)]
+
+    def step() -> None:
+        models[0](torch.ones(1, 3)).sum().backward()
+
+    strategy.run(step)
     assert len(strategy._variables.records) == 2
-    del model
+    models.clear()
     gc.collect()
     assert strategy._variables.records == {}
     assert all(not views.views for views in strategy._variables.replicas)
@@ -129,7 +134,7 @@ def test_in_place_write_on_parameter_is_routed_to_a_private_copy() -> None:
         replica = cs.get_replica_context().replica_id_in_sync_group
         with torch.no_grad():
             w.add_(replica + 1.0)
-        seen.append(float(torch.mul(w, 1)))  # the replica reads its own write
+        seen.append(float(torch.mul(w, 1).detach()))  # the replica reads its own write
 
     strategy.run(step)
     assert seen == [11.0, 12.0]
@@ -368,13 +373,16 @@ def test_checkpoint_moves_between_replica_counts() -> None:
     def train(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer,
               steps: list) -> None:
         replicas = strategy.num_replicas_in_sync
+        def step(a: torch.Tensor, b: torch.Tensor, global_batch: int) -> None:
+            per_example = (model(a) - b).pow(2).sum(1)
+            cs.compute_average_loss(per_example, global_batch_size=global_batch).backward()
+
         for x, y in steps:
             optimizer.zero_grad()
             size = -(-len(x) // replicas)
             xs = cs.PerReplica([x[i * size:(i + 1) * size] for i in range(replicas)])
             ys = cs.PerReplica([y[i * size:(i + 1) * size] for i in range(replicas)])
-            strategy.run(lambda a, b: cs.compute_average_loss(
-                (model(a) - b).pow(2).sum(1), global_batch_size=len(x)).backward(), args=(xs, ys))
+            strategy.run(step, args=(xs, ys, len(x)))
             optimizer.step()
 
     oracle_strategy = strategy_of(1)
@@ -386,7 +394,6 @@ def test_checkpoint_moves_between_replica_counts() -> None:
     model, _ = linear_model(two)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     train(two, model, optimizer, batches[:3])
-    import io
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
     buffer.seek(0)

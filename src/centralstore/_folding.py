@@ -49,7 +49,7 @@ def _start_copy(view: View, tensor: torch.Tensor) -> None:
     with torch.cuda.stream(stream):
         host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
         host.copy_(grad, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
     grad.record_stream(stream)
     view.pending.append((host, event))
@@ -61,7 +61,7 @@ _side_streams: dict[torch.device, Any] = {}
 def _side_stream(device: torch.device) -> Any:
     stream = _side_streams.get(device)
     if stream is None:
-        stream = _side_streams[device] = torch.cuda.Stream(device)
+        stream = _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     return stream
 
 

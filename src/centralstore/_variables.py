@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,7 @@ class VariableStore:
         if record is not None:
             record.aggregation = aggregation
             return
-        ref = weakref.ref(tensor, lambda _, key=key: self._forget(key))
+        ref = weakref.ref(tensor, functools.partial(self._forget_ref, key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
         if tensor.device != self.compute_devices[0]:
             self._foreign += 1
@@ -114,6 +115,9 @@ class VariableStore:
             with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
                 tensor.data = tensor.data.pin_memory()
         track(self)
+
+    def _forget_ref(self, key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        self._forget(key)
 
     def _forget(self, key: int) -> None:
         self.records.pop(key, None)
@@ -171,7 +175,7 @@ class VariableStore:
     def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
         """The resolution mode for ``replica``, or a no-op when views are not needed: one
         replica computing where the variables live uses them directly."""
-        if self.num_replicas == 1 and not self._foreign or not self.records:
+        if (self.num_replicas == 1 and not self._foreign) or not self.records:
             return contextlib.nullcontext()
         return self.modes[replica]
 
@@ -222,7 +226,7 @@ class _RegistrationMode(TorchFunctionMode):
         return out
 
 
-def Variable(  # noqa: N802 - TensorFlow's name for a constructor
+def Variable(
     initial_value: Any,
     aggregation: VariableAggregation | str = VariableAggregation.NONE,
     trainable: bool = True,

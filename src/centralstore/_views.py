@@ -162,7 +162,7 @@ class ReplicaViews:
         if requires_grad:
             tensor.requires_grad_(True)
             store = self.store
-            tensor.register_post_accumulate_grad_hook(
+            tensor.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 lambda t: _folding.on_gradient(store, view, t)
             )
 

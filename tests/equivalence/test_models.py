@@ -14,8 +14,8 @@ import centralstore as cs
 
 def split(batch: torch.Tensor, replicas: int) -> list[torch.Tensor]:
     """TensorFlow's split rule: consecutive slices of ceil(g / R)."""
-    size = -(-batch.shape[0] // replicas)
-    return [batch[min(i * size, len(batch)) : min((i + 1) * size, len(batch))] for i in range(replicas)]
+    size, total = -(-batch.shape[0] // replicas), len(batch)
+    return [batch[min(i * size, total) : min((i + 1) * size, total)] for i in range(replicas)]
 
 
 class MLP(nn.Module):
@@ -114,7 +114,8 @@ def train_replicated(strategy: cs.CentralStorageStrategy, make_model: Callable[[
     for x, y in batches:
         global_batch = len(x)
         optimizer.zero_grad()
-        strategy.run(step, args=(cs.PerReplica(split(x, replicas)), cs.PerReplica(split(y, replicas))))
+        xs, ys = cs.PerReplica(split(x, replicas)), cs.PerReplica(split(y, replicas))
+        strategy.run(step, args=(xs, ys))
         optimizer.step()
     return model
 
@@ -123,7 +124,9 @@ def train_replicated(strategy: cs.CentralStorageStrategy, make_model: Callable[[
 @pytest.mark.parametrize("batch", [8, 7])
 @pytest.mark.parametrize("model_name", list(MODELS))
 @pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
-def test_replicas_match_one_device(replicas: int, batch: int, model_name: str, optimizer_name: str) -> None:
+def test_replicas_match_one_device(
+    replicas: int, batch: int, model_name: str, optimizer_name: str
+) -> None:
     torch.manual_seed(0)
     oracle = MODELS[model_name]()
     state = copy.deepcopy(oracle.state_dict())
@@ -131,7 +134,9 @@ def test_replicas_match_one_device(replicas: int, batch: int, model_name: str, o
     train_one_device(oracle, OPTIMIZERS[optimizer_name](list(oracle.parameters())), batches)
 
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
-    model = train_replicated(strategy, MODELS[model_name], OPTIMIZERS[optimizer_name], state, batches)
+    model = train_replicated(
+        strategy, MODELS[model_name], OPTIMIZERS[optimizer_name], state, batches
+    )
     for (name, expected), actual in zip(oracle.state_dict().items(), model.state_dict().values()):
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=name)
 
@@ -147,7 +152,9 @@ def test_tensorflow_reference_values() -> None:
             b = torch.zeros((), requires_grad=True)
             optimizer = torch.optim.SGD([w, b], lr=0.1)
 
-        def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        def step(
+            xs: torch.Tensor, ys: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+        ) -> torch.Tensor:
             loss = cs.compute_average_loss((w * xs + b - ys) ** 2, global_batch_size=8)
             loss.backward()
             return loss.detach()
@@ -155,9 +162,10 @@ def test_tensorflow_reference_values() -> None:
         losses = []
         for i in range(4):
             xs, ys = x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8]
+            if replicas > 1:
+                xs, ys = cs.PerReplica(split(xs, replicas)), cs.PerReplica(split(ys, replicas))
             optimizer.zero_grad()
-            out = strategy.run(step, args=(cs.PerReplica(split(xs, replicas)) if replicas > 1 else xs,
-                                           cs.PerReplica(split(ys, replicas)) if replicas > 1 else ys))
+            out = strategy.run(step, args=(xs, ys, w, b))
             optimizer.step()
             losses.append(float(strategy.reduce("SUM", out) if replicas > 1 else out))
         assert w.item() == pytest.approx(0.7074499726295471, abs=1e-6)

@@ -1,0 +1,132 @@
+"""Milliseconds per training step: plain PyTorch against centralstore on logical CPU devices.
+
+Compares, in one run and interleaved round by round (this machine is shared and noisy):
+  plain        a plain PyTorch loop on the full batch
+  halves       the same loop doing two half-batch passes that accumulate gradients
+               (the floor for R = 2: the same arithmetic as two replicas)
+  cs R=1       CentralStorageStrategy on one device
+  cs R=2       CentralStorageStrategy on cpu:0 and cpu:1
+Peak memory (max RSS) is measured per configuration in a fresh subprocess.
+
+    python benchmarks/bench_train.py [--steps 20] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import centralstore as cs
+
+BATCH = 512
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 10))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 7 * 7, 10),
+    )
+
+
+MODELS = {"mlp": mlp, "cnn": cnn}
+
+
+def make_step(config: str, model_name: str) -> Callable[[], None]:
+    """One training step of ``config`` on ``model_name``, ready to time."""
+    torch.manual_seed(0)
+    x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
+    loss_fn = nn.functional.cross_entropy
+    if config in ("plain", "halves"):
+        model = MODELS[model_name]()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        parts = [(x, y)] if config == "plain" else [(x[:256], y[:256]), (x[256:], y[256:])]
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            for xs, ys in parts:
+                (loss_fn(model(xs), ys, reduction="sum") / BATCH).backward()
+            optimizer.step()
+
+        return plain_step
+    replicas = int(config[-1])
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = MODELS[model_name]()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if replicas == 1:
+        args: tuple[object, ...] = (x, y)
+    else:
+        args = (cs.PerReplica([x[:256], x[256:]]), cs.PerReplica([y[:256], y[256:]]))
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = loss_fn(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=BATCH).backward()
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=args)
+        optimizer.step()
+
+    return cs_step
+
+
+CONFIGS = ("plain", "halves", "cs R=1", "cs R=2")
+
+
+def time_steps(step: Callable[[], None], steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def peak_rss_mb(config: str, model_name: str, steps: int) -> float:
+    code = (
+        "import resource, sys; sys.path.insert(0, 'benchmarks'); import bench_train as b;"
+        f"s = b.make_step({config!r}, {model_name!r}); [s() for _ in range({steps})];"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip()) / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--no-memory", action="store_true")
+    options = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"batch {BATCH}, {options.steps} steps x {options.rounds} rounds, medians\n")
+    print(f"{'model':<5} {'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'peak MB':>8}")
+    for model_name in MODELS:
+        steps = {config: make_step(config, model_name) for config in CONFIGS}
+        for step in steps.values():  # warm up
+            time_steps(step, 3)
+        samples: dict[str, list[float]] = {config: [] for config in CONFIGS}
+        for _ in range(options.rounds):
+            for config in CONFIGS:
+                samples[config].append(time_steps(steps[config], options.steps))
+        medians = {config: statistics.median(v) for config, v in samples.items()}
+        for config in CONFIGS:
+            memory = "" if options.no_memory else f"{peak_rss_mb(config, model_name, 5):8.0f}"
+            print(f"{model_name:<5} {config:<8} {medians[config]:8.2f} "
+                  f"{medians[config] / medians['plain']:7.3f} "
+                  f"{medians[config] / medians['halves']:8.3f} {memory}")
+
+
+if __name__ == "__main__":
+    main()
