@@ -1,26 +1,25 @@
 """``Dataset``: the lazy, re-iterable subset of ``tf.data.Dataset`` that ported code needs.
 
 Built on ``torch.utils.data.IterableDataset`` so that it also feeds a ``DataLoader``. Each
-transformation is a small generator function, wrapped in a ``_Stage`` together with the
-cardinality it implies; sources (``range``, ``from_tensor_slices``) can cut whole batches in
-one call, which ``batch`` uses instead of stacking elements one by one.
+method checks its arguments, works out the cardinality, and wraps a module-level generator
+function from ``_stages.py`` (so that datasets pickle into DataLoader workers) in a
+``_Stage``. ``from_tensor_slices`` cuts whole batches as views, which ``batch`` uses instead
+of stacking rows one by one.
 """
 
 from __future__ import annotations
 
 import abc
-import itertools
-import operator
-import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, default_collate, get_worker_info
+from torch.utils.data import IterableDataset
 
 from .. import _tree
-from .distributed import PrefetchIterator
+from . import _stages
+from .options import as_int
 from .split import from_numpy
 
 INFINITE_CARDINALITY = -1
@@ -61,11 +60,9 @@ class Dataset(IterableDataset[Any]):
         [1, 4, 7]
         """
         if not 1 <= len(args) <= 3:
-            raise TypeError(
-                f"Dataset.range takes 1 to 3 ints (stop | start, stop[, step]). Received: {args}"
-            )
-        values = range(*(_int("range argument", a) for a in args))
-        return _Range(values, output_type)
+            raise TypeError(f"Dataset.range takes 1 to 3 ints (start, stop, step); got {args}")
+        values = range(*(as_int("range argument", a) for a in args))
+        return _Stage(_stages.ranged, (values, output_type), len(values))
 
     @staticmethod
     def from_tensors(element: Any) -> Dataset:
@@ -74,8 +71,8 @@ class Dataset(IterableDataset[Any]):
         >>> [x.tolist() for x in Dataset.from_tensors([[1.0]]).repeat(2)]
         [[[1.0]], [[1.0]]]
         """
-        leaves, spec = _tree.flatten(_to_tensors(element))
-        return _Slices([leaf.unsqueeze(0) for leaf in leaves], spec, 1)
+        rows = _tree.map_leaves(lambda leaf: leaf.unsqueeze(0), _to_tensors(element))
+        return _Slices(rows, 1)
 
     @staticmethod
     def from_tensor_slices(element: Any) -> Dataset:
@@ -87,21 +84,14 @@ class Dataset(IterableDataset[Any]):
         [(1, 3), (2, 4)]
         """
         leaves, spec = _tree.flatten(_to_tensors(element))
-        if not leaves:
-            raise ValueError(f"from_tensor_slices needs at least one tensor. Received: {element!r}")
         sizes = [leaf.shape[0] if leaf.dim() > 0 else None for leaf in leaves]
-        if None in sizes:
+        if not leaves or None in sizes or len(set(sizes)) > 1:
             raise ValueError(
-                "from_tensor_slices slices every component along its first dimension, but got "
-                f"a scalar (component shapes: {[list(leaf.shape) for leaf in leaves]}). Use "
+                "from_tensor_slices needs tensors that share their first dimension (the one "
+                f"sliced), but got the shapes {[list(leaf.shape) for leaf in leaves]}. Use "
                 "Dataset.from_tensors for a single element."
             )
-        if len(set(sizes)) > 1:
-            raise ValueError(
-                "Every component given to from_tensor_slices must have the same first "
-                f"dimension, but got the sizes {sizes}."
-            )
-        return _Slices(leaves, spec, int(leaves[0].shape[0]))
+        return _Slices(_tree.unflatten(leaves, spec), len(leaves[0]))
 
     @staticmethod
     def zip(*args: Any, datasets: Any = None) -> Dataset:
@@ -114,19 +104,20 @@ class Dataset(IterableDataset[Any]):
         """
         if (datasets is None) == (not args):
             raise TypeError(
-                "Dataset.zip takes the datasets either as one structure, as arguments, or as "
-                f"datasets=, exactly one of them. Received: args={args}, datasets={datasets}"
+                "Dataset.zip takes the datasets as one structure, as arguments, or as "
+                f"datasets=: exactly one of them. Received: args={args}, datasets={datasets}"
             )
         if datasets is None:
             datasets = args[0] if len(args) == 1 else args
-        members, spec = _tree.flatten(datasets)
-        wrong = [m for m in members if not isinstance(m, Dataset)]
-        if wrong or not members:
+        members = _tree.flatten(datasets)[0]
+        if not members or not all(isinstance(m, Dataset) for m in members):
             raise TypeError(
-                "Dataset.zip needs a non-empty structure of Datasets, but it holds "
-                f"{[type(m).__name__ for m in wrong] or 'nothing'}. Received: {datasets!r}"
+                f"Dataset.zip needs a non-empty structure of Datasets. Received: {datasets!r}"
             )
-        return _Stage(_zipped, (members, spec), _zip_cardinality(members))
+        counts = [m.cardinality() for m in members]
+        finite = [n for n in counts if n >= 0]
+        n = UNKNOWN_CARDINALITY if UNKNOWN_CARDINALITY in counts else INFINITE_CARDINALITY
+        return _Stage(_stages.zipped, (datasets,), min(finite) if finite and n == -1 else n)
 
     # Transformations.
 
@@ -136,11 +127,11 @@ class Dataset(IterableDataset[Any]):
         >>> [b.tolist() for b in Dataset.range(7).batch(3, drop_remainder=True)]
         [[0, 1, 2], [3, 4, 5]]
         """
-        batch_size = _positive("batch_size", batch_size)
+        batch_size = _count("batch_size", batch_size, minimum=1)
         n = self._cardinality
         if n >= 0:
             n = n // batch_size if drop_remainder else -(-n // batch_size)
-        return _Stage(_batched, (self, batch_size, drop_remainder), n)
+        return _Stage(_stages.batched, (self, batch_size, drop_remainder), n)
 
     def unbatch(self) -> Dataset:
         """Each element split back into its rows along the first dimension.
@@ -148,7 +139,7 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(5).batch(2).unbatch()]
         [0, 1, 2, 3, 4]
         """
-        return _Stage(_unbatched, (self,), UNKNOWN_CARDINALITY)
+        return _Stage(_stages.unbatched, (self,), UNKNOWN_CARDINALITY)
 
     def map(
         self,
@@ -159,12 +150,12 @@ class Dataset(IterableDataset[Any]):
         """``map_func`` applied to each element; tuple elements are passed as arguments.
 
         ``num_parallel_calls`` and ``deterministic`` are accepted for porting: ``map_func``
-        runs on the iterating thread, in order (use DataLoader workers for parallelism).
+        runs on the iterating thread, in order (DataLoader workers give parallelism).
 
         >>> [int(y) for y in Dataset.range(3).map(lambda x: x * 2)]
         [0, 2, 4]
         """
-        return _Stage(_mapped, (self, map_func), self._cardinality)
+        return _Stage(_stages.mapped, (self, map_func), self._cardinality)
 
     def filter(self, predicate: Callable[..., Any]) -> Dataset:
         """The elements for which ``predicate`` (a bool or scalar tensor) is true.
@@ -172,26 +163,25 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(6).filter(lambda x: x % 2 == 0)]
         [0, 2, 4]
         """
-        return _Stage(_filtered, (self, predicate), UNKNOWN_CARDINALITY)
+        return _Stage(_stages.filtered, (self, predicate), UNKNOWN_CARDINALITY)
 
     def shuffle(
         self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
     ) -> Dataset:
         """Elements drawn at random from a buffer of ``buffer_size`` (TensorFlow's algorithm).
 
-        With a ``seed`` the orders are reproducible; each iteration (epoch) draws a new order
-        unless ``reshuffle_each_iteration=False``. Without one, the seed is drawn from torch's
-        global generator, so ``torch.manual_seed`` makes runs reproducible.
+        With a ``seed`` the orders are reproducible; each pass (epoch) draws a new order unless
+        ``reshuffle_each_iteration=False``. Without one, the seed comes from torch's global
+        generator, so ``torch.manual_seed`` makes runs reproducible.
 
-        >>> ds = Dataset.range(5).shuffle(5, seed=1)
-        >>> sorted(int(x) for x in ds)
+        >>> sorted(int(x) for x in Dataset.range(5).shuffle(5, seed=1))
         [0, 1, 2, 3, 4]
         """
-        buffer_size = _positive("buffer_size", buffer_size)
+        buffer_size = _count("buffer_size", buffer_size, minimum=1)
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        seeds = _Seeds(_int("seed", seed), reshuffle_each_iteration)
-        return _Stage(_shuffled, (self, buffer_size, seeds), self._cardinality)
+        seeds = _stages.Seeds(as_int("seed", seed), reshuffle_each_iteration)
+        return _Stage(_stages.shuffled, (self, buffer_size, seeds), self._cardinality)
 
     def repeat(self, count: int | None = None) -> Dataset:
         """The dataset ``count`` times over; forever when ``count`` is None or -1.
@@ -199,10 +189,7 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(2).repeat(2)]
         [0, 1, 0, 1]
         """
-        count = -1 if count is None else _int("count", count)
-        if count < -1:
-            raise ValueError(f"repeat needs count >= 0, or None or -1 for forever. "
-                             f"Received: count={count}")
+        count = -1 if count is None else _count("count", count, minimum=-1)
         n = self._cardinality
         if count == 0 or n == 0:
             n = 0
@@ -210,7 +197,7 @@ class Dataset(IterableDataset[Any]):
             n = INFINITE_CARDINALITY if n != UNKNOWN_CARDINALITY else n
         elif n > 0:
             n *= count
-        return _Stage(_repeated, (self, count), n)
+        return _Stage(_stages.repeated, (self, count), n)
 
     def shard(self, num_shards: int, index: int) -> Dataset:
         """Every ``num_shards``-th element, starting at ``index``.
@@ -218,17 +205,16 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(7).shard(3, 1)]
         [1, 4]
         """
-        num_shards = _positive("num_shards", num_shards)
-        index = _int("index", index)
+        num_shards = _count("num_shards", num_shards, minimum=1)
+        index = as_int("index", index)
         if not 0 <= index < num_shards:
             raise ValueError(
                 f"shard needs 0 <= index < num_shards, but got index == {index} and "
                 f"num_shards == {num_shards}."
             )
         n = self._cardinality
-        if n >= 0:
-            n = max(0, -(-(n - index) // num_shards))
-        return _Stage(_islice, (self, index, None, num_shards), n)
+        n = max(0, -(-(n - index) // num_shards)) if n >= 0 else n
+        return _Stage(_stages.sliced, (self, index, None, num_shards), n)
 
     def take(self, count: int) -> Dataset:
         """The first ``count`` elements (all of them for -1).
@@ -236,12 +222,12 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(5).take(2)]
         [0, 1]
         """
-        count = _at_least_minus_one("count", count)
+        count = _count("count", count, minimum=-1)
         if count == -1:
             return self
         n = self._cardinality
         n = count if n == INFINITE_CARDINALITY else (min(n, count) if n >= 0 else n)
-        return _Stage(_islice, (self, 0, count, 1), n)
+        return _Stage(_stages.sliced, (self, 0, count, 1), n)
 
     def skip(self, count: int) -> Dataset:
         """All but the first ``count`` elements (none of them for -1).
@@ -249,12 +235,11 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(5).skip(3)]
         [3, 4]
         """
-        count = _at_least_minus_one("count", count)
+        count = _count("count", count, minimum=-1)
         if count == -1:
-            return _Stage(_islice, (self, 0, 0, 1), 0)
+            return _Stage(_stages.sliced, (self, 0, 0, 1), 0)
         n = self._cardinality
-        n = max(n - count, 0) if n >= 0 else n
-        return _Stage(_islice, (self, count, None, 1), n)
+        return _Stage(_stages.sliced, (self, count, None, 1), max(n - count, 0) if n >= 0 else n)
 
     def prefetch(self, buffer_size: int) -> Dataset:
         """Elements produced ahead by a background thread, up to ``buffer_size`` of them.
@@ -264,16 +249,16 @@ class Dataset(IterableDataset[Any]):
         >>> [int(x) for x in Dataset.range(3).prefetch(AUTOTUNE)]
         [0, 1, 2]
         """
-        buffer_size = _at_least_minus_one("buffer_size", buffer_size)
+        buffer_size = _count("buffer_size", buffer_size, minimum=-1)
         if buffer_size == 0:
             return self
         size = _AUTOTUNE_BUFFER if buffer_size == AUTOTUNE else buffer_size
-        return _Stage(_prefetched, (self, size), self._cardinality)
+        return _Stage(_stages.prefetched, (self, size), self._cardinality)
 
     # Inspection.
 
     def cardinality(self) -> int:
-        """The number of elements: -1 (``INFINITE_CARDINALITY``) or -2 (unknown) otherwise.
+        """The number of elements; -1 (``INFINITE_CARDINALITY``), or -2 when unknown.
 
         >>> Dataset.range(5).batch(2).cardinality(), Dataset.range(1).repeat().cardinality()
         (3, -1)
@@ -282,13 +267,9 @@ class Dataset(IterableDataset[Any]):
 
     def __len__(self) -> int:
         n = self._cardinality
-        if n == INFINITE_CARDINALITY:
-            raise TypeError("The dataset is infinite, so it has no len().")
         if n < 0:
-            raise TypeError(
-                "The dataset's length is unknown (filter and unbatch hide it), so it has no "
-                "len(); iterate it to count, or check cardinality()."
-            )
+            why = "is infinite" if n == INFINITE_CARDINALITY else "is unknown (filter, unbatch)"
+            raise TypeError(f"The dataset's length {why}, so it has no len(); see cardinality().")
         return n
 
     def as_numpy_iterator(self) -> Iterator[Any]:
@@ -301,7 +282,7 @@ class Dataset(IterableDataset[Any]):
 
 
 class _Stage(Dataset):
-    """A transformation: ``generate(*args)`` makes a fresh iterator for every pass."""
+    """A source or transformation: ``generate(*args)`` makes a fresh iterator per pass."""
 
     def __init__(self, generate: Callable[..., Iterator[Any]], args: tuple[Any, ...], n: int):
         self._generate = generate
@@ -312,180 +293,28 @@ class _Stage(Dataset):
         return self._generate(*self._args)
 
 
-class _Range(Dataset):
-    """``Dataset.range``: the integers of a Python range, one scalar tensor each."""
-
-    def __init__(self, values: range, dtype: torch.dtype) -> None:
-        self._values = values
-        self._dtype = dtype
-        self._cardinality = len(values)
-
-    def __iter__(self) -> Iterator[Any]:
-        dtype = self._dtype
-        return (torch.tensor(i, dtype=dtype) for i in self._values)
-
-    def _batches(self, batch_size: int, drop_remainder: bool) -> Iterator[Any] | None:
-        values, dtype = self._values, self._dtype
-        cuts = range(0, len(values), batch_size)
-        return (
-            torch.arange(part.start, part.stop, part.step, dtype=dtype)
-            for part in (values[i : i + batch_size] for i in cuts)
-            if not drop_remainder or len(part) == batch_size
-        )
-
-
 class _Slices(Dataset):
-    """``from_tensor_slices`` (and ``from_tensors``): rows of leaves, as views."""
+    """``from_tensor_slices`` (and ``from_tensors``): the rows of the leaves, as views."""
 
-    def __init__(self, leaves: list[torch.Tensor], spec: _tree.TreeSpec, n: int) -> None:
-        self._leaves = leaves
-        self._spec = spec
+    def __init__(self, rows: Any, n: int) -> None:
+        self._leaves, self._spec = _tree.flatten(rows)
         self._cardinality = n
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickle the structure, not torch's TreeSpec
+        return _Slices, (_tree.unflatten(self._leaves, self._spec), self._cardinality)
+
     def __iter__(self) -> Iterator[Any]:
-        return self._cut(1, drop_remainder=False, rows=True)
+        leaves, spec = self._leaves, self._spec
+        for row in range(self._cardinality):
+            yield _tree.unflatten([leaf[row] for leaf in leaves], spec)
 
     def _batches(self, batch_size: int, drop_remainder: bool) -> Iterator[Any] | None:
-        return self._cut(batch_size, drop_remainder, rows=False)
-
-    def _cut(self, size: int, drop_remainder: bool, rows: bool) -> Iterator[Any]:
         leaves, spec, n = self._leaves, self._spec, self._cardinality
-        stop = n - n % size if drop_remainder else n
-        for start in range(0, stop, size):
-            if rows:
-                parts = [leaf[start] for leaf in leaves]
-            else:
-                parts = [leaf.narrow(0, start, min(size, n - start)) for leaf in leaves]
-            yield parts[0] if spec.is_leaf() else _tree.unflatten(parts, spec)
-
-
-class _Seeds:
-    """The seed of each pass of a shuffled dataset: a new one per pass unless told otherwise."""
-
-    def __init__(self, seed: int, reshuffle: bool) -> None:
-        self._seed = seed
-        self._reshuffle = reshuffle
-        self._passes = 0
-
-    def next(self) -> int:
-        passes = self._passes
-        if self._reshuffle:
-            self._passes += 1
-        worker = get_worker_info()
-        # A DataLoader worker gets a fresh copy of this counter every epoch; the worker seed,
-        # drawn from the parent's generator per epoch, still makes each epoch differ.
-        salt = 0 if worker is None or not self._reshuffle else worker.seed
-        return hash((self._seed, passes, salt))
-
-
-# The generators behind the stages: module-level, so that a Dataset pickles into workers.
-
-
-def _zipped(members: list[Dataset], spec: _tree.TreeSpec) -> Iterator[Any]:
-    for row in zip(*members):
-        yield _tree.unflatten(list(row), spec)
-
-
-def _batched(dataset: Dataset, batch_size: int, drop_remainder: bool) -> Iterator[Any]:
-    fast = dataset._batches(batch_size, drop_remainder)
-    if fast is not None:
-        yield from fast
-        return
-    iterator = iter(dataset)
-    while elements := list(itertools.islice(iterator, batch_size)):
-        if drop_remainder and len(elements) < batch_size:
-            return
-        yield _collate(elements)
-
-
-def _collate(elements: list[Any]) -> Any:
-    """Stack elements leaf by leaf with torch's collate, keeping the container types."""
-    leaves, spec = _tree.flatten(elements[0])
-    columns: list[list[Any]] = [[leaf] for leaf in leaves]
-    for element in elements[1:]:
-        leaves, other = _tree.flatten(element)
-        if other != spec:
-            raise ValueError(
-                "batch needs every element to have the same structure, but got "
-                f"{spec} and {other}."
-            )
-        for column, leaf in zip(columns, leaves):
-            column.append(leaf)
-    try:
-        stacked = [default_collate(column) for column in columns]
-    except RuntimeError as error:
-        raise ValueError(
-            f"Cannot batch elements of different shapes ({error}). Make every element the "
-            "same shape (e.g. with map) before batch, or batch with batch_size=1."
-        ) from error
-    return _tree.unflatten(stacked, spec)
-
-
-def _unbatched(dataset: Dataset) -> Iterator[Any]:
-    for element in dataset:
-        leaves, spec = _tree.flatten(element)
-        leaves = [from_numpy(leaf) for leaf in leaves]
-        sizes = {
-            leaf.shape[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 else None
-            for leaf in leaves
-        }
-        if len(sizes) != 1 or None in sizes:
-            raise ValueError(
-                "unbatch needs every component of an element to have the same first "
-                f"dimension, but got {[getattr(x, 'shape', type(x)) for x in leaves]}."
-            )
-        for row in zip(*(leaf.unbind(0) for leaf in leaves)):
-            yield _tree.unflatten(list(row), spec)
-
-
-def _mapped(dataset: Dataset, fn: Callable[..., Any]) -> Iterator[Any]:
-    for element in dataset:
-        yield fn(*element) if type(element) is tuple else fn(element)
-
-
-def _filtered(dataset: Dataset, predicate: Callable[..., Any]) -> Iterator[Any]:
-    for element in dataset:
-        keep = predicate(*element) if type(element) is tuple else predicate(element)
-        if isinstance(keep, torch.Tensor) and keep.numel() != 1:
-            raise ValueError(
-                "filter's predicate must return a bool or a scalar tensor, but returned a "
-                f"tensor of shape {list(keep.shape)}."
-            )
-        if keep:
-            yield element
-
-
-def _shuffled(dataset: Dataset, buffer_size: int, seeds: _Seeds) -> Iterator[Any]:
-    rng = random.Random(seeds.next())
-    buffer: list[Any] = []
-    for element in dataset:
-        if len(buffer) < buffer_size:
-            buffer.append(element)
-            continue
-        i = rng.randrange(buffer_size)
-        yield buffer[i]
-        buffer[i] = element
-    rng.shuffle(buffer)
-    yield from buffer
-
-
-def _repeated(dataset: Dataset, count: int) -> Iterator[Any]:
-    passes = itertools.count() if count == -1 else range(count)
-    for _ in passes:
-        empty = True
-        for element in dataset:
-            empty = False
-            yield element
-        if empty:  # forever over nothing is nothing, as in TensorFlow
-            return
-
-
-def _islice(dataset: Dataset, start: int, stop: int | None, step: int) -> Iterator[Any]:
-    return itertools.islice(dataset, start, stop, step)
-
-
-def _prefetched(dataset: Dataset, buffer_size: int) -> Iterator[Any]:
-    return PrefetchIterator(iter(dataset), buffer_size)
+        stop = n - n % batch_size if drop_remainder else n
+        return (
+            _tree.unflatten([leaf[start : start + batch_size] for leaf in leaves], spec)
+            for start in range(0, stop, batch_size)
+        )
 
 
 # Conversions and checks.
@@ -493,25 +322,20 @@ def _prefetched(dataset: Dataset, buffer_size: int) -> Iterator[Any]:
 
 def _to_tensors(value: Any) -> Any:
     """TensorFlow's reading of a structure: tuples and dicts nest, lists become tensors."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
+    if isinstance(value, (torch.Tensor, np.ndarray)):
         return from_numpy(value)
     if isinstance(value, dict):
         return type(value)((key, _to_tensors(item)) for key, item in value.items())
     if isinstance(value, tuple):
         items = [_to_tensors(item) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list):
-        if any(isinstance(item, (torch.Tensor, np.ndarray)) for item in value):
-            return torch.stack([_to_tensors(item) for item in value])
+    if isinstance(value, list) and any(isinstance(v, (torch.Tensor, np.ndarray)) for v in value):
+        return torch.stack([_to_tensors(item) for item in value])
+    if isinstance(value, (list, bool, int, float, complex, np.generic)):
         return torch.tensor(value)
-    if isinstance(value, (bool, int, float, complex, np.generic)):
-        return torch.as_tensor(value)
     raise TypeError(
         "Dataset components must be tensors, numpy arrays, Python numbers or lists of them, "
-        f"nested in tuples, dicts or namedtuples, but got a {type(value).__name__}. "
-        f"Received: {value!r}"
+        f"nested in tuples, dicts or namedtuples. Received: a {type(value).__name__}, {value!r}"
     )
 
 
@@ -522,33 +346,9 @@ def _to_numpy(leaf: Any) -> Any:
     return array[()] if array.ndim == 0 else array
 
 
-def _zip_cardinality(members: list[Dataset]) -> int:
-    counts = [m.cardinality() for m in members]
-    if all(n == INFINITE_CARDINALITY for n in counts):
-        return INFINITE_CARDINALITY
-    if UNKNOWN_CARDINALITY in counts:
-        return UNKNOWN_CARDINALITY
-    return min(n for n in counts if n >= 0)
-
-
-def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not a bool. Received: {name}={value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int. Received: {name}={value!r}") from None
-
-
-def _positive(name: str, value: Any) -> int:
-    value = _int(name, value)
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int. Received: {name}={value}")
-    return value
-
-
-def _at_least_minus_one(name: str, value: Any) -> int:
-    value = _int(name, value)
-    if value < -1:
-        raise ValueError(f"{name} must be >= 0, or -1 for all. Received: {name}={value}")
-    return value
+def _count(name: str, value: Any, minimum: int) -> int:
+    number = as_int(name, value)
+    if number < minimum:
+        meaning = "a positive int" if minimum == 1 else ">= 0, or -1 for all"
+        raise ValueError(f"{name} must be {meaning}. Received: {name}={number}")
+    return number

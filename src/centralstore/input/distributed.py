@@ -3,22 +3,14 @@
 Three stages. A *cut* turns source elements into steps of per-replica slices (``split_steps``
 applies the split rule to global batches, ``deal_steps`` deals whole elements round-robin;
 both in ``split.py``). A ``_Placement`` puts each slice on its replica's device. A
-``PrefetchIterator`` runs both ahead of the training loop on a background thread with a
-bounded queue.
-
-The background thread holds only the source iterator, the stages and the queue, never the
-iterator object the user holds: dropping that object (a ``break``, garbage collection) sets
-the stop event through ``weakref.finalize``, and the thread, which only ever blocks on the
-queue with a timeout, ends promptly.
+``PrefetchIterator`` (``prefetch.py``) runs both ahead of the training loop on a background
+thread with a bounded queue; the thread holds the source iterator and the stages, never the
+``DistributedIterator`` the user holds, so dropping that stops it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import queue
-import threading
-import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -28,102 +20,11 @@ from .. import _tree
 from .._devices import storage_device
 from .._values import PerReplica
 from .options import InputContext, InputOptions
+from .prefetch import PrefetchIterator
 from .split import Columns, deal_steps, split_steps
-
-_POLL_S = 0.05  # how often a producer blocked on a full queue checks the stop event
-_JOIN_S = 1.0  # how long close() waits for the producer thread
 
 Step = tuple[Any, tuple[Callable[[], None], ...]]  # a value, and the waits before using it
 Cut = Callable[[Iterator[Any]], Iterator[tuple[Columns, _tree.TreeSpec]]]
-
-
-class PrefetchIterator(Iterator[Any]):
-    """``source`` run ahead by a background thread, through a queue of ``buffer_size`` items.
-
-    Exceptions raised by ``source`` are re-raised by ``next`` (the same object). Dropping the
-    iterator or calling ``close()`` stops the thread.
-
-    >>> it = PrefetchIterator(iter(range(3)), buffer_size=1)
-    >>> list(it)
-    [0, 1, 2]
-    """
-
-    def __init__(self, source: Iterator[Any], buffer_size: int) -> None:
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=buffer_size)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(
-            target=_produce,
-            args=(source, self._queue, self._stop),
-            name="centralstore-input",
-            daemon=True,
-        )
-        self._halt = weakref.finalize(self, _halt, self._queue, self._stop)
-        self._thread.start()
-
-    def __iter__(self) -> PrefetchIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        item = self._queue.get()
-        if type(item) is _Signal:
-            self._done = True
-            self._thread.join(_JOIN_S)
-            if item.error is not None:
-                raise item.error
-            raise StopIteration
-        return item
-
-    def close(self) -> None:
-        """Stop the background thread and wait for it briefly; ``next`` then ends."""
-        self._done = True
-        self._halt()
-        if self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_S)
-
-
-class _Signal:
-    """The producer's last item: the end of the source, or the error it raised."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException | None) -> None:
-        self.error = error
-
-
-def _produce(source: Iterator[Any], items: queue.Queue[Any], stop: threading.Event) -> None:
-    try:
-        for item in source:
-            if not _put(items, item, stop):
-                return
-        _put(items, _Signal(None), stop)
-    except BaseException as error:  # every failure belongs to the consumer
-        _put(items, _Signal(error), stop)
-    finally:
-        if stop.is_set():  # wake a consumer that may be waiting on the drained queue
-            with contextlib.suppress(queue.Full):
-                items.put_nowait(_Signal(None))
-
-
-def _put(items: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    """Put ``item``, waiting for room; False when the consumer has gone."""
-    while not stop.is_set():
-        try:
-            items.put(item, timeout=_POLL_S)
-        except queue.Full:
-            continue
-        return not stop.is_set()
-    return False
-
-
-def _halt(items: queue.Queue[Any], stop: threading.Event) -> None:
-    """Tell the producer to stop, and make room so that a blocked ``put`` returns at once."""
-    stop.set()
-    with contextlib.suppress(queue.Empty):
-        while True:
-            items.get_nowait()
 
 
 # The placement: per-replica slices -> values on the replicas' devices.
@@ -210,7 +111,7 @@ class _Placement:
 
     def __init__(self, devices: tuple[str, ...], fetch_to_device: bool) -> None:
         targets: dict[str, _Target] = {}
-        for name in devices:
+        for name in devices if fetch_to_device else ():
             if name not in targets:
                 device = storage_device(name)
                 targets[name] = _CudaCopy(device) if device.type == "cuda" else _Copy(device)
@@ -222,7 +123,9 @@ class _Placement:
         targets = self._targets
         waits: tuple[Callable[[], None], ...] = ()
         if targets is not None:
-            columns = [[t.put(leaf) for t, leaf in zip(targets, column, strict=True)] for column in columns]
+            columns = [
+                [t.put(leaf) for t, leaf in zip(targets, column, strict=True)] for column in columns
+            ]
             finished = (target.finish() for target in self._distinct)
             waits = tuple(wait for wait in finished if wait is not None)
         if self._per_replica:
@@ -253,7 +156,13 @@ class DistributedIterator(Iterator[Any]):
 
     ``get_next()`` is TensorFlow's name for ``next`` (at the end it raises ``StopIteration``
     where TensorFlow raises ``OutOfRangeError``). ``close()`` stops the prefetch thread early;
-    dropping the iterator does the same.
+    dropping the iterator does the same. On GPUs, a step's copies are ordered before the work
+    queued on the stream that is current when ``next`` returns it.
+
+    >>> iterator = iter(distribute_dataset([torch.arange(4)], ("cpu:0", "cpu:1")))
+    >>> [s.tolist() for s in iterator.get_next()]
+    [[0, 1], [2, 3]]
+    >>> iterator.close()
     """
 
     def __init__(self, steps: _Steps) -> None:
@@ -308,7 +217,9 @@ class DistributedDataset:
 
     def __iter__(self) -> DistributedIterator:
         options = self._options
-        place = _Placement(self._devices, fetch_to_device=not _host_only(options))
+        # A pipeline placed on the device puts its steps there too, only without prefetching.
+        fetch = options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
+        place = _Placement(self._devices, fetch)
         steps = _steps(iter(self._source), self._cut, place)
         if options.experimental_place_dataset_on_device:
             return DistributedIterator(steps)
@@ -326,13 +237,6 @@ class DistributedDataset:
                 "length)."
             ) from None
         return -(-source_length // self._elements_per_step)
-
-
-def _host_only(options: InputOptions) -> bool:
-    """Whether slices stay where the source made them (no fetch, no on-device pipeline)."""
-    return not (
-        options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
-    )
 
 
 def distribute_dataset(

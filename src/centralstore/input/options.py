@@ -20,7 +20,7 @@ class InputOptions:
         experimental_per_replica_buffer_size: how many steps a background thread prepares
             ahead of the training loop (at least 1).
         experimental_replication_mode: ``None`` or ``"PER_WORKER"`` (one input pipeline per
-            process, TensorFlow's default); ``"PER_REPLICA"`` is not supported.
+            process, TensorFlow's default); ``"PER_REPLICA"`` raises ``ValueError``.
         experimental_place_dataset_on_device: run the pipeline on the calling thread, placing
             each step on the devices when it is requested, without a prefetch thread. As in
             TensorFlow it requires ``experimental_fetch_to_device=False``.
@@ -68,10 +68,15 @@ def _check_replication_mode(mode: Any) -> None:
     if isinstance(name, str) and name.upper() == "PER_WORKER":
         return
     if isinstance(name, str) and name.upper() == "PER_REPLICA":
-        raise NotImplementedError(
-            "InputOptions(experimental_replication_mode='PER_REPLICA') is not supported: "
-            "centralstore runs one input pipeline per process and splits or deals its elements "
-            "over the replicas. Leave experimental_replication_mode=None (PER_WORKER)."
+        raise ValueError(
+            "experimental_replication_mode=PER_REPLICA is not supported by this strategy: it "
+            "would need one input pipeline per replica, and centralstore runs one per process. "
+            "PER_WORKER is what both experimental_distribute_dataset and "
+            "distribute_datasets_from_function do: one pipeline whose global batches are "
+            "split, or whose per-replica batches are dealt round-robin, over the replicas. "
+            "Pass experimental_replication_mode=None (or 'PER_WORKER'); for batches made per "
+            "replica, return them from the dataset_fn of distribute_datasets_from_function. "
+            f"Received: experimental_replication_mode={mode!r}"
         )
     raise ValueError(
         "InputOptions.experimental_replication_mode must be None or 'PER_WORKER'. "

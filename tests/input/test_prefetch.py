@@ -1,0 +1,101 @@
+"""PrefetchIterator on its own: order, how far ahead it runs, errors, stopping its thread."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from centralstore.input.prefetch import PrefetchIterator
+
+
+class Counting:
+    """An endless source that counts the items taken from it."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return self
+
+    def __next__(self) -> int:
+        self.made += 1
+        return self.made
+
+
+def input_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "centralstore-input" and t.is_alive()}
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        gc.collect()
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_items_come_in_order_and_then_the_iteration_ends() -> None:
+    iterator = PrefetchIterator(iter(range(5)), buffer_size=2)
+    assert list(iterator) == [0, 1, 2, 3, 4]
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+@pytest.mark.parametrize("buffer_size", [1, 3])
+def test_the_producer_makes_at_most_buffer_size_plus_one_items_ahead(buffer_size: int) -> None:
+    source = Counting()
+    iterator = PrefetchIterator(source, buffer_size)
+    assert wait_until(lambda: source.made == buffer_size + 1)
+    time.sleep(0.05)
+    assert source.made == buffer_size + 1  # like queue.Queue(maxsize=buffer_size)
+    assert next(iterator) == 1
+    assert wait_until(lambda: source.made == buffer_size + 2)
+    iterator.close()
+
+
+def test_a_source_error_is_raised_by_next_as_the_same_object() -> None:
+    error = OSError("disk went away")
+
+    def flaky() -> Iterator[int]:
+        yield 0
+        raise error
+
+    iterator = PrefetchIterator(flaky(), buffer_size=1)
+    assert next(iterator) == 0
+    with pytest.raises(OSError) as caught:
+        next(iterator)
+    assert caught.value is error
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_close_stops_the_thread_and_ends_the_iteration() -> None:
+    before = input_threads()
+    source = Counting()
+    iterator = PrefetchIterator(source, buffer_size=1)
+    assert next(iterator) == 1
+    iterator.close()
+    assert wait_until(lambda: input_threads() <= before, seconds=0.5)
+    made = source.made
+    with pytest.raises(StopIteration):
+        next(iterator)
+    time.sleep(0.05)
+    assert source.made == made
+
+
+def test_dropping_the_iterator_stops_its_thread() -> None:
+    before = input_threads()
+    iterator = PrefetchIterator(Counting(), buffer_size=2)
+    next(iterator)
+    ref = weakref.ref(iterator)
+    del iterator
+    gc.collect()
+    assert ref() is None
+    assert wait_until(lambda: input_threads() <= before)

@@ -1,0 +1,210 @@
+"""The split and deal rules against literal tables measured on TensorFlow, and properties."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from centralstore.input.dataset import Dataset
+from centralstore.input.split import (
+    deal_steps,
+    slice_bounds,
+    split_batch,
+    split_leaves,
+    split_sizes,
+)
+
+
+def steps(n: int, batch: int, replicas: int, drop_remainder: bool = False) -> list[list[Any]]:
+    """``range(n).batch(batch)`` split over ``replicas``: one list of slices per step."""
+    dataset = Dataset.range(n).batch(batch, drop_remainder=drop_remainder)
+    return [[s.tolist() for s in split_batch(b, replicas)] for b in dataset]
+
+
+@pytest.mark.parametrize(
+    ("n", "batch", "replicas", "expected"),
+    [
+        (10, 4, 2, [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8], [9]]]),
+        (5, 4, 2, [[[0, 1], [2, 3]], [[4], []]]),
+        (11, 5, 2, [[[0, 1, 2], [3, 4]], [[5, 6, 7], [8, 9]], [[10], []]]),
+        (4, 1, 2, [[[0], []], [[1], []], [[2], []], [[3], []]]),
+        (8, 4, 3, [[[0, 1], [2, 3], []], [[4, 5], [6, 7], []]]),
+        (7, 4, 3, [[[0, 1], [2, 3], []], [[4], [5], [6]]]),
+        (7, 7, 3, [[[0, 1, 2], [3, 4, 5], [6]]]),
+        (5, 2, 1, [[[0, 1]], [[2, 3]], [[4]]]),
+    ],
+)
+def test_split_rule_table(n: int, batch: int, replicas: int, expected: list[Any]) -> None:
+    assert steps(n, batch, replicas) == expected
+
+
+@pytest.mark.parametrize(
+    ("size", "replicas", "sizes"),
+    [(6, 2, [3, 3]), (5, 3, [2, 2, 1]), (4, 3, [2, 2, 0]), (1, 2, [1, 0]), (0, 2, [0, 0])],
+)
+def test_split_sizes_table(size: int, replicas: int, sizes: list[int]) -> None:
+    assert split_sizes(size, replicas) == sizes
+    assert [len(s) for s in split_batch(torch.arange(size), replicas)] == sizes
+
+
+def test_slice_bounds_are_consecutive() -> None:
+    assert slice_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
+
+
+def test_drop_remainder_drops_only_the_short_final_global_batch() -> None:
+    assert steps(10, 4, 2, drop_remainder=True) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert steps(8, 4, 2, drop_remainder=True) == steps(8, 4, 2)
+
+
+def test_empty_slices_are_real_tensors_keeping_trailing_dims_and_dtype() -> None:
+    batch = torch.ones(1, 2, dtype=torch.float16)
+    first, second = split_batch(batch, 2)
+    assert first.shape == (1, 2)
+    assert second.shape == (0, 2)
+    assert second.dtype == torch.float16
+
+
+def test_every_leaf_is_split_on_its_own_first_dimension() -> None:
+    Pair = collections.namedtuple("Pair", ["x", "y"])
+    batch = {"pair": Pair(torch.zeros(5, 3), torch.arange(5)), "other": torch.ones(3, 4)}
+    first, second = split_batch(batch, 2)
+    assert type(first["pair"]) is Pair
+    assert [first["pair"].x.shape, first["pair"].y.shape, first["other"].shape] == [
+        (3, 3),
+        (3,),
+        (2, 4),
+    ]
+    assert [second["pair"].x.shape, second["other"].shape] == [(2, 3), (1, 4)]
+
+
+def test_cpu_slices_are_views_of_the_batch() -> None:
+    batch = torch.arange(12.0).reshape(6, 2).clone()
+    slices = split_batch(batch, 3)
+    for i, piece in enumerate(slices):
+        assert piece._base is batch
+        assert piece.data_ptr() == batch.data_ptr() + i * 2 * 2 * batch.element_size()
+
+
+def test_numpy_leaves_become_tensors_sharing_memory() -> None:
+    array = np.arange(6, dtype=np.float32).reshape(3, 2)
+    first, second = split_batch((array,), 2)
+    assert isinstance(first[0], torch.Tensor)
+    assert first[0].data_ptr() == array.ctypes.data
+    assert second[0].tolist() == [[4.0, 5.0]]
+
+
+def test_numpy_with_negative_strides_is_copied_once() -> None:
+    array = np.arange(4)[::-1]
+    assert [s.tolist() for s in split_batch(array, 2)] == [[3, 2], [1, 0]]
+
+
+def test_local_replica_range_keeps_only_its_slices() -> None:
+    batch = torch.arange(7)
+    kept = split_batch(batch, 3, replica_offset=1, local_replicas=2)
+    assert [s.tolist() for s in kept] == [[3, 4, 5], [6]]
+    assert [s.tolist() for s in split_batch(batch, 3, replica_offset=2)] == [[6]]
+
+
+def test_one_replica_keeps_the_batch_whole_even_a_scalar() -> None:
+    batch = torch.tensor(3)
+    assert split_batch(batch, 1) == [batch]
+    assert split_batch(7, 1) == [7]
+
+
+@pytest.mark.parametrize("leaf", [torch.tensor(1.0), 5, np.float32(2.0), np.array(3)])
+def test_scalar_element_with_several_replicas_says_to_batch(leaf: object) -> None:
+    with pytest.raises(ValueError, match=r"over 2 replicas.*Batch the dataset first"):
+        split_batch((torch.zeros(2), leaf), 2)
+
+
+def test_leaf_that_is_no_tensor_raises_type_error() -> None:
+    with pytest.raises(TypeError, match=r"type str.*Received: 'abc'"):
+        split_batch(["abc"], 2)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "offset", "local"), [(0, 0, None), (2, 2, None), (3, 1, 3), (2, -1, 1), (2, 0, 0)]
+)
+def test_bad_replica_counts_raise(replicas: int, offset: int, local: int | None) -> None:
+    with pytest.raises(ValueError, match="num_replicas"):
+        split_leaves(torch.zeros(4), replicas, replica_offset=offset, local_replicas=local)
+
+
+def test_split_of_a_structure_without_leaves_gives_one_per_replica() -> None:
+    assert split_batch((), 2) == [(), ()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(0, 40),
+    batch=st.integers(1, 12),
+    replicas=st.integers(1, 4),
+    drop=st.booleans(),
+)
+def test_concatenated_slices_give_back_the_source_in_order(
+    n: int, batch: int, replicas: int, drop: bool
+) -> None:
+    source = [b for b in Dataset.range(n).batch(batch, drop_remainder=drop)]
+    for global_batch in source:
+        x, y = split_leaves((global_batch, global_batch * 2), replicas)[0]
+        assert len(x) == replicas
+        assert torch.equal(torch.cat(x), global_batch)
+        assert torch.equal(torch.cat(y), global_batch * 2)
+    kept = n - n % batch if drop else n
+    flat = [s for b in source for s in split_batch(b, replicas)]
+    assert (torch.cat(flat).tolist() if flat else []) == list(range(kept))
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 30), replicas=st.integers(1, 4), data=st.data())
+def test_local_ranges_over_all_offsets_give_the_full_split(
+    size: int, replicas: int, data: st.DataObject
+) -> None:
+    batch = torch.arange(size)
+    full = [s.tolist() for s in split_batch(batch, replicas)]
+    cuts = sorted(data.draw(st.sets(st.integers(1, replicas - 1))) if replicas > 1 else set())
+    bounds = [0, *cuts, replicas]
+    union = []
+    for start, stop in itertools.pairwise(bounds):
+        local = split_batch(batch, replicas, replica_offset=start, local_replicas=stop - start)
+        union += [s.tolist() for s in local]
+    assert union == full
+
+
+# The deal rule of distribute_datasets_from_function.
+
+
+def dealt(elements: list[Any], replicas: int) -> list[list[Any]]:
+    return [[s.tolist() for s in columns[0]] for columns, _ in deal_steps(elements, replicas)]
+
+
+def test_deal_hands_elements_out_round_robin_and_pads_the_last_step() -> None:
+    elements = list(Dataset.range(7).batch(3))
+    assert dealt(elements, 2) == [[[0, 1, 2], [3, 4, 5]], [[6], []]]
+    assert dealt(elements, 3) == [[[0, 1, 2], [3, 4, 5], [6]]]
+    assert dealt(elements, 1) == [[[0, 1, 2]], [[3, 4, 5]], [[6]]]
+
+
+def test_deal_padding_keeps_dtype_and_trailing_dims_of_the_last_element() -> None:
+    elements = [torch.ones(2, 5, dtype=torch.int8)] * 3
+    _, (last, _) = deal_steps(elements, 2)
+    padding = last[0][1]
+    assert padding.shape == (0, 5)
+    assert padding.dtype == torch.int8
+
+
+def test_deal_of_scalars_drops_the_incomplete_step_with_a_count() -> None:
+    with pytest.warns(UserWarning, match="Dropped the last 1 element"):
+        assert dealt(list(Dataset.range(5)), 2) == [[0, 1], [2, 3]]
+
+
+def test_deal_of_different_structures_in_one_step_raises() -> None:
+    with pytest.raises(ValueError, match="same structure"):
+        list(deal_steps([torch.zeros(2), (torch.zeros(2),)], 2))
