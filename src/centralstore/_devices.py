@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Union
 
 import torch
 
-DeviceLike = Union[str, torch.device]
+DeviceLike = str | torch.device
 
 _PATTERN = re.compile(
     r"""^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?   # TensorFlow's full names
@@ -40,6 +39,7 @@ def canonical(device: DeviceLike) -> str:
     >>> canonical("cpu")
     'cpu:0'
     """
+    index: int | None
     if isinstance(device, torch.device):
         kind, index = device.type, device.index
     elif isinstance(device, str):
@@ -54,8 +54,8 @@ def canonical(device: DeviceLike) -> str:
         index = None if match["index"] is None else int(match["index"])
     else:
         raise TypeError(
-            f"A device must be a string or a torch.device, but got {type(device).__name__}. "
-            f"Received: device={device!r}"
+            f"A device must be a string or a torch.device, but got {type(device).__name__}; "
+            f"visible devices: {visible_devices()}. Received: device={device!r}"
         )
     if kind == "cpu":
         return f"cpu:{index or 0}"
@@ -74,7 +74,10 @@ def canonical(device: DeviceLike) -> str:
                 f"{visible_devices()}."
             )
         return "mps"
-    raise ValueError(f"Unsupported device type {kind!r} in {device!r}.")
+    raise ValueError(
+        f"Unsupported device type {kind!r} in {device!r}: centralstore runs replicas on 'cpu', "
+        f"'cuda' and 'mps' devices; visible devices: {visible_devices()}."
+    )
 
 
 def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
@@ -82,16 +85,17 @@ def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
     if isinstance(devices, (str, torch.device)):
         raise TypeError(
             f"{what} must be a list of devices, not a single device. "
-            f"Wrap it in a list: {what}=[{devices!r}]."
+            f"Wrap it in a list: {what}=[{devices!r}]. Visible devices: {visible_devices()}."
         )
     if not isinstance(devices, Sequence) or isinstance(devices, bytes):
         raise TypeError(
-            f"{what} must be a list or tuple of devices. Received: {what}={devices!r}"
+            f"{what} must be a list or tuple of devices; visible devices: "
+            f"{visible_devices()}. Received: {what}={devices!r}"
         )
     if len(devices) == 0:
         raise ValueError(
             f"{what} is empty; name at least one device, e.g. ['cpu:0', 'cpu:1']. "
-            f"Visible devices: {visible_devices()}."
+            f"Visible devices: {visible_devices()}. Received: {what}={devices!r}"
         )
     return tuple(canonical(d) for d in devices)
 

@@ -47,14 +47,21 @@ def as_tensor(value: Any, device: torch.device | None = None) -> torch.Tensor:
     """``value`` as a tensor: tensors pass (moved to ``device`` when given), numbers and numpy
     arrays are converted."""
     if isinstance(value, torch.Tensor):
-        return value if device is None else value.to(device)
+        return value if device is None or value.device == device else value.to(device)
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value).to(device)
     return torch.as_tensor(value, device=device)
 
 
+_CPU = torch.device("cpu")
+
+
 def result_device() -> torch.device:
     """Where reductions land: the CPU, or the device of an active ``torch.device`` context."""
+    # A torch.device context (or set_default_device) is a mode on the torch-function stack;
+    # with none, skip get_default_device, which walks the stack (a few microseconds).
+    if not torch._C._len_torch_function_stack():
+        return _CPU
     return torch.get_default_device()
 
 
@@ -67,13 +74,20 @@ def _axes(axis: Axis, component: torch.Tensor, replica: int) -> tuple[int, ...]:
                 f"axis {axis} is out of range for the component of replica {replica} with shape "
                 f"{tuple(component.shape)}; every component must have that axis."
             )
-    return tuple(a % ndim for a in axes)
+    dims = tuple(a % ndim for a in axes)
+    if len(set(dims)) != len(dims):
+        raise ValueError(
+            f"axis {axis} names the same dimension twice for the component of replica "
+            f"{replica} with shape {tuple(component.shape)}; name each axis once."
+        )
+    return dims
 
 
-def _add_in_order(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+def _add_in_order(parts: Sequence[torch.Tensor], op: ReduceOp, axis: Axis) -> torch.Tensor:
     shape = parts[0].shape
     for replica, part in enumerate(parts):
         if part.shape != shape:
+            what = f"reduce({op.name})" if axis is None else f"reduce({op.name}, axis={axis})"
             raise ValueError(
                 f"{what} requires every replica's value to have the same shape, but replica 0 "
                 f"has {tuple(shape)} and replica {replica} has {tuple(part.shape)}."
@@ -101,16 +115,16 @@ def reduce_components(
     """
     parts = [as_tensor(c, device) for c in components]
     if axis is None:
-        total = _add_in_order(parts, f"reduce({op.name})")
+        total = _add_in_order(parts, op, None)
         if op is ReduceOp.MEAN:
             return _mean_dtype(total) / len(parts)
         return total
     sums, count = [], 0
     for replica, part in enumerate(parts):
         axes = _axes(axis, part, replica)
-        sums.append(part.sum(dim=axes))
+        sums.append(part.sum(dim=axes) if axes else part)  # torch sums all dims for dim=()
         count += int(np.prod([part.shape[a] for a in axes]))
-    total = _add_in_order(sums, f"reduce({op.name}, axis={axis})")
+    total = _add_in_order(sums, op, axis)
     if op is ReduceOp.MEAN:
         return _mean_dtype(total) / count
     return total

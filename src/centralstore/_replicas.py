@@ -27,39 +27,54 @@ class ReplicaAborted(Exception):
 
 
 class Environment:
-    """Thread-local torch state the calling thread had, re-established on worker threads."""
+    """Thread-local torch state the calling thread had, re-established on worker threads:
+    grad mode, inference mode and autocast."""
 
-    __slots__ = ("autocast", "grad_enabled")
+    __slots__ = ("autocast", "grad_enabled", "inference")
 
     def __init__(self) -> None:
         self.grad_enabled = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        # Captured on every run, so the common case (no autocast) is one cheap query.
         self.autocast = [
             (kind, torch.get_autocast_dtype(kind))
             for kind in ("cpu", "cuda")
             if torch.is_autocast_enabled(kind)
-        ]
+        ] if torch._C._is_any_autocast_enabled() else []
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for kind, dtype in self.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
             yield
 
 
+# Stands in for a run's barrier condition until its workers start; never waited on.
+_NO_CONDITION = threading.Condition()
+
+
 class RunState:
-    """The shared state of one ``run``: outputs, errors and the rendezvous barrier."""
+    """The shared state of one ``run``: outputs, errors and the rendezvous barrier.
+
+    Until ``threaded`` is set only the calling thread touches the state, so the sequential
+    path takes no lock; the barrier's condition is created when the workers start.
+    """
 
     def __init__(self, num_replicas: int, pool: WorkerPool, body: Body) -> None:
         self.num_replicas = num_replicas
         self.outputs: list[Any] = [None] * num_replicas
         self.errors: list[BaseException | None] = [None] * num_replicas
+        self.any_failed = False
         self.threaded = False
         self.closed = False
         self._pool = pool
         self._body = body
-        self._cond = threading.Condition()
+        self._cond: threading.Condition = _NO_CONDITION
+        self._crew: int | None = None
         self._aborted = False
         self._generation = 0
         self._arrived: list[tuple[str, Any] | None] = [None] * num_replicas
@@ -70,26 +85,44 @@ class RunState:
 
     # -- called by replica bodies ------------------------------------------------------------
 
+    def _blame_returned(self, early: int, kind: str, caller: int) -> None:
+        """Replica ``early`` returned without calling ``kind``, which ``caller`` called: its
+        error, whichever of the two came first, so that the same mistake reads the same."""
+        self.errors[early] = RuntimeError(
+            f"Replica {early} returned without calling {kind}, which replica {caller} called. "
+            "Every replica must make the same collective calls (all_reduce, all_gather, "
+            "merge_call) in the same order."
+        )
+        self.any_failed = True
+
     def returned(self, replica: int, output: Any) -> None:
         """Replica ``replica`` returned ``output``; waiting replicas can no longer meet it."""
+        if not self.threaded:
+            self.outputs[replica] = output
+            return
         with self._cond:
             self.outputs[replica] = output
             self._returned.add(replica)
             if self._count and self._arrived[replica] is None and not self._aborted:
-                kind = next(a for a in self._arrived if a is not None)[0]
-                self.errors[replica] = RuntimeError(
-                    f"Replica {replica} returned without calling {kind}, which other replicas "
-                    "are waiting in. Every replica must make the same collective calls "
-                    "(all_reduce, all_gather, merge_call) in the same order."
+                caller, (kind, _) = next(
+                    (r, a) for r, a in enumerate(self._arrived) if a is not None
                 )
+                self._blame_returned(replica, kind, caller)
                 self._abort()
 
     def failed(self, replica: int, error: BaseException) -> None:
+        if not self.threaded:
+            self.errors[replica] = error
+            self.any_failed = True
+            return
         with self._cond:
             self.errors[replica] = error
+            self.any_failed = True
             self._abort()
 
-    def meet(self, replica: int, kind: str, value: Any, combine: Callable[[list[Any]], Sequence[Any]]) -> Any:
+    def meet(
+        self, replica: int, kind: str, value: Any, combine: Callable[[list[Any]], Sequence[Any]]
+    ) -> Any:
         """Wait for every replica to arrive with its ``value``; ``combine`` runs once, on
         replica 0's thread, and returns one result per replica."""
         if self.closed:
@@ -97,23 +130,20 @@ class RunState:
                 f"{kind} needs every replica of strategy.run, but run has already returned. "
                 f"Call it (and backward through it) inside the function given to run."
             )
+        starting = not self.threaded
+        if starting:
+            if replica != 0:  # replicas 0..replica-1 ran one after another and returned
+                self._blame_returned(0, kind, replica)
+                raise ReplicaAborted()
+            self._cond = threading.Condition(threading.Lock())
+            self.threaded = True
         with self._cond:
             if self._aborted:
                 raise ReplicaAborted()
-            if not self.threaded:
-                if replica != 0:
-                    raise RuntimeError(
-                        f"Replica {replica} called {kind}, but replicas 0..{replica - 1} "
-                        "returned without calling it. Every replica must make the same "
-                        "collective calls (all_reduce, all_gather, merge_call) in the same order."
-                    )
-                self._start_workers()
             if self._returned:
-                raise RuntimeError(
-                    f"Replica {replica} called {kind}, but replica(s) {sorted(self._returned)} "
-                    "already returned without calling it. Every replica must make the same "
-                    "collective calls in the same order."
-                )
+                self._blame_returned(min(self._returned), kind, replica)
+                self._abort()
+                raise ReplicaAborted()
             self._arrived[replica] = (kind, value)
             self._count += 1
             generation = self._generation
@@ -123,6 +153,11 @@ class RunState:
                 if self._generation == generation:
                     raise ReplicaAborted()
                 return self._results[replica]
+        if starting:
+            # Only now that replica 0 has arrived: a worker replica that returns at once
+            # without arriving is then the one at fault, as in any later rendezvous.
+            self._start_workers()
+        with self._cond:
             self._cond.wait_for(lambda: self._count == self.num_replicas or self._aborted)
             if self._aborted:
                 raise ReplicaAborted()
@@ -149,56 +184,91 @@ class RunState:
         self._cond.notify_all()
 
     def _start_workers(self) -> None:
-        self.threaded = True
-        self._running_workers = self.num_replicas - 1
+        self._crew = self._pool.reserve()
         for replica in range(1, self.num_replicas):
-            self._pool.submit(replica, self._run_on_worker)
+            self._pool.submit(self._crew, replica, self._run_on_worker)
+            # Counted once submitted, so a worker that fails to start leaves no one to wait for.
+            with self._cond:
+                self._running_workers += 1
 
     def _run_on_worker(self, replica: int) -> None:
         try:
             self._body(self, replica)
+        except BaseException as error:  # the body records its own errors; never lose a worker
+            self.failed(replica, error)
         finally:
             with self._cond:
                 self._running_workers -= 1
                 self._cond.notify_all()
 
     def wait_for_workers(self) -> None:
+        if not self.threaded:
+            return
         with self._cond:
             self._cond.wait_for(lambda: self._running_workers == 0)
 
+    def close(self) -> None:
+        """No collective can meet any more; the crew is free for another run."""
+        self.closed = True
+        if self._crew is not None:
+            self._pool.release(self._crew)
+            self._crew = None
+
+
+_Tasks = queue.SimpleQueue[tuple[Callable[[int], None], int] | None]
+
 
 class WorkerPool:
-    """Persistent worker threads, one per replica beyond the first, started on first need.
+    """Persistent worker threads, started on first need: a crew of one thread per replica
+    beyond the first.
 
-    The threads hold no reference to the strategy; they stop when the pool is closed (when
-    the strategy is garbage collected).
+    Usually one run at a time needs a crew. A run started while another run's crew waits at
+    its barrier (``strategy.run`` inside ``merge_call``) gets a crew of its own: the waiting
+    one could never take its replicas. The threads hold no reference to the strategy; they
+    stop when the pool is closed (when the strategy is garbage collected).
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._queues: dict[int, queue.SimpleQueue[tuple[Callable[[int], None], int] | None]] = {}
+        self._queues: dict[tuple[int, int], _Tasks] = {}
+        self._busy: set[int] = set()
         self._lock = threading.Lock()
 
-    def submit(self, replica: int, task: Callable[[int], None]) -> None:
+    def reserve(self) -> int:
+        """A crew that no run in flight uses; give it back with ``release``."""
         with self._lock:
-            if replica not in self._queues:
-                q: queue.SimpleQueue[tuple[Callable[[int], None], int] | None] = queue.SimpleQueue()
+            crew = 0
+            while crew in self._busy:
+                crew += 1
+            self._busy.add(crew)
+            return crew
+
+    def release(self, crew: int) -> None:
+        with self._lock:
+            self._busy.discard(crew)
+
+    def submit(self, crew: int, replica: int, task: Callable[[int], None]) -> None:
+        with self._lock:
+            tasks = self._queues.get((crew, replica))
+            if tasks is None:
+                tasks = queue.SimpleQueue()
+                suffix = f"-crew-{crew}" if crew else ""
                 thread = threading.Thread(
-                    target=_worker_loop, args=(q,), name=f"{self._name}-replica-{replica}",
-                    daemon=True,
+                    target=_worker_loop, args=(tasks,),
+                    name=f"{self._name}-replica-{replica}{suffix}", daemon=True,
                 )
                 thread.start()
-                self._queues[replica] = q
-        self._queues[replica].put((task, replica))
+                self._queues[crew, replica] = tasks
+        tasks.put((task, replica))
 
     def close(self) -> None:
         with self._lock:
-            for q in self._queues.values():
-                q.put(None)
+            for tasks in self._queues.values():
+                tasks.put(None)
             self._queues.clear()
 
 
-def _worker_loop(q: queue.SimpleQueue[tuple[Callable[[int], None], int] | None]) -> None:
+def _worker_loop(q: _Tasks) -> None:
     while (item := q.get()) is not None:
         task, replica = item
         task(replica)
@@ -218,10 +288,9 @@ def execute(num_replicas: int, pool: WorkerPool, body: Body) -> RunState:
     try:
         for replica in range(num_replicas):
             body(state, replica)
-            if state.threaded or any(e is not None for e in state.errors):
+            if state.threaded or state.any_failed:
                 break
-        if state.threaded:
-            state.wait_for_workers()
+        state.wait_for_workers()
     finally:
-        state.closed = True
+        state.close()
     return state

@@ -13,6 +13,9 @@ import torch.utils._pytree as _pytree
 
 TreeSpec = _pytree.TreeSpec
 
+# ``tree_is_leaf`` is the public name since torch 2.3; older releases only have ``_is_leaf``.
+_is_leaf: Callable[[Any], bool] = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
+
 
 def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
     """The leaves of ``tree`` in order and the structure to rebuild it."""
@@ -32,16 +35,17 @@ def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
 def contains(tree: Any, kind: type) -> bool:
     """Whether any leaf of ``tree`` is an instance of ``kind``.
 
-    Plain tuples, lists and dicts are walked directly (the hot path of ``run``); other
-    registered containers go through pytree.
+    Plain tuples, lists and dicts are walked directly (the hot path of ``run`` checks its
+    ``args`` and ``kwargs`` once per replica, usually small or empty); other registered
+    containers go through pytree.
     """
-    if isinstance(tree, kind):
-        return True
     cls = type(tree)
     if cls is tuple or cls is list:
-        return any(contains(item, kind) for item in tree)
+        return bool(tree) and any(contains(item, kind) for item in tree)
     if cls is dict:
-        return any(contains(item, kind) for item in tree.values())
-    if _pytree._is_leaf(tree):
+        return bool(tree) and any(contains(item, kind) for item in tree.values())
+    if isinstance(tree, kind):
+        return True
+    if _is_leaf(tree):
         return False
     return any(isinstance(leaf, kind) for leaf in flatten(tree)[0])

@@ -84,7 +84,7 @@ def regroup(outputs: Sequence[Any]) -> Any:
         columns.append(leaves)
     regrouped = [
         row[0] if all(x is row[0] for x in row) else PerReplica(row)
-        for row in zip(*columns)
+        for row in zip(*columns, strict=True)
     ]
     return _tree.unflatten(regrouped, spec0)
 

@@ -1,0 +1,379 @@
+"""reduce, gather and local results (DESIGN 3.4, 3.8.3-4, 3.8.10), against literal tables."""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import centralstore as cs
+from centralstore._reduce import ReduceOp
+
+SUM, MEAN = cs.ReduceOp.SUM, cs.ReduceOp.MEAN
+
+
+def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
+    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+
+
+def per_replica(*components: Any) -> cs.PerReplica[torch.Tensor]:
+    return cs.PerReplica([torch.tensor(c, dtype=torch.float32) for c in components])
+
+
+def same(actual: Any, expected: Any) -> None:
+    """Equal in value, dtype and shape (nan equal to nan)."""
+    expected = torch.as_tensor(expected)
+    assert isinstance(actual, torch.Tensor)
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    torch.testing.assert_close(actual, expected, equal_nan=True, rtol=0, atol=1e-6)
+
+
+# -- ReduceOp ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given_op", "expected"),
+    [
+        (SUM, SUM), (MEAN, MEAN), ("SUM", SUM), ("sum", SUM), ("Sum", SUM), ("MEAN", MEAN),
+        ("mean", MEAN), ("mEaN", MEAN),
+    ],
+)
+def test_reduce_op_parsing(given_op: Any, expected: ReduceOp) -> None:
+    assert ReduceOp.parse(given_op) is expected
+    strategy = strategy_of(2)
+    value = per_replica([1.0], [3.0])
+    same(strategy.reduce(given_op, value), [4.0] if expected is SUM else [2.0])
+
+
+@pytest.mark.parametrize(
+    "bad", ["MAX", "min", "", " sum", 0, 1, None, cs.VariableAggregation.SUM,
+            cs.VariableAggregation.MEAN, "ReduceOp.SUM"],
+)
+def test_anything_else_raises_listing_sum_and_mean(bad: Any) -> None:
+    with pytest.raises(ValueError, match="SUM") as info:
+        ReduceOp.parse(bad)
+    assert "MEAN" in str(info.value)
+    assert f"reduce_op={bad!r}" in str(info.value)
+    with pytest.raises(ValueError, match="MEAN"):
+        strategy_of(2).reduce(bad, per_replica([1.0], [2.0]))
+
+
+def test_reduce_op_members() -> None:
+    assert [op.name for op in cs.ReduceOp] == ["SUM", "MEAN"]
+    assert cs.ReduceOp is ReduceOp
+
+
+# -- the tables of 3.4 -------------------------------------------------------------------------
+
+uneven = per_replica([0.0, 1, 2, 3], [4.0, 5])
+
+
+@pytest.mark.parametrize(
+    ("components", "op", "axis", "expected"),
+    [
+        ((([0.0, 1, 2, 3]), [4.0, 5]), SUM, 0, 15.0),
+        ((([0.0, 1, 2, 3]), [4.0, 5]), MEAN, 0, 2.5),
+        ((([0.0, 1, 2, 3]), [4.0, 5]), SUM, -1, 15.0),
+        ((([0.0, 1, 2, 3]), [4.0, 5]), MEAN, (0,), 2.5),
+        (([5.0], []), MEAN, 0, 5.0),
+        (([5.0], []), SUM, 0, 5.0),
+        (([], []), MEAN, 0, math.nan),
+        (([], []), SUM, 0, 0.0),
+        ((1.0, 2.0, 4.0), SUM, None, 7.0),
+        ((1.0, 2.0, 4.0), MEAN, None, 7.0 / 3),
+        (([[1.0, 2], [3, 4]], [[5.0, 6]]), SUM, 0, [9.0, 12]),
+        (([[1.0, 2], [3, 4]], [[5.0, 6]]), MEAN, 0, [3.0, 4]),
+        (([[1.0, 2], [3, 4]], [[5.0, 6]]), SUM, (0, 1), 21.0),
+        (([[1.0, 2], [3, 4]], [[5.0, 6]]), MEAN, (-2, -1), 3.5),
+        (([[1.0, 2], [3, 4]], [[5.0, 6], [7, 8]]), MEAN, 1, [3.5, 5.5]),
+        (([[1.0, 2], [3, 4]], [[5.0, 6], [7, 8]]), MEAN, None, [[3.0, 4], [5, 6]]),
+        (([[1.0, 2]], [[5.0, 6]]), MEAN, (), [[3.0, 4]]),
+        (([[1.0, 2]], [[5.0, 6]]), SUM, [], [[6.0, 8]]),
+    ],
+)
+def test_reduce_table(components: Any, op: ReduceOp, axis: Any, expected: Any) -> None:
+    strategy = strategy_of(len(components))
+    same(strategy.reduce(op, per_replica(*components), axis=axis), expected)
+
+
+@pytest.mark.parametrize("op", [SUM, MEAN])
+def test_axis_none_with_different_shapes_raises_naming_them(op: ReduceOp) -> None:
+    with pytest.raises(ValueError, match=r"replica 0 has \(4,\) and replica 1 has \(2,\)"):
+        strategy_of(2).reduce(op, uneven)
+
+
+def test_with_an_axis_the_per_replica_sums_must_agree() -> None:
+    value = per_replica([[1.0, 2]], [[1.0, 2, 3]])
+    with pytest.raises(ValueError, match=r"axis=0.*\(2,\).*\(3,\)"):
+        strategy_of(2).reduce(SUM, value, axis=0)
+
+
+def test_a_plain_tensor() -> None:
+    strategy = strategy_of(2)
+    tensor = torch.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match="ambiguous") as info:
+        strategy.reduce(SUM, tensor)
+    assert "2 replicas" in str(info.value)
+    assert strategy.reduce(MEAN, tensor) is tensor
+    same(strategy.reduce(SUM, tensor, axis=0), 6.0)
+    same(strategy.reduce(MEAN, tensor, axis=0), 1.5)
+    same(strategy.reduce(SUM, np.array([1.0, 2.0]), axis=0), torch.tensor(6.0, dtype=torch.float64))
+    same(strategy_of(3).reduce(SUM, torch.tensor([[1.0, 2.0]]), axis=(0, 1)), 9.0)
+
+
+def test_one_replica_sum_of_a_plain_value_returns_it_unchanged() -> None:
+    tensor = torch.ones(3)
+    assert strategy_of(1).reduce(SUM, tensor) is tensor
+    assert strategy_of(1).reduce(MEAN, tensor) is tensor
+    marker = object()
+    assert cs.OneDeviceStrategy("cpu").reduce("sum", marker) is marker
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+@pytest.mark.parametrize("axis", [None, 0])
+def test_mean_of_integers_is_the_default_float_dtype(dtype: torch.dtype, axis: Any) -> None:
+    value = cs.PerReplica([torch.tensor([1, 0], dtype=dtype), torch.tensor([0, 0], dtype=dtype)])
+    result = strategy_of(2).reduce(MEAN, value, axis=axis)
+    assert result.dtype == torch.get_default_dtype()
+    same(result, [0.5, 0.0] if axis is None else 0.25)
+
+
+def test_mean_of_integers_follows_the_default_dtype() -> None:
+    value = cs.PerReplica([torch.tensor(1), torch.tensor(2)])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        same(strategy_of(2).reduce(MEAN, value), torch.tensor(1.5, dtype=torch.float64))
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_sum_of_integers_stays_integer() -> None:
+    value = cs.PerReplica([torch.tensor([1, 2]), torch.tensor([3, 4])])
+    same(strategy_of(2).reduce(SUM, value), torch.tensor([4, 6]))
+
+
+@pytest.mark.parametrize(
+    ("components", "axis", "match"),
+    [
+        ((1.0, 2.0), 0, r"replica 0 with shape \(\)"),
+        (([1.0], 2.0), 0, r"replica 1 with shape \(\)"),
+        (([1.0], [2.0]), 1, r"axis 1 is out of range"),
+        (([1.0], [2.0]), -2, r"axis -2 is out of range"),
+        (([[1.0]], [2.0]), (0, 1), r"replica 1 with shape \(1,\)"),
+        (([[1.0]], [[2.0]]), (0, -2), r"names the same dimension twice"),
+    ],
+)
+def test_axis_errors(components: Any, axis: Any, match: str) -> None:
+    value = per_replica(*components)
+    for op in (SUM, MEAN):
+        with pytest.raises(ValueError, match=match):
+            strategy_of(2).reduce(op, value, axis=axis)
+
+
+def test_axis_errors_for_a_plain_scalar() -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        strategy_of(2).reduce(SUM, torch.tensor(1.0), axis=0)
+
+
+def test_nested_structures_are_reduced_leaf_by_leaf() -> None:
+    strategy = strategy_of(2)
+    Pair = namedtuple("Pair", "a b")
+    value = {
+        "x": per_replica(1.0, 2.0),
+        "y": [Pair(per_replica([1.0, 2], [3.0]), torch.tensor([4.0]))],
+    }
+    reduced = strategy.reduce(MEAN, {"x": value["x"], "p": Pair(value["x"], "plain")})
+    assert set(reduced) == {"x", "p"} and isinstance(reduced["p"], Pair)
+    same(reduced["x"], 1.5)
+    same(reduced["p"].a, 1.5)
+    assert reduced["p"].b == "plain"  # MEAN of a plain value returns it
+    summed = strategy.reduce(SUM, value["y"], axis=0)
+    same(summed[0].a, 6.0)
+    same(summed[0].b, 8.0)  # a plain tensor counts once per replica with an axis
+
+
+def test_the_result_lands_on_the_cpu_or_the_current_device_context() -> None:
+    strategy = strategy_of(2)
+    value = cs.PerReplica([torch.ones(2), torch.ones(2)])
+    assert strategy.reduce(SUM, value).device == torch.device("cpu")
+    assert strategy.gather(value, 0).device == torch.device("cpu")
+    with torch.device("meta"):
+        assert strategy.reduce(SUM, value).device == torch.device("meta")
+        assert strategy.reduce(MEAN, value, axis=0).device == torch.device("meta")
+        assert strategy.gather(value, 0).device == torch.device("meta")
+
+
+def test_reduce_keeps_the_autograd_graph() -> None:
+    strategy = strategy_of(2)
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    value = cs.PerReplica([w * 2, w[:1] * 3])
+    strategy.reduce(MEAN, value, axis=0).backward()
+    # mean over 3 elements of [2w0, 2w1, 3w0]
+    same(w.grad, [5.0 / 3, 2.0 / 3])
+    w.grad = None
+    strategy.reduce(SUM, cs.PerReplica([w * 2, w * 3])).sum().backward()
+    same(w.grad, [5.0, 5.0])
+
+
+def test_reduce_accepts_numbers_and_numpy_components() -> None:
+    value = cs.PerReplica([1, np.array(2.0), torch.tensor(3.0)])
+    same(strategy_of(3).reduce(SUM, value), torch.tensor(6.0, dtype=torch.float64))
+    same(strategy_of(2).reduce(MEAN, cs.PerReplica([1, 2])), 1.5)
+
+
+# -- gather ------------------------------------------------------------------------------------
+
+
+def test_gather_concatenates_along_the_axis_with_uneven_and_empty_components() -> None:
+    strategy = strategy_of(3)
+    value = cs.PerReplica([torch.tensor([[1, 2]]), torch.zeros(0, 2, dtype=torch.int64),
+                           torch.tensor([[3, 4], [5, 6]])])
+    same(strategy.gather(value, 0), [[1, 2], [3, 4], [5, 6]])
+    columns = cs.PerReplica([torch.tensor([[1], [2]]), torch.tensor([[3, 4], [5, 6]])])
+    same(strategy_of(2).gather(columns, 1), [[1, 3, 4], [2, 5, 6]])
+    same(strategy_of(2).gather(columns, -1), [[1, 3, 4], [2, 5, 6]])
+    empty = cs.PerReplica([torch.zeros(0), torch.zeros(0)])
+    assert strategy_of(2).gather(empty, 0).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("components", "axis", "match"),
+    [
+        ((torch.tensor(1.0), torch.tensor(2.0)), 0, "replica 0 gave a scalar"),
+        ((torch.ones(1), torch.tensor(2.0)), 0, "replica 1 gave a scalar"),
+        ((torch.ones(1, 2), torch.ones(2)), 0, r"equal rank.*\(1, 2\).*\(2,\)"),
+        ((torch.ones(1, 2), torch.ones(1, 3)), 0, r"equal sizes on the other axes"),
+        ((torch.ones(1, 2), torch.ones(1, 2)), 2, "out of range"),
+        ((torch.ones(1, 2), torch.ones(1, 2)), -3, "out of range"),
+    ],
+)
+def test_gather_errors(components: Any, axis: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        strategy_of(2).gather(cs.PerReplica(components), axis)
+
+
+def test_gather_returns_a_plain_value_unchanged_and_walks_structures() -> None:
+    strategy = strategy_of(2)
+    tensor = torch.ones(2)
+    assert strategy.gather(tensor, 0) is tensor
+    out = strategy.gather({"a": cs.PerReplica([torch.ones(1), torch.zeros(2)]), "b": tensor}, 0)
+    same(out["a"], [1.0, 0.0, 0.0])
+    assert out["b"] is tensor
+
+
+def test_gather_keeps_the_autograd_graph() -> None:
+    w = torch.ones(2, requires_grad=True)
+    out = strategy_of(2).gather(cs.PerReplica([w * 2, w[:1] * 3]), 0)
+    (out * torch.tensor([1.0, 10.0, 100.0])).sum().backward()
+    same(w.grad, [302.0, 20.0])
+
+
+# -- local results and values from a function --------------------------------------------------
+
+
+def test_experimental_local_results() -> None:
+    strategy = strategy_of(2)
+    a, b = torch.ones(1), torch.zeros(1)
+    assert strategy.experimental_local_results(cs.PerReplica([a, b])) == (a, b)
+    assert strategy.experimental_local_results(a)[0] is a
+    assert len(strategy.experimental_local_results(a)) == 1
+    assert strategy.experimental_local_results(None) == (None,)
+    nested = {"x": cs.PerReplica([1, 2]), "y": [a, cs.PerReplica(["p", "q"])]}
+    first, second = strategy.experimental_local_results(nested)
+    assert first == {"x": 1, "y": [a, "p"]}
+    assert second == {"x": 2, "y": [a, "q"]}
+    assert first["y"][0] is a and second["y"][0] is a
+
+
+def test_experimental_local_results_of_a_central_variable() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        variable = cs.Variable([1.0, 2.0])
+    results = strategy.experimental_local_results(variable)
+    assert len(results) == 1 and results[0] is variable
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_values_from_function_always_give_a_per_replica(replicas: int) -> None:
+    strategy = strategy_of(replicas)
+    seen: list[cs.ValueContext] = []
+
+    def value_fn(ctx: cs.ValueContext) -> Any:
+        seen.append(ctx)
+        return torch.full((1,), ctx.replica_id_in_sync_group)
+
+    value = strategy.experimental_distribute_values_from_function(value_fn)
+    assert isinstance(value, cs.PerReplica)
+    assert [int(t) for t in value] == list(range(replicas))
+    assert [(c.replica_id_in_sync_group, c.num_replicas_in_sync) for c in seen] == [
+        (r, replicas) for r in range(replicas)
+    ]
+    doubled = strategy.run(lambda t: t * 2, args=(value,))
+    assert [int(t) for t in strategy.experimental_local_results(doubled)] == [
+        2 * r for r in range(replicas)
+    ]
+
+
+# -- properties --------------------------------------------------------------------------------
+
+sizes = st.lists(st.integers(0, 5), min_size=1, max_size=4)
+
+
+def components_of(lengths: list[int], seed: int, width: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (lambda n: (n, width)) if width else (lambda n: (n,))
+    return [torch.randn(shape(n), generator=generator, dtype=torch.float64) for n in lengths]
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(lengths=sizes, seed=st.integers(0, 2**16), width=st.integers(0, 3))
+def test_sum_over_axis_zero_is_the_sum_of_the_concatenation(
+    lengths: list[int], seed: int, width: int
+) -> None:
+    parts = components_of(lengths, seed, width)
+    result = strategy_of(len(parts)).reduce(SUM, cs.PerReplica(parts), axis=0)
+    torch.testing.assert_close(result, torch.cat(parts).sum(0))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(lengths=sizes, seed=st.integers(0, 2**16), width=st.integers(0, 3))
+def test_mean_over_axis_zero_is_the_mean_of_the_concatenation(
+    lengths: list[int], seed: int, width: int
+) -> None:
+    parts = components_of(lengths, seed, width)
+    result = strategy_of(len(parts)).reduce(MEAN, cs.PerReplica(parts), axis=0)
+    torch.testing.assert_close(result, torch.cat(parts).mean(0), equal_nan=True)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(lengths=sizes, seed=st.integers(0, 2**16), width=st.integers(1, 3))
+def test_gather_then_split_gives_back_the_components(
+    lengths: list[int], seed: int, width: int
+) -> None:
+    parts = components_of(lengths, seed, width)
+    gathered = strategy_of(len(parts)).gather(cs.PerReplica(parts), 0)
+    for original, piece in zip(parts, torch.split(gathered, lengths), strict=True):
+        assert torch.equal(original, piece)
+    columns = [p.T for p in parts]
+    gathered = strategy_of(len(parts)).gather(cs.PerReplica(columns), 1)
+    for original, piece in zip(columns, torch.split(gathered, lengths, dim=1), strict=True):
+        assert torch.equal(original, piece)
+
+
+def test_as_tensor_moves_only_when_the_device_differs() -> None:
+    from centralstore._reduce import as_tensor
+
+    tensor = torch.ones(2)
+    assert as_tensor(tensor) is tensor
+    assert as_tensor(tensor, torch.device("cpu")) is tensor  # no copy on the host
+    assert as_tensor(tensor, torch.device("meta")).device == torch.device("meta")
+    converted = as_tensor(np.arange(3), torch.device("cpu"))
+    assert converted.tolist() == [0, 1, 2] and converted.dtype == torch.int64
+    assert as_tensor(2.5).dtype == torch.float32

@@ -1,0 +1,116 @@
+"""PerReplica and the two moves on it: select and regroup."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+import centralstore as cs
+from centralstore import _values
+
+
+def test_per_replica_is_an_immutable_sequence() -> None:
+    value = cs.PerReplica(iter([1, 2, 3]))
+    assert isinstance(value, Sequence)
+    assert len(value) == 3
+    assert value[0] == 1 and value[-1] == 3
+    assert value[1:] == (2, 3)
+    assert list(value) == [1, 2, 3]
+    assert value.values == (1, 2, 3)
+    assert 2 in value and 5 not in value
+    assert value.index(3) == 2
+
+
+def test_per_replica_is_read_only() -> None:
+    value = cs.PerReplica([1, 2])
+    with pytest.raises(AttributeError, match="read-only"):
+        value._values = (3, 4)  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="read-only"):
+        value.extra = 1  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        value[0] = 5  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        value.values = (1,)  # type: ignore[misc]
+    assert value.values == (1, 2)
+    assert not hasattr(value, "__dict__")
+
+
+def test_per_replica_copies_its_components() -> None:
+    components = [1, 2]
+    value = cs.PerReplica(components)
+    components.append(3)
+    assert value.values == (1, 2)
+
+
+def test_repr() -> None:
+    assert repr(cs.PerReplica([1, "a"])) == "PerReplica({\n  0: 1,\n  1: 'a'\n})"
+    assert repr(cs.PerReplica([torch.tensor(1)])) == "PerReplica({\n  0: tensor(1)\n})"
+
+
+def test_per_replica_is_a_pytree_leaf() -> None:
+    value = cs.PerReplica([1, 2])
+    leaves, _ = torch.utils._pytree.tree_flatten({"a": value})
+    assert leaves == [value]
+
+
+def test_select_replaces_per_replica_leaves_with_a_component() -> None:
+    Pair = namedtuple("Pair", "a b")
+    plain = torch.ones(1)
+    tree = {"x": cs.PerReplica([1, 2]), "y": [Pair(cs.PerReplica(["p", "q"]), plain)]}
+    assert _values.select(tree, 0) == {"x": 1, "y": [Pair("p", plain)]}
+    selected = _values.select(tree, 1)
+    assert selected == {"x": 2, "y": [Pair("q", plain)]}
+    assert selected["y"][0].b is plain
+    assert _values.select(cs.PerReplica([1, 2]), 1) == 2
+
+
+def test_select_returns_a_tree_without_per_replica_unchanged() -> None:
+    tree = (1, [torch.ones(1)], {"a": None})
+    assert _values.select(tree, 0) is tree
+    assert _values.select((), 3) == ()
+
+
+def test_regroup_keeps_replica_zeros_structure_and_wraps_differing_leaves() -> None:
+    Point = namedtuple("Point", "x y")
+    shared = torch.zeros(1)
+    out = _values.regroup([Point(0, shared), Point(1, shared), Point(2, shared)])
+    assert isinstance(out, Point)
+    assert isinstance(out.x, cs.PerReplica) and out.x.values == (0, 1, 2)
+    assert out.y is shared
+
+
+def test_regroup_of_the_same_object_returns_it() -> None:
+    shared = {"a": [1]}
+    assert _values.regroup([shared, shared]) is shared
+
+
+def test_regroup_of_different_structures_raises_naming_both() -> None:
+    with pytest.raises(ValueError, match="replica 2 returned") as info:
+        _values.regroup([(1, 2), (3, 4), (5,)])
+    assert "replica 0 returned" in str(info.value)
+
+
+def test_select_then_regroup_round_trips() -> None:
+    tree = {"x": cs.PerReplica([1, 2, 3]), "y": ("same", cs.PerReplica([4, 5, 6]))}
+    back = _values.regroup([_values.select(tree, r) for r in range(3)])
+    assert back["x"].values == (1, 2, 3)
+    assert back["y"][0] == "same"
+    assert back["y"][1].values == (4, 5, 6)
+
+
+def test_local_results() -> None:
+    value = cs.PerReplica([1, 2])
+    assert _values.local_results(value, 2) == (1, 2)
+    assert _values.local_results(7, 2) == (7,)
+    assert _values.local_results([value, 0], 2) == ([1, 0], [2, 0])
+
+
+def test_value_context() -> None:
+    ctx = cs.ValueContext(1, 4)
+    assert (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync) == (1, 4)
+    assert repr(ctx) == "ValueContext(replica_id_in_sync_group=1, num_replicas_in_sync=4)"
+    default = cs.ValueContext()
+    assert (default.replica_id_in_sync_group, default.num_replicas_in_sync) == (0, 1)
