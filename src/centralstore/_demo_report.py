@@ -1,0 +1,233 @@
+"""What the demo shows: the console report, the progress bars, ``curves.png``, ``summary.json``.
+
+Kept apart from the training job (``_demo.py``) so that the job reads as training code.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from . import __version__
+
+if TYPE_CHECKING:
+    from ._demo import Digits, History, Run, Settings
+    from .strategies.base import Strategy
+
+_WIDTH = 20  # the column of the report's labels
+
+
+class Progress:
+    """One epoch's tqdm bar (on stderr) with the running loss and accuracy, and the test
+    accuracy once the epoch is evaluated."""
+
+    def __init__(self, epoch: int, epochs: int, steps: int) -> None:
+        from tqdm import tqdm
+
+        digits = len(str(epochs))
+        self._bar = tqdm(
+            total=steps,
+            desc=f"epoch {epoch + 1:>{digits}}/{epochs}",
+            unit="step",
+            file=sys.stderr,
+            leave=True,
+            dynamic_ncols=True,
+        )
+
+    def step(self, loss: float, accuracy: float) -> None:
+        """One step done; ``loss`` and ``accuracy`` are the epoch's running means."""
+        self._bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.4f}", refresh=False)
+        self._bar.update(1)
+
+    def close(self, test_accuracy: float) -> None:
+        self._bar.set_postfix_str(f"{self._bar.postfix}, test_acc={test_accuracy:.4f}")
+        self._bar.close()
+
+
+class Report:
+    """The lines the demo prints, as ``label: value`` so that they read (and parse) easily."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+
+    def line(self, label: str, value: str) -> None:
+        print(f"{label:<{_WIDTH}}: {value}", file=self._out, flush=True)
+
+    def header(
+        self, strategy: Strategy, settings: Settings, train_samples: int, test_samples: int
+    ) -> None:
+        replicas = strategy.num_replicas_in_sync
+        print(
+            f"centralstore {__version__} demo: a small CNN on scikit-learn's handwritten digits",
+            file=self._out,
+        )
+        self.line(
+            "data",
+            f"{train_samples:,} training / {test_samples:,} test images (8x8, 10 classes), "
+            f"split with seed {settings.seed}",
+        )
+        self.line("strategy", f"{type(strategy).__name__}, {plural(replicas, 'replica')} in sync")
+        self.line("compute devices", ", ".join(strategy.compute_devices) + _cpu_note(strategy))
+        self.line("parameter device", strategy.parameter_device)
+        slices = " + ".join(str(n) for n in split_sizes(settings.batch_size, replicas))
+        steps = -(-train_samples // settings.batch_size)
+        self.line(
+            "global batch",
+            f"{settings.batch_size} = {slices} (one slice per replica), {steps} steps per "
+            f"epoch, {plural(settings.epochs, 'epoch')}",
+        )
+
+    def results(self, run: Run) -> None:
+        self.line("test accuracy", f"{run.history.test_accuracy[-1]:.4f}")
+        self.line(
+            "samples per second", f"{run.samples_per_second:,.0f} ({run.train_seconds:.1f} s)"
+        )
+
+    def comparison(
+        self, device: torch.device, reference: Run, difference: float, steps: int
+    ) -> None:
+        self.line(
+            "one device",
+            f"{device}, a plain PyTorch loop: same initial weights, same {steps} global "
+            "batches in the same order",
+        )
+        self.line("  test accuracy", f"{reference.history.test_accuracy[-1]:.4f}")
+        self.line(
+            "  samples per second",
+            f"{reference.samples_per_second:,.0f} ({reference.train_seconds:.1f} s)",
+        )
+        weights = sum(t.numel() for t in reference.model.state_dict().values())
+        why = "(float32 rounding)" if difference > 0 else "(bitwise identical)"
+        self.line(
+            "weight difference",
+            f"max |replicas - one device| = {difference:.1e} over {weights:,} weights {why}",
+        )
+
+    def written(self, paths: list[Path], seconds: float) -> None:
+        self.line("wrote", ", ".join(str(p) for p in paths))
+        self.line("wall time", f"{seconds:.1f} s")
+
+
+def split_sizes(global_batch: int, replicas: int) -> list[int]:
+    """The slice sizes of a global batch over the replicas: consecutive slices of
+    ceil(g / R), the last ones short or empty (TensorFlow's rule).
+
+    >>> split_sizes(64, 2), split_sizes(5, 3), split_sizes(4, 3), split_sizes(1, 2)
+    ([32, 32], [2, 2, 1], [2, 2, 0], [1, 0])
+    """
+    size = -(-global_batch // replicas)
+    return [
+        min((i + 1) * size, global_batch) - min(i * size, global_batch) for i in range(replicas)
+    ]
+
+
+def plural(count: int, noun: str) -> str:
+    """``"1 replica"``, ``"2 replicas"``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _cpu_note(strategy: Strategy) -> str:
+    if not all(d.startswith("cpu") for d in strategy.compute_devices):
+        return ""
+    if torch.cuda.device_count() == 0:
+        return " (logical CPU devices: no GPU is visible)"
+    return " (logical CPU devices)"
+
+
+def summary(
+    strategy: Strategy,
+    settings: Settings,
+    data: Digits,
+    distributed: Run,
+    reference: Run | None,
+    difference: float | None,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Everything the run measured, as JSON-ready values (``summary.json``)."""
+    from ._demo import ADAM_EPSILON, LEARNING_RATE
+
+    one_device = None
+    if reference is not None:
+        one_device = {
+            "device": str(device),
+            "test_accuracy": reference.history.test_accuracy[-1],
+            "train_seconds": reference.train_seconds,
+            "samples_per_second": reference.samples_per_second,
+            "history": _history(reference.history),
+        }
+    return {
+        "centralstore_version": __version__,
+        "torch_version": torch.__version__,
+        "strategy": type(strategy).__name__,
+        "compute_devices": list(strategy.compute_devices),
+        "parameter_device": strategy.parameter_device,
+        "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "dataset": "sklearn.datasets.load_digits",
+        "train_samples": len(data.train_labels),
+        "test_samples": len(data.test_labels),
+        "epochs": settings.epochs,
+        "global_batch_size": settings.batch_size,
+        "seed": settings.seed,
+        "optimizer": f"Adam(lr={LEARNING_RATE}, eps={ADAM_EPSILON}), cosine schedule",
+        "history": _history(distributed.history),
+        "test_accuracy": distributed.history.test_accuracy[-1],
+        "train_seconds": distributed.train_seconds,
+        "samples_per_second": distributed.samples_per_second,
+        "one_device": one_device,
+        "max_abs_weight_difference": difference,
+    }
+
+
+def _history(history: History) -> dict[str, list[float]]:
+    return {
+        "loss": history.loss,
+        "accuracy": history.accuracy,
+        "test_accuracy": history.test_accuracy,
+    }
+
+
+def write(directory: Path, summary: dict[str, Any]) -> list[Path]:
+    """Write ``curves.png`` and ``summary.json`` into ``directory`` (created if missing)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    curves = directory / "curves.png"
+    plot_curves(curves, summary)
+    path = directory / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return [curves, path]
+
+
+def plot_curves(path: Path, summary: dict[str, Any]) -> None:
+    """Loss and accuracy per epoch, with the one-device run dashed on top when there is one.
+
+    Drawn through matplotlib's object API on an Agg canvas: no pyplot, no global backend
+    switch, no display needed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    history = summary["history"]
+    epochs = list(range(1, len(history["loss"]) + 1))
+    replicas = plural(summary["num_replicas_in_sync"], "replica")
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss, accuracy = figure.subplots(1, 2)
+    loss.plot(epochs, history["loss"], marker="o", label=f"training, {replicas}")
+    accuracy.plot(epochs, history["accuracy"], marker="o", label=f"training, {replicas}")
+    accuracy.plot(epochs, history["test_accuracy"], marker="s", label=f"test, {replicas}")
+    if summary["one_device"] is not None:
+        one = summary["one_device"]["history"]
+        loss.plot(epochs, one["loss"], "k--", label="training, one device")
+        accuracy.plot(epochs, one["test_accuracy"], "k--", label="test, one device")
+    loss.set(title="loss (cross-entropy)", xlabel="epoch", yscale="log")
+    accuracy.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
+    for axes in (loss, accuracy):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(
+        f"centralstore demo: {summary['strategy']} on {', '.join(summary['compute_devices'])}"
+    )
+    figure.savefig(path, dpi=100)
