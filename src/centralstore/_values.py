@@ -56,8 +56,15 @@ class PerReplica(Sequence[T], Generic[T]):
 
 def select(tree: Any, replica: int) -> Any:
     """``tree`` as replica ``replica`` sees it: each PerReplica leaf becomes its component."""
+    cls = type(tree)
+    if cls is PerReplica:
+        return tree.values[replica]
     if not _tree.contains(tree, PerReplica):
         return tree
+    if cls is tuple or cls is list:  # run's args: a flat tuple is the common case
+        return cls(select(item, replica) for item in tree)
+    if cls is dict:
+        return {key: select(item, replica) for key, item in tree.items()}
     return _tree.map_leaves(
         lambda leaf: leaf.values[replica] if isinstance(leaf, PerReplica) else leaf, tree
     )

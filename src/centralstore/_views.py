@@ -197,48 +197,59 @@ class ReplicaViews:
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``func`` with central variables swapped for this replica's views."""
-        records = self.store.records
         kind = write_kind(func)
-        targets: set[int] = set()
+        writes: set[int] = set()
         if kind != READ:
             first = args[0] if args else next(
                 (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None
             )
-            targets.add(id(first))
+            writes.add(id(first))
         out = kwargs.get("out")
         if out is not None:
-            targets.update(id(t) for t in (out if isinstance(out, (tuple, list)) else (out,)))
+            writes.update(id(t) for t in (out if isinstance(out, (tuple, list)) else (out,)))
             kind = kind or ASSIGN
         private: list[View] = []
-        kernel_targets = kernel_writes(func, args, kwargs)
-        kernel_written: list[View] = []
-
-        def swap(value: Any) -> Any:
-            record = records.get(id(value))
-            if record is None:
-                return value
-            view = self.resolve(record, id(value) in targets)
-            if view.private:
-                private.append(view)
-                if id(value) in kernel_targets:
-                    kernel_written.append(view)
-            return view.tensor
-
-        def swap_one_level(value: Any) -> Any:
-            if type(value) is list or type(value) is tuple:
-                return type(value)(swap(v) for v in value)
-            return swap(value)
-
-        args = tuple(swap_one_level(a) for a in args)
-        kwargs = {k: swap_one_level(v) for k, v in kwargs.items()}
+        args = self._swap(args, writes, private)
+        if kwargs:
+            kwargs = dict(zip(kwargs, self._swap(kwargs.values(), writes, private)))
+        if not private:
+            return func(*args, **kwargs)
         before = [view.tensor._version for view in private]
         result = func(*args, **kwargs)
         for view, version in zip(private, before):
             if view.tensor._version != version:
                 self.note_write(view, kind)
-        for view in kernel_written:
-            self.note_write(view, ASSIGN)
+        if func in _KERNEL_WRITES:
+            written = kernel_writes(func, args, kwargs)
+            for view in private:
+                if id(view.tensor) in written:
+                    self.note_write(view, ASSIGN)
         return result
+
+    def _swap(self, values: Any, writes: set[int], private: list[View]) -> tuple[Any, ...]:
+        """``values`` (and the items of list/tuple values) with views for central variables;
+        private views used go to ``private``."""
+        records = self.store.records
+        swapped = []
+        for value in values:
+            record = records.get(id(value))
+            if record is not None:
+                value = self._view_tensor(record, id(value) in writes, private)
+            elif type(value) is list or type(value) is tuple:
+                if any(id(item) in records for item in value):
+                    value = type(value)(
+                        self._view_tensor(records[id(item)], id(item) in writes, private)
+                        if id(item) in records else item
+                        for item in value
+                    )
+            swapped.append(value)
+        return tuple(swapped)
+
+    def _view_tensor(self, record: Central, write: bool, private: list[View]) -> torch.Tensor:
+        view = self.resolve(record, write)
+        if view.private:
+            private.append(view)
+        return view.tensor
 
 
 def _has_central(values: Any, records: dict[int, Any]) -> bool:
