@@ -235,13 +235,14 @@ class ReplicaViews:
             record = records.get(id(value))
             if record is not None:
                 value = self._view_tensor(record, id(value) in writes, private)
-            elif type(value) is list or type(value) is tuple:
-                if any(id(item) in records for item in value):
-                    value = type(value)(
-                        self._view_tensor(records[id(item)], id(item) in writes, private)
-                        if id(item) in records else item
-                        for item in value
-                    )
+            elif (type(value) is list or type(value) is tuple) and any(
+                id(item) in records for item in value
+            ):
+                value = type(value)(
+                    self._view_tensor(records[id(item)], id(item) in writes, private)
+                    if id(item) in records else item
+                    for item in value
+                )
             swapped.append(value)
         return tuple(swapped)
 
