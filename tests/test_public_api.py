@@ -14,6 +14,7 @@ PUBLIC = [
     "Dataset",
     "InputContext",
     "InputOptions",
+    "MultiWorkerCentralStorageStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

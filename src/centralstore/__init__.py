@@ -23,6 +23,9 @@ from .input.options import InputOptions as InputOptions
 from .strategies.base import Strategy as Strategy
 from .strategies.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from .strategies.extended import StrategyExtended as StrategyExtended
+from .strategies.multi_worker import (
+    MultiWorkerCentralStorageStrategy as MultiWorkerCentralStorageStrategy,
+)
 from .strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
 
 __version__ = "0.1.0"
@@ -32,6 +35,7 @@ __all__ = [
     "Dataset",
     "InputContext",
     "InputOptions",
+    "MultiWorkerCentralStorageStrategy",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",

@@ -35,6 +35,9 @@ def on_gradient(store: VariableStore, view: View, tensor: torch.Tensor) -> None:
             store.pending.append(view)
         return
     if not store.in_run:
+        if store.cross_worker is not None:  # multi-worker: exchanged at the next sync point
+            store.pending.append(view)
+            return
         with torch.no_grad():
             _fold_views(store, [view])
 
@@ -103,6 +106,13 @@ def _fold_views(store: VariableStore, views: list[View]) -> None:
 
 def sync(store: VariableStore) -> None:
     """Fold everything the replicas left since the last sync point, in replica order."""
+    if store.cross_worker is not None:  # multi-worker: the exchange wraps the local fold
+        store.cross_worker(lambda: _sync_local(store))
+        return
+    _sync_local(store)
+
+
+def _sync_local(store: VariableStore) -> None:
     if store.pending:
         with torch.no_grad():
             _fold_views(store, store.pending)
@@ -196,4 +206,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             )
         return
     for store in list(_stores):
+        # A multi-worker store's sync point is a collective: only this optimizer's own
+        # stores sync here, so that workers never meet in another store's exchange (this
+        # WeakSet's order differs between processes).
+        if store.cross_worker is not None and not any(
+            id(p) in store.records for group in optimizer.param_groups for p in group["params"]
+        ):
+            continue
         sync(store)

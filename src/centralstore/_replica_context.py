@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _context, _tree
-from ._reduce import ReduceOp, as_tensor, gather_components, reduce_components
+from ._reduce import ReduceOp, as_tensor
 from ._values import regroup, select
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ class ReplicaContext:
     [2.0, 2.0]
     """
 
+    __slots__ = ("_replica_id", "_state", "_strategy")
+
     def __init__(self, strategy: Strategy, replica_id: int, state: RunState | None = None) -> None:
         self._strategy = strategy
         self._replica_id = replica_id
@@ -43,8 +45,9 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's index, 0 to ``num_replicas_in_sync - 1`` (a Python int)."""
-        return self._replica_id
+        """This replica's index, 0 to ``num_replicas_in_sync - 1`` (a Python int); with
+        several workers it counts the replicas of the workers before this one too."""
+        return self._strategy._replica_offset + self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -55,9 +58,15 @@ class ReplicaContext:
         """The compute device of this replica, e.g. ``torch.device("cpu", 1)``."""
         return self._strategy._torch_devices[self._replica_id]
 
+    @property
+    def _storage_device(self) -> torch.device:
+        # Where this replica's tensors live: ``device`` names a logical CPU device, and
+        # ``tensor.to(torch.device("cpu", 1))`` would copy even a CPU tensor.
+        return self._strategy._storage_devices[self._replica_id]
+
     def __repr__(self) -> str:
         return (
-            f"ReplicaContext(replica_id_in_sync_group={self._replica_id}, "
+            f"ReplicaContext(replica_id_in_sync_group={self.replica_id_in_sync_group}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync}, device={self.device})"
         )
 
@@ -70,16 +79,16 @@ class ReplicaContext:
         """
         op = ReduceOp.parse(reduce_op)
         leaves, spec = _tree.flatten(value)
-        tensors = [as_tensor(leaf, self.device) for leaf in leaves]
-        reduced = _AllReduce.apply(self, op, spec, *tensors)
+        tensors = [as_tensor(leaf, self._storage_device) for leaf in leaves]
+        reduced = _AllReduce.apply(self, op, spec, *tensors)  # type: ignore[no-untyped-call]
         return _tree.unflatten(list(reduced), spec)
 
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` from every replica along ``axis``; each replica gets its own
         copy on its device. Sizes along ``axis`` may differ."""
         leaves, spec = _tree.flatten(value)
-        tensors = [as_tensor(leaf, self.device) for leaf in leaves]
-        gathered = _AllGather.apply(self, axis, spec, *tensors)
+        tensors = [as_tensor(leaf, self._storage_device) for leaf in leaves]
+        gathered = _AllGather.apply(self, axis, spec, *tensors)  # type: ignore[no-untyped-call]
         return _tree.unflatten(list(gathered), spec)
 
     def merge_call(
@@ -96,9 +105,10 @@ class ReplicaContext:
         its component; anything else reaches every replica as the same object.
         """
         kwargs = {} if kwargs is None else kwargs
-        if self._state is None:
+        state = self._state
+        if state is None or state.num_replicas == 1:  # nobody to wait for
             return self._merge([(tuple(args), kwargs)], merge_fn)[0]
-        return self._state.meet(
+        return state.meet(
             self._replica_id, "merge_call", (tuple(args), kwargs),
             lambda arrived: self._merge(arrived, merge_fn),
         )
@@ -116,9 +126,10 @@ class ReplicaContext:
         return [select(result, replica) for replica in range(len(arrived))]
 
     def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:
-        if self._state is None:
+        state = self._state
+        if state is None or state.num_replicas == 1:  # nobody to wait for
             return combine([value])[0]
-        return self._state.meet(self._replica_id, kind, value, combine)
+        return state.meet(self._replica_id, kind, value, combine)
 
 
 def _same_structure(specs: Sequence[Any], what: str) -> None:
@@ -132,7 +143,7 @@ def _same_structure(specs: Sequence[Any], what: str) -> None:
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, rc: ReplicaContext, op: ReduceOp, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.rc, ctx.op = rc, op
@@ -147,13 +158,13 @@ class _AllReduce(torch.autograd.Function):
 def _all_reduce(
     rc: ReplicaContext, op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str
 ) -> tuple[torch.Tensor, ...]:
-    devices = rc.strategy._torch_devices
+    devices = rc.strategy._storage_devices
 
     def combine(arrived: list[Any]) -> list[Any]:
         _same_structure([s for s, _ in arrived], what)
         home = devices[0]
-        columns = list(zip(*(ts for _, ts in arrived)))
-        totals = [reduce_components(op, column, None, home) for column in columns]
+        columns = list(zip(*(ts for _, ts in arrived), strict=True))
+        totals = rc.strategy._workers.reduce(op, columns, None, home)  # over every worker
         return [
             tuple(t.to(devices[r], copy=r > 0) for t in totals) for r in range(len(arrived))
         ]
@@ -163,17 +174,17 @@ def _all_reduce(
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, rc: ReplicaContext, axis: int, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.rc, ctx.axis = rc, axis
-        devices = rc.strategy._torch_devices
+        devices = rc.strategy._storage_devices
 
         def combine(arrived: list[Any]) -> list[Any]:
             _same_structure([s for s, _ in arrived], "all_gather")
-            columns = list(zip(*(ts for _, ts in arrived)))
-            gathered = [gather_components(column, axis, devices[0]) for column in columns]
-            sizes = [[t.shape[axis] for t in column] for column in columns]
+            columns = list(zip(*(ts for _, ts in arrived), strict=True))
+            # over every worker; sizes in global replica order, for the backward's slices
+            gathered, sizes = rc.strategy._workers.gather(columns, axis, devices[0])
             return [
                 (tuple(g.to(devices[r], copy=r > 0) for g in gathered), sizes)
                 for r in range(len(arrived))
@@ -187,7 +198,7 @@ class _AllGather(torch.autograd.Function):
         summed = _all_reduce(ctx.rc, ReduceOp.SUM, None, grads, "the backward of all_gather")
         replica = ctx.rc.replica_id_in_sync_group
         slices = []
-        for grad, sizes in zip(summed, ctx.sizes):
+        for grad, sizes in zip(summed, ctx.sizes, strict=True):
             start = sum(sizes[:replica])
             slices.append(grad.narrow(ctx.axis, start, sizes[replica]))
         return (None, None, None, *slices)

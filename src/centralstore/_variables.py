@@ -13,7 +13,7 @@ import contextlib
 import enum
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -92,6 +92,10 @@ class VariableStore:
         self.epoch = 0  # views are validated once per epoch; each run and sync point starts one
         self.pending: list[View] = []  # views with gradient copies started outside run
         self._foreign = 0  # variables off the only compute device (R = 1 then needs views)
+        # Multi-worker extension point (strategies/_exchange.py): when set, every sync
+        # point calls it with the local fold, and gradients that arrive outside run wait in
+        # ``pending`` for the next sync point, where they are exchanged with the other workers.
+        self.cross_worker: Callable[[Callable[[], None]], None] | None = None
 
     # -- registration ------------------------------------------------------------------------
 

@@ -1,6 +1,10 @@
 """``Strategy``: everything a strategy does, given its compute and parameter devices.
 
-Subclasses only choose the devices (``CentralStorageStrategy``, ``OneDeviceStrategy``).
+Subclasses only choose the devices (``CentralStorageStrategy``, ``OneDeviceStrategy``) and,
+for ``MultiWorkerCentralStorageStrategy``, the ``Workers``: what crosses process boundaries.
+In one process R (``num_replicas_in_sync``) is the number of local replicas; with several
+workers it counts the replicas of every worker, while ``run``, the views and the variable
+store work on this process's ``_local_replicas``.
 """
 
 from __future__ import annotations
@@ -8,8 +12,9 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, final
 
+import numpy as np
 import torch
 
 from .. import _context, _devices, _replicas, _tree
@@ -33,6 +38,90 @@ def _cross_replica_only(call: str) -> None:
         )
 
 
+class Workers(abc.ABC):
+    """The worker processes a strategy spans, and how replica values combine across them.
+
+    Everything that crosses a process boundary goes through here: reductions and gathers
+    over the replicas of every worker, the broadcast that makes new central variables
+    identical on every worker, and the end of ``run`` (where gradients are exchanged).
+    ``OneProcess`` is the single-process case; ``MultiWorkerCentralStorageStrategy`` passes
+    one built on ``torch.distributed``.
+    """
+
+    num_workers: int  # how many worker processes
+    worker_index: int  # which one this is (its rank)
+
+    @abc.abstractmethod
+    def reduce(
+        self, op: ReduceOp, parts: Sequence[Sequence[Any]], axis: Axis, device: torch.device
+    ) -> list[torch.Tensor]:
+        """One tensor per leaf: ``parts[k]`` holds leaf k's local components, reduced by the
+        rules of ``reduce`` over the replicas of every worker, on ``device``."""
+
+    @abc.abstractmethod
+    def gather(
+        self, parts: Sequence[Sequence[Any]], axis: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """Per leaf, the concatenation along ``axis`` over the replicas of every worker, and
+        each replica's size along ``axis`` (global replica order)."""
+
+    @abc.abstractmethod
+    def share_variables(self, store: VariableStore) -> None:
+        """At a scope's exit: make the central variables registered since the last call
+        identical on every worker."""
+
+    @abc.abstractmethod
+    def begin_run(self, store: VariableStore) -> None:
+        """Before the replicas of a ``run`` start (variables created or loaded since are
+        made identical on every worker)."""
+
+    @abc.abstractmethod
+    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
+        """Close a ``run`` at its sync point; ``error`` is what a local replica raised."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Extra text for the strategy's ``repr``."""
+
+
+@final
+class OneProcess(Workers):
+    """One worker: reductions and gathers over the local replicas only."""
+
+    num_workers = 1
+    worker_index = 0
+
+    def reduce(
+        self, op: ReduceOp, parts: Sequence[Sequence[Any]], axis: Axis, device: torch.device
+    ) -> list[torch.Tensor]:
+        return [reduce_components(op, components, axis, device) for components in parts]
+
+    def gather(
+        self, parts: Sequence[Sequence[Any]], axis: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[list[int]]]:
+        gathered = [gather_components(components, axis, device) for components in parts]
+        sizes = [[int(t.shape[axis]) for t in components] for components in parts]
+        return gathered, sizes
+
+    def share_variables(self, store: VariableStore) -> None:
+        pass
+
+    def begin_run(self, store: VariableStore) -> None:
+        pass
+
+    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
+        store.end_run()
+
+    def describe(self) -> str:
+        return ""
+
+
+def _is_value(leaf: Any) -> bool:
+    """Whether ``leaf`` can be one replica's component of a reduction (a tensor, an array or
+    a number)."""
+    return isinstance(leaf, (torch.Tensor, np.ndarray, int, float, complex))
+
+
 class Strategy(abc.ABC):
     """A distribution strategy: where variables live and where replicas compute.
 
@@ -40,8 +129,18 @@ class Strategy(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __init__(self, compute_devices: Sequence[str], parameter_device: str) -> None:
+    def __init__(
+        self, compute_devices: Sequence[str], parameter_device: str, workers: Workers | None = None
+    ) -> None:
+        self._workers: Workers = OneProcess() if workers is None else workers
         self._compute_devices = tuple(compute_devices)
+        # The local replicas run here; with several workers, R counts every worker's.
+        self._local_replicas = len(self._compute_devices)
+        self._replica_offset = self._workers.worker_index * self._local_replicas
+        self._num_replicas = self._local_replicas * self._workers.num_workers
+        # With one local replica among several workers, run returns plain values: they are
+        # this worker's component in reduce and gather (as in TensorFlow's multi-worker).
+        self._plain_is_local = self._workers.num_workers > 1 and self._local_replicas == 1
         self._parameter_device = parameter_device
         self._torch_devices = tuple(_devices.torch_device(d) for d in compute_devices)
         self._storage_devices = tuple(_devices.storage_device(d) for d in compute_devices)
@@ -54,8 +153,8 @@ class Strategy(abc.ABC):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """R, the number of replicas (one per compute device)."""
-        return len(self._compute_devices)
+        """R, the number of replicas: one per compute device, on every worker."""
+        return self._num_replicas
 
     @property
     def compute_devices(self) -> tuple[str, ...]:
@@ -75,7 +174,7 @@ class Strategy(abc.ABC):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(compute_devices={list(self._compute_devices)}, "
-            f"parameter_device={self._parameter_device!r})"
+            f"parameter_device={self._parameter_device!r}{self._workers.describe()})"
         )
 
     # -- scope -----------------------------------------------------------------------------
@@ -106,6 +205,7 @@ class Strategy(abc.ABC):
                 yield self
         finally:
             _context.pop()
+        self._workers.share_variables(self._variables)  # not reached when the block raised
 
     # -- run -------------------------------------------------------------------------------
 
@@ -139,6 +239,7 @@ class Strategy(abc.ABC):
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
+        self._workers.begin_run(self._variables)
         environment = _replicas.Environment()
         self._variables.begin_run()
 
@@ -146,16 +247,19 @@ class Strategy(abc.ABC):
             self._run_replica(state, replica, fn, args, kwargs, environment)
 
         try:
-            state = _replicas.execute(self.num_replicas_in_sync, self._pool, body)
-        finally:
-            self._variables.end_run()
-        for replica, error in enumerate(state.errors):
-            if error is not None:
-                error.add_note(
-                    f"(raised in replica {replica} on device {self._compute_devices[replica]})"
+            state = _replicas.execute(self._local_replicas, self._pool, body)
+        except BaseException as error:
+            self._end_run(error)
+            raise
+        self._end_run(next((e for e in state.errors if e is not None), None))
+        for replica, replica_error in enumerate(state.errors):
+            if replica_error is not None:
+                replica_error.add_note(
+                    f"(raised in replica {self._replica_offset + replica} on device "
+                    f"{self._compute_devices[replica]})"
                 )
-                raise error
-        if self.num_replicas_in_sync == 1:
+                raise replica_error
+        if self._local_replicas == 1:
             return state.outputs[0]
         return regroup(state.outputs)
 
@@ -188,6 +292,16 @@ class Strategy(abc.ABC):
         finally:
             _context.pop()
 
+    def _end_run(self, error: BaseException | None) -> None:
+        """The sync point at the end of ``run``. When a replica raised ``error``, that is what
+        ``run`` raises, even if the sync point fails too (its error becomes a note)."""
+        try:
+            self._workers.end_run(self._variables, error)
+        except BaseException as sync_error:
+            if error is None:
+                raise
+            error.add_note(f"(the sync point at the end of run then failed too: {sync_error})")
+
     def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
         device = self._storage_devices[replica]
         if device.type != "cuda":
@@ -219,16 +333,24 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("reduce()")
         op = ReduceOp.parse(reduce_op)
-        replicas = self.num_replicas_in_sync
-
-        def leaf(v: Any) -> Any:
-            if isinstance(v, PerReplica):
-                return reduce_components(op, v.values, axis, _result_device())
-            return reduce_plain(op, v, replicas, axis)
-
-        if isinstance(value, PerReplica):
-            return leaf(value)
-        return _tree.map_leaves(leaf, value)
+        if isinstance(value, PerReplica):  # the common case, without the pytree walk
+            return self._workers.reduce(op, [value.values], axis, _result_device())[0]
+        leaves, spec = _tree.flatten(value)
+        results, where, parts = list(leaves), [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, PerReplica):
+                where.append(i)
+                parts.append(leaf.values)
+            elif self._plain_is_local and _is_value(leaf):
+                where.append(i)
+                parts.append((leaf,))
+            else:
+                results[i] = reduce_plain(op, leaf, self._num_replicas, axis)
+        if parts:
+            reduced = self._workers.reduce(op, parts, axis, _result_device())
+            for i, total in zip(where, reduced, strict=True):
+                results[i] = total
+        return _tree.unflatten(results, spec)
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate a PerReplica ``value``'s components along ``axis`` (sizes along it may
@@ -240,30 +362,38 @@ class Strategy(abc.ABC):
         tensor([1, 2, 3])
         """
         _cross_replica_only("gather()")
-
-        def leaf(v: Any) -> Any:
-            if isinstance(v, PerReplica):
-                return gather_components(v.values, axis, _result_device())
-            return v
-
-        if isinstance(value, PerReplica):
-            return leaf(value)
-        return _tree.map_leaves(leaf, value)
+        if isinstance(value, PerReplica):  # the common case, without the pytree walk
+            return self._workers.gather([value.values], axis, _result_device())[0][0]
+        leaves, spec = _tree.flatten(value)
+        results, where, parts = list(leaves), [], []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, PerReplica):
+                where.append(i)
+                parts.append(leaf.values)
+            elif self._plain_is_local and _is_value(leaf):
+                where.append(i)
+                parts.append((leaf,))
+        if parts:
+            gathered, _ = self._workers.gather(parts, axis, _result_device())
+            for i, total in zip(where, gathered, strict=True):
+                results[i] = total
+        return _tree.unflatten(results, spec)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The local components of ``value``: one per replica for a PerReplica (or a structure
-        holding some), ``(value,)`` for anything else.
+        """The local components of ``value``: one per local replica for a PerReplica (or a
+        structure holding some), ``(value,)`` for anything else.
 
         >>> import centralstore as cs
         >>> cs.CentralStorageStrategy(["cpu:0", "cpu:1"]).experimental_local_results(3)
         (3,)
         """
-        return local_results(value, self.num_replicas_in_sync)
+        return local_results(value, self._local_replicas)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
     ) -> PerReplica[Any]:
-        """A PerReplica whose component i is ``value_fn(ValueContext(i, R))``.
+        """A PerReplica whose component i is ``value_fn(ValueContext(i, R))``, for the local
+        replicas (i counts over all workers' replicas).
 
         >>> import centralstore as cs
         >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
@@ -271,8 +401,10 @@ class Strategy(abc.ABC):
         ...     lambda ctx: ctx.replica_id_in_sync_group * 10).values
         (0, 10)
         """
-        replicas = self.num_replicas_in_sync
-        return PerReplica(value_fn(ValueContext(i, replicas)) for i in range(replicas))
+        first, replicas = self._replica_offset, self._num_replicas
+        return PerReplica(
+            value_fn(ValueContext(first + i, replicas)) for i in range(self._local_replicas)
+        )
 
     # -- input -----------------------------------------------------------------------------
 
@@ -282,6 +414,9 @@ class Strategy(abc.ABC):
         """Split each global batch of ``dataset`` over the replicas (TensorFlow's rule: slices
         of ceil(g/R), the last ones short or empty) and place each slice on its device.
 
+        With several workers, every worker iterates the same global batches (give shuffling
+        a seed) and keeps the slices of its own replicas.
+
         ``dataset`` is a ``cs.Dataset``, a ``DataLoader`` or any re-iterable of batches.
 
         >>> import centralstore as cs
@@ -290,19 +425,27 @@ class Strategy(abc.ABC):
         [(tensor([0, 1]), tensor([2, 3]))]
         """
         _cross_replica_only("experimental_distribute_dataset()")
-        return _distributed.distribute_dataset(dataset, self._compute_devices, options)
+        return _distributed.distribute_dataset(
+            dataset, self._compute_devices, options,
+            replica_offset=self._replica_offset, global_replicas=self._num_replicas,
+        )
 
     def experimental_distribute_datasets_from_function(
         self,
         dataset_fn: Callable[[InputContext], Any],
         options: InputOptions | None = None,
     ) -> _distributed.DistributedDataset:
-        """Call ``dataset_fn(InputContext)`` once and deal its per-replica batches round-robin
-        (element j to replica j mod R); a final incomplete step is padded with empty batches.
+        """Call ``dataset_fn(InputContext)`` once (per worker) and deal its per-replica batches
+        round-robin over the local replicas (element j to local replica j mod R_local); a final
+        incomplete step is padded with empty batches. The ``InputContext`` says how many
+        workers read input (``num_input_pipelines``) and which one this is, so ``dataset_fn``
+        can shard: ``dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)``.
         """
         _cross_replica_only("experimental_distribute_datasets_from_function()")
+        workers = self._workers
+        context = InputContext(workers.num_workers, workers.worker_index, self._num_replicas)
         return _distributed.distribute_datasets_from_function(
-            dataset_fn, self._compute_devices, options
+            dataset_fn, self._compute_devices, options, input_context=context
         )
 
     distribute_datasets_from_function = experimental_distribute_datasets_from_function
@@ -310,7 +453,7 @@ class Strategy(abc.ABC):
     def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:
         """A ``Dataset`` of the slices of a numpy array (or a tuple/dict of arrays), on the host.
 
-        >>> import centralstore as cs
+        >>> import centralstore as cs, numpy as np
         >>> ds = cs.CentralStorageStrategy(["cpu:0"]).experimental_make_numpy_dataset(
         ...     np.arange(3))
         >>> [int(x) for x in ds]

@@ -40,13 +40,29 @@ class StrategyExtended:
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """The compute devices, in replica order."""
+        """This worker's compute devices, in replica order."""
         return self._strategy.compute_devices
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         """The devices that store variables: the parameter device."""
         return (self._strategy.parameter_device,)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker should write checkpoints: the chief (rank 0) only, so that
+        several workers never write the same file. True with one worker.
+
+        >>> import centralstore as cs
+        >>> cs.CentralStorageStrategy(["cpu:0"]).extended.should_checkpoint
+        True
+        """
+        return self._strategy._workers.worker_index == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries and logs: the chief only."""
+        return self._strategy._workers.worker_index == 0
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
         """Reduce ``value`` (as ``strategy.reduce``) and place it on ``destinations``."""

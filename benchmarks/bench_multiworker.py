@@ -1,0 +1,193 @@
+"""Multi-worker cost on gloo over loopback: step time, bytes per step, all-reduce time.
+
+Two tables:
+  steps       MultiWorkerCentralStorageStrategy training the MLP 784-1024-1024-10 on a global
+              batch of 512 with W = 1 and W = 2 worker processes (R local replicas each, the
+              host's cores split between them), against a plain PyTorch loop; milliseconds per step
+              (median), and what each worker gives to collectives per step (payload; a ring
+              all-reduce puts about 2 (W-1)/W times that on the wire).
+  all-reduce  torch.distributed.all_reduce (SUM) of one flat float32 gradient buffer of
+              1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
+
+    python benchmarks/bench_multiworker.py [--steps 12] [--sizes-mb 1 4 16 64 100]
+
+Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import centralstore as cs
+from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+BATCH = 512
+MB = 2**20
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(world: int, args: list[str], threads: int) -> dict[str, float]:
+    """Run this script's worker side in ``world`` processes; worker 0's JSON result."""
+    port = str(_free_port())
+    base = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port, "OMP_NUM_THREADS": str(threads)}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", *args],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world)},
+            stdout=subprocess.PIPE, text=True,
+        )
+        for r in range(world)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError(f"a worker failed: exit codes {[p.returncode for p in processes]}")
+    result: dict[str, float] = json.loads(outputs[0].strip().splitlines()[-1])
+    return result
+
+
+# -- worker side ----------------------------------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                         nn.Linear(1024, 10))
+
+
+def _worker_steps(config: str, steps: int, local: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
+    if config == "plain":
+        model = _mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y, reduction="sum") / BATCH
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+
+        traffic: MultiWorkerCentralStorageStrategy | None = None
+    else:
+        devices = [f"cpu:{i}" for i in range(local)]
+        strategy = MultiWorkerCentralStorageStrategy(devices, timeout=120)
+        with strategy.scope():
+            model = _mlp()
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+        def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+            per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+            loss = cs.compute_average_loss(per_example, global_batch_size=BATCH)
+            loss.backward()  # type: ignore[no-untyped-call]
+
+        def step() -> None:
+            optimizer.zero_grad()
+            strategy.run(replica_step, args=batch)
+            optimizer.step()
+
+        traffic = strategy
+    for _ in range(3):
+        step()
+    before = traffic.traffic if traffic is not None else None
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    result = {"ms": 1000 * statistics.median(times)}
+    if traffic is not None and before is not None:
+        after = traffic.traffic
+        result["bytes"] = (after["bytes"] - before["bytes"]) / steps
+        result["collectives"] = (after["collectives"] - before["collectives"]) / steps
+        dist.destroy_process_group()
+    return result
+
+
+def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rows = {}
+    for size in sizes_mb:
+        flat = torch.ones(int(size * MB) // 4)
+        dist.all_reduce(flat)  # warm-up: connections and buffers
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(flat)
+            times.append(time.perf_counter() - start)
+        rows[str(size)] = 1000 * statistics.median(times)
+    dist.destroy_process_group()
+    return rows
+
+
+def _worker(argv: list[str]) -> None:
+    if argv[0] == "steps":
+        result = _worker_steps(argv[1], int(argv[2]), int(argv[3]))
+    else:
+        result = _worker_allreduce([float(s) for s in argv[2:]], int(argv[1]))
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result))
+
+
+# -- driver ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
+    args = parser.parse_args()
+    cores = os.cpu_count() or 1
+    parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
+    print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
+          f"float32 gradients), global batch {BATCH}, {cores} cores, gloo on loopback\n")
+    print(f"{'configuration':<34} {'ms/step':>8} {'collectives/step':>17} {'payload/step':>14} "
+          f"{'wire/step (ring)':>17}")
+    configs = [("plain PyTorch, 1 process", "plain", 1, 1),
+               ("multi-worker W=1 (R=1)", "mw", 1, 1),
+               ("multi-worker W=2 (R=1 each)", "mw", 2, 1),
+               ("multi-worker W=2 (R=2 each)", "mw", 2, 2)]
+    for label, config, world, local in configs:
+        threads = max(cores // world, 1)
+        result = _launch(world, ["steps", config, str(args.steps), str(local)], threads)
+        ms = result["ms"]
+        if "bytes" in result:
+            payload = result["bytes"]
+            wire = payload * 2 * (world - 1) / world
+            print(f"{label + f' ({threads} thr)':<34} {ms:>8.1f} {result['collectives']:>17.0f} "
+                  f"{payload / MB:>11.2f} MB {wire / MB:>14.2f} MB")
+        else:
+            print(f"{label + f' ({threads} thr)':<34} {ms:>8.1f} {'-':>17} {'-':>14} {'-':>17}")
+    print(f"\nall_reduce (SUM, float32) between 2 gloo processes, median of {args.reps}")
+    print(f"{'size':>8} {'ms':>9} {'bus GB/s':>9}")
+    rows = _launch(2, ["allreduce", str(args.reps), *map(str, args.sizes_mb)], max(cores // 2, 1))
+    for size, ms in rows.items():
+        bus = float(size) * MB * 2 * (2 - 1) / 2 / (ms / 1000) / 1e9
+        print(f"{float(size):>6g} MB {ms:>9.2f} {bus:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()

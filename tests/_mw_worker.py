@@ -1,0 +1,330 @@
+"""One worker process of the multi-worker tests (``tests/test_multi_worker.py``).
+
+Run as ``python tests/_mw_worker.py SCENARIO OUT_DIR LOCAL_REPLICAS [TIMEOUT_S]`` with
+torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set, by torchrun or by
+the test. Each worker writes what it observed to ``OUT_DIR/rank<r>.pt``; the test compares
+it with a single-process twin. The model, data and step functions live here so that the
+test builds its twin from the same code. Not collected by pytest (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+import centralstore as cs
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+}
+# Global batches of one training run: even, uneven, tiny (empty slices), accumulated (two
+# runs, one optimizer step), stepped inside run by merge_call, and backed through a reduced
+# loss after run.
+STEPS: list[tuple[str, list[int]]] = [
+    ("run", [8]), ("run", [7]), ("run", [2]), ("accumulate", [5, 3]), ("merge_step", [8]),
+    ("post_run", [7]),
+]
+BN_STEPS = [12, 8, 12]
+BUCKET = 256 / 2**20  # MB  # every replica gets >= 2 examples (batch norm needs them)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def bn_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batches(sizes: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(g, 6, generator=generator), torch.randint(0, 3, (g,), generator=generator))
+        for g in sizes
+    ]
+
+
+def train_one_device(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The oracle: plain PyTorch on the global batches of ``STEPS``."""
+    for seed, (_, sizes) in enumerate(STEPS):
+        parts = batches(sizes, seed)
+        total = sum(sizes)
+        optimizer.zero_grad()
+        for x, y in parts:
+            (nn.functional.cross_entropy(model(x), y, reduction="sum") / total).backward()
+        optimizer.step()
+
+
+def train(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """``STEPS`` through ``experimental_distribute_dataset``, each replica on its slice."""
+
+    def step(x: torch.Tensor, y: torch.Tensor, total: int, kind: str) -> torch.Tensor:
+        per_example = nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = cs.compute_average_loss(per_example, global_batch_size=total)
+        if kind != "post_run":
+            loss.backward()
+        if kind == "merge_step":
+            cs.get_replica_context().merge_call(lambda _: optimizer.step())
+        return loss
+
+    for seed, (kind, sizes) in enumerate(STEPS):
+        total = sum(sizes)
+        optimizer.zero_grad()
+        for x, y in strategy.experimental_distribute_dataset(batches(sizes, seed)):
+            losses = strategy.run(step, args=(x, y, total, kind))
+            if kind == "post_run":  # exchanged at the optimizer step, the next sync point
+                strategy.reduce("SUM", losses, axis=None).backward()
+        if kind != "merge_step":
+            optimizer.step()
+
+
+def train_bn(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def step(x: torch.Tensor, y: torch.Tensor, total: int) -> None:
+        per_example = nn.functional.cross_entropy(model(x), y, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=total).backward()
+
+    for seed, size in enumerate(BN_STEPS):
+        optimizer.zero_grad()
+        for x, y in strategy.experimental_distribute_dataset(batches([size], 100 + seed)):
+            strategy.run(step, args=(x, y, size))
+        optimizer.step()
+
+
+def write_table(strategy: cs.Strategy) -> dict[str, float]:
+    """Final values of variables written in run by every aggregation: replica i adds i + 1,
+    or assigns it, or (mixed) even replicas assign and odd ones add."""
+    out: dict[str, float] = {}
+    for aggregation in ("SUM", "MEAN", "ONLY_FIRST_REPLICA"):
+        for how in ("add", "assign", "mixed"):
+            with strategy.scope():
+                var = cs.Variable(10.0, aggregation=aggregation, trainable=False)
+
+            def write(var: torch.Tensor = var, how: str = how) -> None:
+                i = cs.get_replica_context().replica_id_in_sync_group
+                if how == "add" or (how == "mixed" and i % 2):
+                    var.add_(float(i + 1))
+                else:
+                    var.copy_(torch.tensor(float(i + 1)))
+
+            strategy.run(write)
+            out[f"{aggregation}/{how}"] = float(var)
+    return out
+
+
+def api(strategy: cs.Strategy) -> dict[str, Any]:
+    """What the cross-worker calls return, for comparison with one process of R replicas."""
+    ctx = cs.get_replica_context
+    full = strategy.experimental_distribute_values_from_function(
+        lambda c: torch.full((3,), float(c.replica_id_in_sync_group + 1))
+    )
+    ragged = strategy.experimental_distribute_values_from_function(
+        lambda c: torch.arange(float(c.replica_id_in_sync_group + 1))
+    )
+    if len(strategy.extended.worker_devices) == 1:
+        full, ragged = full.values[0], ragged.values[0]  # as run returns them with R_local = 1
+    seen: list[Any] = []
+
+    def dataset_fn(input_context: cs.InputContext) -> cs.Dataset:
+        seen.append(input_context)
+        return cs.Dataset.range(8).batch(2)
+
+    strategy.distribute_datasets_from_function(dataset_fn)
+    merges: list[int] = []
+
+    def merged(s: cs.Strategy, value: Any) -> torch.Tensor:
+        merges.append(1)
+        assert cs.in_cross_replica_context()
+        return s.reduce("SUM", value, axis=None)
+
+    with strategy.scope():
+        w = torch.ones((), requires_grad=True)
+
+    def differentiable() -> None:
+        i = ctx().replica_id_in_sync_group
+        ctx().all_reduce("SUM", w * (i + 1)).backward()
+
+    strategy.run(differentiable)
+    local = strategy.experimental_local_results
+    return {
+        "ids": [int(i) for i in local(strategy.run(lambda: ctx().replica_id_in_sync_group))],
+        "num_replicas": strategy.num_replicas_in_sync,
+        "reduce": {
+            f"{op}/{axis}": strategy.reduce(op, full if axis is None else ragged, axis=axis)
+            for op in ("SUM", "MEAN") for axis in (None, 0)
+        },
+        "gather": strategy.gather(ragged, axis=0),
+        "all_reduce": [
+            local(strategy.run(lambda op=op: ctx().all_reduce(
+                op, float(ctx().replica_id_in_sync_group + 1)
+            ))) for op in ("SUM", "MEAN")
+        ],
+        "all_gather": local(strategy.run(lambda: ctx().all_gather(
+            torch.arange(float(ctx().replica_id_in_sync_group + 1)), axis=0
+        ))),
+        "merge_call": local(strategy.run(lambda: ctx().merge_call(
+            merged, args=(torch.tensor(float(ctx().replica_id_in_sync_group + 1)),)
+        ))),
+        "merge_calls": len(merges),
+        "input_context": [
+            (c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync) for c in seen
+        ],
+        "grad_through_all_reduce": float(w.grad),
+        "should_checkpoint": strategy.extended.should_checkpoint,
+        "slices": [
+            [len(t) for t in local(x)]
+            for x in strategy.experimental_distribute_dataset([torch.arange(7)])
+        ],
+        "writes": write_table(strategy),
+    }
+
+
+def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    group = None
+    if explicit_group:
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+        group = torch.distributed.new_group(list(range(int(os.environ["WORLD_SIZE"]))))
+    devices = [f"cpu:{i}" for i in range(local_replicas)]
+    # Buckets of 256 bytes: the MLP's gradients (384, 64, 192 and 12 bytes) travel in 3.
+    settings: dict[str, Any] = {"process_group": group, "timeout": 60, "bucket_cap_mb": BUCKET}
+    strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
+    rank = strategy.worker_index
+    results: dict[str, Any] = {"repr": repr(strategy)}
+    for name in OPTIMIZERS:
+        torch.manual_seed(100 + rank)  # different on every worker: the broadcast must fix it
+        with strategy.scope():
+            model = mlp()
+            optimizer = OPTIMIZERS[name](list(model.parameters()))
+        if name == "adam" and rank == 0:  # a checkpoint read by worker 0 alone, after the
+            torch.manual_seed(7)  # scope: the first run broadcasts it
+            model.load_state_dict(mlp().state_dict())
+        results[f"{name}/initial"] = {k: v.clone() for k, v in model.state_dict().items()}
+        train(strategy, model, optimizer)
+        results[f"{name}/final"] = model.state_dict()
+    torch.manual_seed(200 + rank)
+    with strategy.scope():
+        model = bn_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results["bn/initial"] = {k: v.clone() for k, v in model.state_dict().items()}
+    train_bn(strategy, model, optimizer)
+    results["bn/final"] = model.state_dict()
+    results["api"] = api(strategy)
+    # A fresh strategy, so that no other model's variables (without gradients) take part.
+    strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
+    with strategy.scope():
+        model = mlp()
+    strategy.run(lambda: None)  # the first run's broadcast
+    before = strategy.traffic
+    x = torch.randn(4 * strategy.num_replicas_in_sync, 6)
+    strategy.run(lambda x, net=model: net(x).sum().backward(), args=(
+        strategy.experimental_distribute_values_from_function(
+            lambda c: x[c.replica_id_in_sync_group::c.num_replicas_in_sync]
+        ),
+    ))
+    after = strategy.traffic
+    results["step_traffic"] = {k: after[k] - before[k] for k in after}
+    parameter = weakref.ref(next(model.parameters()))  # the exchange keeps no model alive
+    del model
+    gc.collect()
+    results["freed"] = parameter() is None
+    return results
+
+
+def errors_scenario() -> dict[str, Any]:
+    """Mistakes every worker must report the same way, then a replica raising on worker 1."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    rank = int(os.environ["RANK"])
+    out: dict[str, Any] = {}
+
+    def caught(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    out["replicas"] = caught(lambda: MultiWorkerCentralStorageStrategy(
+        ["cpu:0", "cpu:1"] if rank == 0 else ["cpu:0"], timeout=20
+    ))
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=20)
+    out["shapes"] = caught(lambda: strategy.reduce("SUM", torch.ones(2 + rank), axis=None))
+    out["out_of_step"] = caught(
+        lambda: strategy.reduce("SUM", torch.ones(2), axis=None) if rank == 0
+        else strategy.gather(torch.ones(2), axis=0)
+    )
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=20)
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+
+    def step(x: torch.Tensor) -> None:
+        if rank == 1:
+            raise ValueError("boom in the step of worker 1")
+        model(x).sum().backward()
+
+    start = time.monotonic()
+    out["step"] = caught(lambda: strategy.run(step, args=(torch.ones(3, 2),)))
+    out["step_seconds"] = time.monotonic() - start
+    return out
+
+
+def fault_scenario(timeout: float) -> dict[str, Any]:
+    """Worker 1 exits in the middle of its third step; the others must raise in time."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=timeout)
+    rank = strategy.worker_index
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, i: int) -> None:
+        if rank == 1 and i == 2:
+            os._exit(3)  # dies without a word, mid-step
+        model(x).sum().backward()
+
+    start = time.monotonic()
+    try:
+        for i in range(5):
+            strategy.run(step, args=(torch.ones(3, 2), i))
+            optimizer.step()
+            start = time.monotonic()
+    except RuntimeError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    if scenario == "main":
+        results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")
+    elif scenario == "errors":
+        results = errors_scenario()
+    elif scenario == "fault":
+        results = fault_scenario(float(sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+    # Skip the interpreter's teardown: with torch 2.13, a process that has imported
+    # torch._dynamo (every optimizer step does) and used gloo sometimes aborts there with
+    # "terminate called without an active exception", even after destroy_process_group
+    # (https://github.com/pytorch/pytorch/issues/190489). The results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""MultiWorkerCentralStorageStrategy: W gloo processes on loopback, R logical CPU replicas each.
+
+Each launch runs ``tests/_mw_worker.py`` in W processes (under torchrun, or with torchrun's
+variables set by hand) and compares what they observed with single-process twins: plain
+PyTorch on the same global batches (training), and one ``CentralStorageStrategy`` holding
+all W x R replicas (every cross-worker call, aggregated writes, batch norm). Every launch
+has a subprocess timeout, so no test can hang.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import centralstore as cs
+from centralstore.strategies import multi_worker
+from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+WORKER = Path(__file__).with_name("_mw_worker.py")
+_spec = importlib.util.spec_from_file_location("_mw_worker", WORKER)
+assert _spec is not None and _spec.loader is not None
+helper = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(helper)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    tmp_path: Path, world: int, *args: str, torchrun: bool = False, timeout: float = 100
+) -> list[dict[str, Any]]:
+    """Run the worker script in ``world`` processes; every rank's results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if torchrun:
+        commands = [[
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world}", str(WORKER), *args,
+        ]]
+        envs = [env]
+    else:
+        port = str(free_port())
+        commands = [[sys.executable, str(WORKER), *args] for _ in range(world)]
+        envs = [
+            {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
+             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(world)
+        ]
+    logs = [tmp_path / f"log{i}.txt" for i in range(len(commands))]
+    processes = [
+        subprocess.Popen(command, env=e, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        for command, e, log in zip(commands, envs, logs, strict=True)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        codes = [p.wait(timeout=max(deadline - time.monotonic(), 0.1)) for p in processes]
+    except subprocess.TimeoutExpired:
+        codes = []
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    output = "\n".join(log.read_text()[-3000:] for log in logs)
+    assert codes and all(code == 0 for code in codes), f"exit codes {codes}:\n{output}"
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_state_close(actual: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    assert list(actual) == list(expected), what
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, atol=1e-5, rtol=1e-5, msg=f"{what}: {name}")
+
+
+def check_training(results: list[dict[str, Any]], replicas: int) -> None:
+    """Identical weights everywhere; equal to one device (MLP) or to one process of R (BN)."""
+    for name, make_optimizer in helper.OPTIMIZERS.items():
+        initial = results[0][f"{name}/initial"]
+        oracle = helper.mlp()
+        oracle.load_state_dict(initial)
+        helper.train_one_device(oracle, make_optimizer(list(oracle.parameters())))
+        for rank, result in enumerate(results):
+            if name != "adam":  # adam: worker 0 alone loads a checkpoint after the scope
+                assert_state_close(result[f"{name}/initial"], initial, f"{name} rank {rank} init")
+            assert_state_close(result[f"{name}/final"], oracle.state_dict(), f"{name} rank {rank}")
+            for key, value in result[f"{name}/final"].items():  # identical, not only close
+                assert torch.equal(value, results[0][f"{name}/final"][key]), (name, rank, key)
+    twin = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with twin.scope():
+        model = helper.bn_model()
+        model.load_state_dict(results[0]["bn/initial"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    helper.train_bn(twin, model, optimizer)
+    for rank, result in enumerate(results):
+        assert_state_close(result["bn/final"], model.state_dict(), f"batch norm rank {rank}")
+
+
+def check_traffic(results: list[dict[str, Any]]) -> None:
+    """Hierarchical reduction: one training ``run`` sends one agreement row and one gradient
+    per worker (here in 3 buckets of at most 256 bytes), whatever the number of local replicas."""
+    parameters = sum(p.numel() for p in helper.mlp().parameters())
+    for result in results:
+        assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 6 * 8 + 4 * parameters}
+        assert result["freed"]  # and the exchange holds central variables weakly
+
+
+def check_api(results: list[dict[str, Any]], workers: int, local: int) -> None:
+    """Every cross-worker call matches one process holding all W x R replicas."""
+    replicas = workers * local
+    expected = helper.api(cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)]))
+    for rank, result in enumerate(results):
+        got = result["api"]
+        mine = slice(rank * local, (rank + 1) * local)
+        assert got["ids"] == expected["ids"][mine]
+        assert got["num_replicas"] == replicas
+        for key, value in expected["reduce"].items():
+            torch.testing.assert_close(got["reduce"][key], value, msg=key)
+        torch.testing.assert_close(got["gather"], expected["gather"])
+        for op_got, op_expected in zip(got["all_reduce"], expected["all_reduce"], strict=True):
+            assert [float(t) for t in op_got] == [float(t) for t in op_expected[mine]]
+        for t_got, t_expected in zip(got["all_gather"], expected["all_gather"][mine], strict=True):
+            torch.testing.assert_close(t_got, t_expected)
+        # merge_call's fn returned one object, which every replica gets: run returns it whole
+        assert [float(t) for t in got["merge_call"]] == [float(t) for t in expected["merge_call"]]
+        assert got["merge_calls"] == 1  # once per worker
+        assert got["input_context"] == [(workers, rank, replicas)]
+        assert got["grad_through_all_reduce"] == pytest.approx(expected["grad_through_all_reduce"])
+        assert got["should_checkpoint"] == (rank == 0)
+        assert got["slices"] == [s[mine] for s in expected["slices"]]
+        assert got["writes"] == pytest.approx(expected["writes"])
+
+
+def test_two_workers_of_two_replicas_under_torchrun(tmp_path: Path) -> None:
+    results = launch(tmp_path, 2, "main", str(tmp_path), "2", "env", torchrun=True)
+    check_training(results, replicas=4)
+    check_api(results, workers=2, local=2)
+    check_traffic(results)
+    assert results[1]["repr"] == (
+        "MultiWorkerCentralStorageStrategy(compute_devices=['cpu:0', 'cpu:1'], "
+        "parameter_device='cpu:0', worker 1 of 2)"
+    )
+
+
+def test_three_workers_of_one_replica_with_an_explicit_process_group(tmp_path: Path) -> None:
+    results = launch(tmp_path, 3, "main", str(tmp_path), "1", "explicit")
+    check_training(results, replicas=3)
+    check_api(results, workers=3, local=1)
+    check_traffic(results)
+
+
+def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
+    results = launch(tmp_path, 2, "errors", str(tmp_path))
+    for result in results:
+        assert result["replicas"].startswith(
+            "ValueError: MultiWorkerCentralStorageStrategy requires the same number of local "
+            "replicas"
+        ), result
+        assert "worker 0: 2, worker 1: 1" in result["replicas"], result
+        assert result["shapes"].startswith(
+            "ValueError: reduce(SUM, axis=None) requires the same"
+        ), result
+        assert "worker 0: [((2,), 'torch.float32')]" in result["shapes"], result
+        assert result["out_of_step"].startswith("RuntimeError: The workers are out of step"), result
+        assert "worker 0 in reduce" in result["out_of_step"], result
+        assert "worker 1 in gather" in result["out_of_step"], result
+        assert result["step_seconds"] < 10, result  # at the same sync point, not the timeout
+    assert results[1]["step"].startswith("ValueError: boom in the step of worker 1"), results
+    assert results[0]["step"].startswith(
+        "RuntimeError: strategy.run failed on worker(s) [1]"
+    ), results
+    assert "ValueError: boom in the step of worker 1" in results[0]["step"], results
+
+
+def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
+    timeout = 6.0
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "fault", str(tmp_path), str(timeout)],
+            env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=60) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert codes[1] == 3  # the worker that died
+    result = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert codes[0] == 0, processes[0].stdout.read() if processes[0].stdout else ""
+    assert result["error"] is not None
+    assert "failed on worker 0 of 2 within timeout=6s" in result["error"]
+    assert "Another worker most likely failed or exited" in result["error"]
+    assert result["seconds"] < timeout + 5
+
+
+# -- in this process: construction errors and defaults ----------------------------------------
+
+
+def test_without_torchrun_or_a_process_group_construction_says_how_to_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if torch.distributed.is_initialized():
+        pytest.skip("a default process group exists in this process")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not "
+                                           r"set. Launch the script with `torchrun"):
+        MultiWorkerCentralStorageStrategy(["cpu:0"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"timeout": 0}, "timeout must be positive"),
+     ({"timeout": -1.0}, "timeout must be positive"),
+     ({"bucket_cap_mb": 0}, "bucket_cap_mb must be positive")],
+)
+def test_invalid_settings_raise_before_any_communication(
+    kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        MultiWorkerCentralStorageStrategy(["cpu:0"], **kwargs)
+
+
+def test_default_compute_devices_share_the_gpus_between_local_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpus = tuple(f"cuda:{i}" for i in range(4))
+    monkeypatch.setattr(multi_worker._devices, "default_compute_devices", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert multi_worker._local_compute_devices(None) == ("cuda:2", "cuda:3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="Cannot share 4 visible GPUs equally"):
+        multi_worker._local_compute_devices(None)
+    monkeypatch.setattr(multi_worker._devices, "default_compute_devices", lambda: ("cpu:0",))
+    assert multi_worker._local_compute_devices(None) == ("cpu:0",)
+    assert multi_worker._local_compute_devices(["CPU:1", "cpu"]) == ("cpu:1", "cpu:0")
