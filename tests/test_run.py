@@ -567,3 +567,43 @@ def test_a_replica_returning_while_others_wait_marks_the_run_failed() -> None:
     assert state.errors[0] is None
     assert isinstance(state.errors[1], RuntimeError)
     assert "Replica 1 returned without calling merge_call" in str(state.errors[1])
+
+
+def test_worker_replicas_get_their_share_of_intra_op_threads() -> None:
+    from centralstore import _replicas
+
+    if not _replicas._THREADS_PER_THREAD:
+        pytest.skip("torch's parallel backend is not OpenMP: thread counts are global")
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    before = torch.get_num_threads()
+
+    def step() -> int:
+        cs.get_replica_context().all_reduce("sum", 1.0)  # threads start here
+        return torch.get_num_threads()
+
+    counts = strategy.run(step).values
+    assert counts[1] == max(1, before // 2)
+    assert torch.get_num_threads() == before  # the caller's count is untouched
+
+
+def test_per_replica_with_the_wrong_number_of_components_raises() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    with pytest.raises(ValueError, match="PerReplica of 2 components, but this strategy runs 3"):
+        strategy.run(lambda x: x, args=(cs.PerReplica([1, 2]),))
+    with pytest.raises(ValueError, match="one component per replica"):
+        strategy.run(lambda x: x, kwargs={"x": [cs.PerReplica([1, 2, 3, 4])]})
+    with pytest.raises(ValueError, match="reduce's value"):
+        strategy.reduce("MEAN", cs.PerReplica([1.0, 2.0]))
+
+
+def test_a_reraised_exception_gets_one_note_per_replica() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    error = KeyError("same object")
+
+    def step() -> None:
+        raise error
+
+    for _ in range(2):
+        with pytest.raises(KeyError):
+            strategy.run(step)
+    assert error.__notes__ == ["(raised in replica 0 on device cpu:0)"]

@@ -26,13 +26,20 @@ class ReplicaAborted(Exception):
     """Raised in a replica that waits in a rendezvous when another replica failed."""
 
 
+# With OpenMP, torch.set_num_threads sets the calling thread's team size only; with other
+# backends it is global, and a worker must not change the caller's threads.
+_THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 class Environment:
     """Thread-local torch state the calling thread had, re-established on worker threads:
-    grad mode, inference mode and autocast."""
+    grad mode, inference mode and autocast; and each worker's share of the intra-op threads,
+    so that R replicas computing at once do not oversubscribe the host's cores."""
 
-    __slots__ = ("autocast", "grad_enabled", "inference")
+    __slots__ = ("autocast", "grad_enabled", "inference", "threads")
 
-    def __init__(self) -> None:
+    def __init__(self, num_replicas: int = 1) -> None:
+        self.threads = max(1, torch.get_num_threads() // num_replicas)
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         # Captured on every run, so the common case (no autocast) is one cheap query.
@@ -44,6 +51,8 @@ class Environment:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
+        if _THREADS_PER_THREAD:
+            torch.set_num_threads(self.threads)
         with contextlib.ExitStack() as stack:
             if self.inference:
                 stack.enter_context(torch.inference_mode())

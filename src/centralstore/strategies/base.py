@@ -239,8 +239,10 @@ class Strategy(abc.ABC):
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
+        if _tree.contains(args, PerReplica) or _tree.contains(kwargs, PerReplica):
+            self._check_components((args, kwargs), "run's arguments")
         self._workers.begin_run(self._variables)
-        environment = _replicas.Environment()
+        environment = _replicas.Environment(self._local_replicas)
         self._variables.begin_run()
 
         def body(state: _replicas.RunState, replica: int) -> None:
@@ -254,16 +256,30 @@ class Strategy(abc.ABC):
         self._end_run(next((e for e in state.errors if e is not None), None))
         for replica, replica_error in enumerate(state.errors):
             if replica_error is not None:
-                replica_error.add_note(
+                note = (
                     f"(raised in replica {self._replica_offset + replica} on device "
                     f"{self._compute_devices[replica]})"
                 )
+                if note not in getattr(replica_error, "__notes__", ()):
+                    replica_error.add_note(note)
                 raise replica_error
         if self._local_replicas == 1:
             return state.outputs[0]
         return regroup(state.outputs)
 
     experimental_run_v2 = run
+
+    def _check_components(self, value: Any, what: str) -> None:
+        """Every PerReplica leaf of ``value`` has one component per local replica."""
+        for leaf in _tree.flatten(value)[0]:
+            if isinstance(leaf, PerReplica) and len(leaf) != self._local_replicas:
+                raise ValueError(
+                    f"{what} hold a PerReplica of {len(leaf)} components, but this strategy "
+                    f"runs {self._local_replicas} local replicas: each PerReplica needs one "
+                    "component per replica. Build it with strategy.run, a distributed "
+                    "dataset or experimental_distribute_values_from_function. "
+                    f"Received: {leaf!r}"
+                )
 
     def _run_replica(
         self,
@@ -333,8 +349,10 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("reduce()")
         op = ReduceOp.parse(reduce_op)
-        if isinstance(value, PerReplica):  # the common case, without the pytree walk
+        if isinstance(value, PerReplica) and len(value) == self._local_replicas:
+            # the common case, without the pytree walk
             return self._workers.reduce(op, [value.values], axis, _result_device())[0]
+        self._check_components(value, "reduce's value")
         leaves, spec = _tree.flatten(value)
         results, where, parts = list(leaves), [], []
         for i, leaf in enumerate(leaves):
