@@ -30,6 +30,7 @@ SUMMARY_KEYS = {
     "compute_devices",
     "parameter_device",
     "num_replicas_in_sync",
+    "num_workers",
     "dataset",
     "train_samples",
     "test_samples",
@@ -114,7 +115,7 @@ def test_short_demo_writes_curves_and_summary(
     assert set(summary) == SUMMARY_KEYS
     assert summary["compute_devices"] == ["cpu:0", "cpu:1"]
     assert summary["parameter_device"] == "cpu:0"
-    assert summary["num_replicas_in_sync"] == 2
+    assert summary["num_replicas_in_sync"] == 2 and summary["num_workers"] == 1
     assert (summary["train_samples"], summary["test_samples"]) == (1437, 360)
     assert (summary["epochs"], summary["global_batch_size"], summary["seed"]) == (1, 64, 0)
     assert summary["centralstore_version"] == cs.__version__
@@ -151,6 +152,71 @@ def test_demo_with_three_replicas_and_no_comparison(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "results" / "summary.json").read_text())
     assert summary["num_replicas_in_sync"] == 3 and summary["seed"] == 3
     assert summary["one_device"] is None and summary["max_abs_weight_difference"] is None
+
+
+def torchrun(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run ARGS`` in ``cwd``, output captured.
+
+    Past ``timeout`` it gets SIGTERM, which torchrun passes on to its workers (they run in
+    sessions of their own, out of reach of a kill aimed at torchrun alone), then SIGKILL.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    with subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                stdout, stderr = process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            pytest.fail(f"torchrun ran past {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def test_demo_under_torchrun_prints_and_writes_once(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m centralstore demo``: two workers of one CPU replica
+    split each global batch 32 + 32 and train like one device; the chief alone prints the
+    report and the progress bar and writes the files.
+
+    Each worker runs in a directory of its own (``rank0``, ``rank1``) with a relative
+    ``--out``, so that a file written by worker 1 shows instead of overwriting worker 0's.
+    """
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    demo = 'cd "rank$RANK" && exec "$0" -m centralstore demo --epochs 1 --out results'
+    result = torchrun(
+        "--standalone", "--nproc-per-node", "2", "--no-python",
+        "sh", "-c", demo, sys.executable,
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    stdout = result.stdout
+    for label in ("strategy", "compute devices", "test accuracy", "weight difference", "wrote"):
+        assert len(re.findall(rf"^{label}\s*:", stdout, re.MULTILINE)) == 1, stdout
+    assert stdout.count(f"centralstore {cs.__version__} demo") == 1, stdout
+    assert field(stdout, "strategy") == "MultiWorkerCentralStorageStrategy, 2 replicas in sync"
+    assert field(stdout, "compute devices").startswith("cpu:0 on each of 2 workers")
+    assert field(stdout, "global batch").startswith("64 = 32 + 32")
+    assert 0.0 <= float(field(stdout, "test accuracy")) <= 1.0
+    assert weight_difference(stdout) < 1e-5
+    assert result.stderr.count("epoch 1/1:   0%") == 1, result.stderr  # one progress bar
+    assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "rank0" / "results").iterdir()) == [
+        "curves.png",
+        "summary.json",
+    ]
+    assert list((tmp_path / "rank1").iterdir()) == []  # worker 1 wrote nothing, not even --out
+    summary = json.loads((tmp_path / "rank0" / "results" / "summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["strategy"] == "MultiWorkerCentralStorageStrategy"
+    assert summary["compute_devices"] == ["cpu:0"]
+    assert (summary["num_workers"], summary["num_replicas_in_sync"]) == (2, 2)
+    assert 0 <= summary["max_abs_weight_difference"] < 1e-5
 
 
 def missing_gpu() -> str:

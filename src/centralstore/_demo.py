@@ -9,12 +9,17 @@ order, and measures how far apart the two final sets of weights are: float32 rou
 The data ship inside scikit-learn (``sklearn.datasets.load_digits``: 1,797 8x8 images), so the
 demo needs no download. Everything here is ordinary public API (``import centralstore as cs``)
 except the report (``_demo_report.py``).
+
+Under ``torchrun`` the same job runs in every worker process with
+``MultiWorkerCentralStorageStrategy``; only the chief (worker 0) prints and writes.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import io
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -82,10 +87,21 @@ class Run:
 
 def make_strategy(
     compute_devices: list[str] | None, parameter_device: str | None
-) -> cs.CentralStorageStrategy:
+) -> cs.Strategy:
     """The demo's strategy: the given devices, else every visible GPU, else two logical CPU
-    devices (so that a laptop without a GPU still shows two replicas in sync)."""
-    if compute_devices is None and torch.cuda.device_count() == 0:
+    devices (so that a laptop without a GPU still shows two replicas in sync).
+
+    Launched by torchrun (which sets ``WORLD_SIZE``), one ``MultiWorkerCentralStorageStrategy``
+    per worker process instead: the given devices, else this process's share of the GPUs,
+    else one replica on the CPU (two workers then split a global batch as two logical CPU
+    devices do in one process).
+    """
+    no_gpu = torch.cuda.device_count() == 0
+    if "WORLD_SIZE" in os.environ:
+        if compute_devices is None and no_gpu:
+            compute_devices = ["cpu:0"]
+        return cs.MultiWorkerCentralStorageStrategy(compute_devices, parameter_device)
+    if compute_devices is None and no_gpu:
         compute_devices = list(LOGICAL_CPU_DEVICES)
     return cs.CentralStorageStrategy(compute_devices, parameter_device)
 
@@ -157,8 +173,12 @@ def held_out_batches(data: Digits, batch_size: int) -> DataLoader[Any]:
 
 
 def global_size(strategy: cs.Strategy, value: Any) -> int:
-    """The global batch size behind a distributed batch: the sum of its replicas' slices."""
-    return sum(len(local) for local in strategy.experimental_local_results(value))
+    """The global batch size behind a distributed batch: the sum of its replicas' slices.
+
+    Through ``gather``, which spans every worker: the local results hold only this worker's
+    slices.
+    """
+    return len(strategy.gather(value, axis=0))
 
 
 def train_distributed(
@@ -234,21 +254,26 @@ def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:
 
 def run(strategy: cs.Strategy, settings: Settings, out: TextIO = sys.stdout) -> dict[str, Any]:
     """The whole job: train, compare with one device, print the report, write ``curves.png``
-    and ``summary.json`` into ``settings.out``. Returns the summary."""
+    and ``summary.json`` into ``settings.out``. Returns the summary.
+
+    Every worker runs all of it (the one-device comparison too: it needs no other worker),
+    but only the chief prints the report on ``out``, shows progress bars and writes files.
+    """
     from ._demo_one_device import max_abs_difference, reference_device, train_one_device
 
     started = time.perf_counter()
     # One intra-op thread: at this size (8x8 images, slices of 32) more threads only add
     # synchronization, and on a busy machine their spinning costs 10x or more.
     torch.set_num_threads(1)
-    report = _demo_report.Report(out)
+    chief = strategy.extended.should_save_summary
+    report = _demo_report.Report(out if chief else io.StringIO())
     data = load_digits(settings.seed)
     report.header(strategy, settings, len(data.train_labels), len(data.test_labels))
     distributed, initial = train_distributed(
         strategy,
         data,
         settings,
-        lambda epoch, steps: _demo_report.Progress(epoch, settings.epochs, steps),
+        lambda epoch, steps: _demo_report.Progress(epoch, settings.epochs, steps, shown=chief),
     )
     report.results(distributed)
     reference: Run | None = None
@@ -262,8 +287,8 @@ def run(strategy: cs.Strategy, settings: Settings, out: TextIO = sys.stdout) -> 
         strategy, settings, data, distributed, reference, difference, device
     )
     summary["wall_seconds"] = time.perf_counter() - started
-    paths = _demo_report.write(settings.out, summary)
-    report.written(paths, summary["wall_seconds"])
+    if strategy.extended.should_checkpoint:  # one writer, however many workers
+        report.written(_demo_report.write(settings.out, summary), summary["wall_seconds"])
     return summary
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -23,9 +24,10 @@ _WIDTH = 20  # the column of the report's labels
 
 class Progress:
     """One epoch's tqdm bar (on stderr) with the running loss and accuracy, and the test
-    accuracy once the epoch is evaluated."""
+    accuracy once the epoch is evaluated; silent unless ``shown`` (workers other than the
+    chief)."""
 
-    def __init__(self, epoch: int, epochs: int, steps: int) -> None:
+    def __init__(self, epoch: int, epochs: int, steps: int, *, shown: bool = True) -> None:
         from tqdm import tqdm
 
         digits = len(str(epochs))
@@ -36,6 +38,7 @@ class Progress:
             file=sys.stderr,
             leave=True,
             dynamic_ncols=True,
+            disable=not shown,
         )
 
     def step(self, loss: float, accuracy: float) -> None:
@@ -61,6 +64,7 @@ class Report:
         self, strategy: Strategy, settings: Settings, train_samples: int, test_samples: int
     ) -> None:
         replicas = strategy.num_replicas_in_sync
+        workers = num_workers(strategy)
         print(
             f"centralstore {__version__} demo: a small CNN on scikit-learn's handwritten digits",
             file=self._out,
@@ -71,8 +75,10 @@ class Report:
             f"split with seed {settings.seed}",
         )
         self.line("strategy", f"{type(strategy).__name__}, {plural(replicas, 'replica')} in sync")
-        self.line("compute devices", ", ".join(strategy.compute_devices) + _cpu_note(strategy))
-        self.line("parameter device", strategy.parameter_device)
+        self.line(
+            "compute devices", placement(strategy.compute_devices, workers) + _cpu_note(strategy)
+        )
+        self.line("parameter device", placement([strategy.parameter_device], workers))
         slices = " + ".join(str(n) for n in split_sizes(settings.batch_size, replicas))
         steps = -(-train_samples // settings.batch_size)
         self.line(
@@ -125,17 +131,35 @@ def split_sizes(global_batch: int, replicas: int) -> list[int]:
     ]
 
 
+def num_workers(strategy: Strategy) -> int:
+    """How many worker processes train together: the replicas in sync over this worker's
+    (every worker holds as many)."""
+    return strategy.num_replicas_in_sync // len(strategy.compute_devices)
+
+
+def placement(devices: Sequence[str], workers: int) -> str:
+    """The devices of one worker, and how many workers hold such devices.
+
+    >>> placement(["cpu:0", "cpu:1"], 1), placement(["cpu:0"], 2)
+    ('cpu:0, cpu:1', 'cpu:0 on each of 2 workers')
+    """
+    names = ", ".join(devices)
+    return names if workers == 1 else f"{names} on each of {workers} workers"
+
+
 def plural(count: int, noun: str) -> str:
     """``"1 replica"``, ``"2 replicas"``."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _cpu_note(strategy: Strategy) -> str:
-    if not all(d.startswith("cpu") for d in strategy.compute_devices):
+    devices = strategy.compute_devices
+    if not all(d.startswith("cpu") for d in devices):
         return ""
+    what = "logical CPU devices" if len(devices) > 1 else "the host CPU"
     if torch.cuda.device_count() == 0:
-        return " (logical CPU devices: no GPU is visible)"
-    return " (logical CPU devices)"
+        return f" ({what}: no GPU is visible)"
+    return f" ({what})"
 
 
 def summary(
@@ -166,6 +190,7 @@ def summary(
         "compute_devices": list(strategy.compute_devices),
         "parameter_device": strategy.parameter_device,
         "num_replicas_in_sync": strategy.num_replicas_in_sync,
+        "num_workers": num_workers(strategy),
         "dataset": "sklearn.datasets.load_digits",
         "train_samples": len(data.train_labels),
         "test_samples": len(data.test_labels),
@@ -227,7 +252,6 @@ def plot_curves(path: Path, summary: dict[str, Any]) -> None:
     for axes in (loss, accuracy):
         axes.grid(alpha=0.3)
         axes.legend()
-    figure.suptitle(
-        f"centralstore demo: {summary['strategy']} on {', '.join(summary['compute_devices'])}"
-    )
+    where = placement(summary["compute_devices"], summary["num_workers"])
+    figure.suptitle(f"centralstore demo: {summary['strategy']} on {where}")
     figure.savefig(path, dpi=100)

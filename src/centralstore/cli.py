@@ -4,11 +4,15 @@
 trains exactly like one device; ``centralstore devices`` lists what torch can see and what the
 strategy would choose by default; ``centralstore --version``. A mistake on the command line
 ends with one line on stderr and exit status 2, never a traceback.
+
+``torchrun --nproc-per-node N -m centralstore demo`` runs the demo in N worker processes with
+``MultiWorkerCentralStorageStrategy``; the chief (worker 0) alone prints and writes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -176,8 +180,9 @@ def _demo(args: argparse.Namespace) -> int:
         strategy = _demo.make_strategy(args.compute_devices, args.parameter_device)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
-    try:  # now, rather than after training
-        args.out.mkdir(parents=True, exist_ok=True)
+    try:  # now, rather than after training; by the one worker that writes there
+        if strategy.extended.should_checkpoint:
+            args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"argument --out: cannot create {str(args.out)!r}: {error.strerror}")
     settings = _demo.Settings(
@@ -188,7 +193,25 @@ def _demo(args: argparse.Namespace) -> int:
         compare=args.compare,
     )
     _demo.run(strategy, settings)
+    if torch.distributed.is_initialized():  # a torchrun worker
+        _exit_worker()
     return 0
+
+
+def _exit_worker() -> NoReturn:
+    """End a torchrun worker whose job is done, with status 0 and without the interpreter's
+    teardown.
+
+    With torch 2.13, a process that has used gloo and imported torch._dynamo (every optimizer
+    step does) sometimes aborts in that teardown with "terminate called without an active
+    exception", even after destroy_process_group, and torchrun then reports a failed worker
+    (https://github.com/pytorch/pytorch/issues/190489). Everything is printed and written by
+    now.
+    """
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def devices_report() -> str:
