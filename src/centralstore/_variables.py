@@ -269,7 +269,7 @@ def set_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation | str
     ...     cs.set_aggregation(total, "SUM")
     >>> with torch.no_grad():
     ...     _ = strategy.run(lambda: total.add_(1.0))
-    >>> float(total)
+    >>> total.item()
     2.0
     """
     strategy = _context.get_strategy()
