@@ -4,6 +4,7 @@ Variables live once on a parameter device; ``strategy.run`` replicates a step ov
 devices and folds the replicas' gradients back onto the central variables.
 """
 
+from ._aggregation import VariableAggregation as VariableAggregation
 from ._context import get_replica_context as get_replica_context
 from ._context import get_strategy as get_strategy
 from ._context import has_strategy as has_strategy
@@ -15,7 +16,6 @@ from ._replica_context import ReplicaContext as ReplicaContext
 from ._values import PerReplica as PerReplica
 from ._values import ValueContext as ValueContext
 from ._variables import Variable as Variable
-from ._variables import VariableAggregation as VariableAggregation
 from ._variables import set_aggregation as set_aggregation
 from .input.dataset import Dataset as Dataset
 from .input.options import InputContext as InputContext

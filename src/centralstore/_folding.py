@@ -17,6 +17,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _context
+from ._aggregation import VariableAggregation
 
 if TYPE_CHECKING:
     from ._variables import VariableStore
@@ -133,8 +134,6 @@ def _sync_local(store: VariableStore) -> None:
 
 
 def _apply_writes(store: VariableStore, touched: list[list[View]]) -> None:
-    from ._variables import VariableAggregation
-
     writers: dict[int, list[View]] = {}
     for views in touched:
         for view in views:
@@ -159,8 +158,6 @@ def _apply_writes(store: VariableStore, touched: list[list[View]]) -> None:
 
 
 def _combine(aggregation: Any, values: list[torch.Tensor]) -> torch.Tensor:
-    from ._variables import VariableAggregation
-
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         return values[0]
     total = values[0]

@@ -10,7 +10,6 @@ trace) and hands out the per-replica machinery: views (``_views.py``) and the sy
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 import weakref
 from collections.abc import Callable, Iterator
@@ -22,34 +21,12 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from . import _context
+from ._aggregation import VariableAggregation
 from ._folding import sync, track
 from ._views import ReplicaViews, ResolutionMode, View
 
 if TYPE_CHECKING:
     from .strategies.base import Strategy
-
-
-class VariableAggregation(enum.Enum):
-    """How writes to a central variable from several replicas combine at the sync point.
-
-    With var = 10 and replicas writing 1 and 2: ``add_`` gives 13 (SUM), 11.5 (MEAN), 11
-    (ONLY_FIRST_REPLICA); ``copy_`` gives 3, 1.5, 1. NONE makes a write in a replica an error.
-    """
-
-    NONE = "NONE"
-    SUM = "SUM"
-    MEAN = "MEAN"
-    ONLY_FIRST_REPLICA = "ONLY_FIRST_REPLICA"
-
-    @classmethod
-    def parse(cls, value: VariableAggregation | str) -> VariableAggregation:
-        if isinstance(value, VariableAggregation):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"aggregation must be one of {[m.name for m in cls]}. Received: aggregation={value!r}"
-        )
 
 
 class Central:

@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _folding
+from ._aggregation import VariableAggregation
 
 if TYPE_CHECKING:
     from ._variables import Central, VariableStore
@@ -177,8 +178,6 @@ class ReplicaViews:
         view.start_version = private._version
 
     def _check_aggregation(self, view: View) -> None:
-        from ._variables import VariableAggregation
-
         if self.store.num_replicas > 1 and view.record.aggregation is VariableAggregation.NONE:
             central = view.record.ref()
             shape = None if central is None else tuple(central.shape)

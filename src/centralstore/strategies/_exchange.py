@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._variables import VariableAggregation
+from .._aggregation import VariableAggregation
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
