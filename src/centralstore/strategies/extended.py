@@ -92,7 +92,7 @@ class StrategyExtended:
         >>> with s.scope():
         ...     v = cs.Variable(1.0)
         >>> _ = s.extended.update(v, lambda var, x: var.add_(x), args=(2.0,))
-        >>> float(v)
+        >>> v.item()
         3.0
         """
         if _context.in_replica_of_strategy():
