@@ -6,7 +6,10 @@ Compares, in one run and interleaved round by round (this machine is shared and 
                (the floor for R = 2: the same arithmetic as two replicas)
   cs R=1       CentralStorageStrategy on one device
   cs R=2       CentralStorageStrategy on cpu:0 and cpu:1
-Peak memory (max RSS) is measured per configuration in a fresh subprocess.
+Peak memory is measured per configuration in a fresh subprocess: the highest resident set
+size sampled every millisecond during 5 training steps, above what the process held after
+building the model and its optimizer (large tensors are mapped and unmapped as they live and
+die, so the RSS follows the live tensors).
 
     python benchmarks/bench_train.py [--steps 20] [--rounds 7]
 """
@@ -14,9 +17,11 @@ Peak memory (max RSS) is measured per configuration in a fresh subprocess.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -95,12 +100,34 @@ def time_steps(step: Callable[[], None], steps: int) -> float:
 
 def peak_rss_mb(config: str, model_name: str, steps: int) -> float:
     code = (
-        "import resource, sys; sys.path.insert(0, 'benchmarks'); import bench_train as b;"
-        f"s = b.make_step({config!r}, {model_name!r}); [s() for _ in range({steps})];"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "import sys; sys.path.insert(0, 'benchmarks'); import bench_train as b;"
+        f"print(b.measure_peak(b.make_step({config!r}, {model_name!r}), {steps}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip()) / 1024
+    return float(out.stdout.strip())
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure_peak(step: Callable[[], None], steps: int) -> float:
+    """MB of resident memory above the level before training, sampled while ``steps`` run."""
+    baseline, peak, done = _rss_mb(), [0.0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    for _ in range(steps):
+        step()
+    done.set()
+    sampler.join()
+    return peak[0] - baseline
 
 
 def main() -> None:
@@ -111,7 +138,7 @@ def main() -> None:
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"batch {BATCH}, {options.steps} steps x {options.rounds} rounds, medians\n")
-    print(f"{'model':<5} {'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'peak MB':>8}")
+    print(f"{'model':<5} {'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}")
     for model_name in MODELS:
         steps = {config: make_step(config, model_name) for config in CONFIGS}
         for step in steps.values():  # warm up

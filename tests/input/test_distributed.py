@@ -359,3 +359,22 @@ def test_from_function_different_structures_in_one_step_raise() -> None:
 
 def test_distributed_dataset_type() -> None:
     assert isinstance(distribute_dataset([torch.zeros(2)], TWO), DistributedDataset)
+
+
+def test_host_replicas_make_steps_on_the_calling_thread() -> None:
+    """On the host there is no copy to overlap: no prefetch thread, and steps are made only
+    when the loop asks for them."""
+    made: list[int] = []
+
+    class Source:
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            for i in range(3):
+                made.append(i)
+                yield torch.arange(2) + i
+
+    before = set(threading.enumerate())
+    iterator = iter(distribute_dataset(Source(), ("cpu:0", "cpu:1")))
+    assert made == []
+    next(iterator)
+    assert made == [0]
+    assert set(threading.enumerate()) == before

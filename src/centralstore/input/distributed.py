@@ -2,10 +2,12 @@
 
 Three stages. A *cut* turns source elements into steps of per-replica slices (``split_steps``
 applies the split rule to global batches, ``deal_steps`` deals whole elements round-robin;
-both in ``split.py``). A ``_Placement`` puts each slice on its replica's device. A
-``PrefetchIterator`` (``prefetch.py``) runs both ahead of the training loop on a background
-thread with a bounded queue; the thread holds the source iterator and the stages, never the
-``DistributedIterator`` the user holds, so dropping that stops it.
+both in ``split.py``). A ``_Placement`` puts each slice on its replica's device. When
+replicas compute on GPUs, a ``PrefetchIterator`` (``prefetch.py``) runs both ahead of the
+training loop on a background thread with a bounded queue, so that the host-to-device copies
+overlap the step; the thread holds the source iterator and the stages, never the
+``DistributedIterator`` the user holds, so dropping that stops it. On the host the steps are
+made on the calling thread: the slices are views, and there is nothing to overlap.
 """
 
 from __future__ import annotations
@@ -214,6 +216,10 @@ class DistributedDataset:
         self._elements_per_step = elements_per_step
         self._devices = devices
         self._options = options
+        # Prefetch where there is a copy to overlap with the step. On the host the slices are
+        # views, and a producer thread only contends with the loop for the GIL: measured
+        # 1.055x the source's time against 1.012x without it, in a loop with compute.
+        self._to_gpu = any(storage_device(d).type == "cuda" for d in devices)
 
     def __iter__(self) -> DistributedIterator:
         options = self._options
@@ -221,7 +227,7 @@ class DistributedDataset:
         fetch = options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
         place = _Placement(self._devices, fetch)
         steps = _steps(iter(self._source), self._cut, place)
-        if options.experimental_place_dataset_on_device:
+        if options.experimental_place_dataset_on_device or not (fetch and self._to_gpu):
             return DistributedIterator(steps)
         return DistributedIterator(
             PrefetchIterator(steps, options.experimental_per_replica_buffer_size)

@@ -18,7 +18,9 @@ class InputOptions:
         experimental_fetch_to_device: place every slice on its replica's device (``True``) or
             keep it on the host (``False``), e.g. to move it yourself inside the step.
         experimental_per_replica_buffer_size: how many steps a background thread prepares
-            ahead of the training loop (at least 1).
+            ahead of the training loop (at least 1) when replicas compute on GPUs, so that
+            the host-to-device copies overlap the step. For replicas on the host the slices
+            are views of the batch and steps are made on the calling thread.
         experimental_replication_mode: ``None`` or ``"PER_WORKER"`` (one input pipeline per
             process, TensorFlow's default); ``"PER_REPLICA"`` raises ``ValueError``.
         experimental_place_dataset_on_device: run the pipeline on the calling thread, placing
