@@ -354,7 +354,23 @@ class Strategy(abc.ABC):
             return self._workers.reduce(op, [value.values], axis, _result_device())[0]
         self._check_components(value, "reduce's value")
         leaves, spec = _tree.flatten(value)
-        results, where, parts = list(leaves), [], []
+        where, parts = self._distributed_leaves(leaves)
+        results = [
+            leaf if i in where else reduce_plain(op, leaf, self._num_replicas, axis)
+            for i, leaf in enumerate(leaves)
+        ]
+        if parts:
+            reduced = self._workers.reduce(op, parts, axis, _result_device())
+            for i, total in zip(where, reduced, strict=True):
+                results[i] = total
+        return _tree.unflatten(results, spec)
+
+    def _distributed_leaves(self, leaves: list[Any]) -> tuple[list[int], list[Sequence[Any]]]:
+        """The positions and components of the leaves that reduce and gather combine over
+        replicas: PerReplica values, and plain values when they are this worker's component
+        (one local replica per worker)."""
+        where: list[int] = []
+        parts: list[Sequence[Any]] = []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
                 where.append(i)
@@ -362,13 +378,7 @@ class Strategy(abc.ABC):
             elif self._plain_is_local and _is_value(leaf):
                 where.append(i)
                 parts.append((leaf,))
-            else:
-                results[i] = reduce_plain(op, leaf, self._num_replicas, axis)
-        if parts:
-            reduced = self._workers.reduce(op, parts, axis, _result_device())
-            for i, total in zip(where, reduced, strict=True):
-                results[i] = total
-        return _tree.unflatten(results, spec)
+        return where, parts
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate a PerReplica ``value``'s components along ``axis`` (sizes along it may
@@ -383,14 +393,8 @@ class Strategy(abc.ABC):
         if isinstance(value, PerReplica):  # the common case, without the pytree walk
             return self._workers.gather([value.values], axis, _result_device())[0][0]
         leaves, spec = _tree.flatten(value)
-        results, where, parts = list(leaves), [], []
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, PerReplica):
-                where.append(i)
-                parts.append(leaf.values)
-            elif self._plain_is_local and _is_value(leaf):
-                where.append(i)
-                parts.append((leaf,))
+        results = list(leaves)
+        where, parts = self._distributed_leaves(leaves)
         if parts:
             gathered, _ = self._workers.gather(parts, axis, _result_device())
             for i, total in zip(where, gathered, strict=True):
