@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .._reduce import Axis, ReduceOp, as_tensor, gather_components, reduce_components
-from .base import Workers
+from ._workers import Workers
 
 if TYPE_CHECKING:
     from .._variables import Central, VariableStore

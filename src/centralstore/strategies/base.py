@@ -12,13 +12,13 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, final
+from typing import Any
 
 import numpy as np
 import torch
 
 from .. import _context, _devices, _replicas, _tree
-from .._reduce import Axis, ReduceOp, gather_components, reduce_components, reduce_plain
+from .._reduce import Axis, ReduceOp, reduce_plain
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
 from .._values import PerReplica, ValueContext, local_results, regroup, select
@@ -26,6 +26,7 @@ from .._variables import VariableStore
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
+from ._workers import OneProcess, Workers
 from .extended import StrategyExtended
 
 
@@ -36,84 +37,6 @@ def _cross_replica_only(call: str) -> None:
             f"cross-replica call: to run cross-replica code from a replica, use "
             f"get_replica_context().merge_call(fn)."
         )
-
-
-class Workers(abc.ABC):
-    """The worker processes a strategy spans, and how replica values combine across them.
-
-    Everything that crosses a process boundary goes through here: reductions and gathers
-    over the replicas of every worker, the broadcast that makes new central variables
-    identical on every worker, and the end of ``run`` (where gradients are exchanged).
-    ``OneProcess`` is the single-process case; ``MultiWorkerCentralStorageStrategy`` passes
-    one built on ``torch.distributed``.
-    """
-
-    num_workers: int  # how many worker processes
-    worker_index: int  # which one this is (its rank)
-
-    @abc.abstractmethod
-    def reduce(
-        self, op: ReduceOp, parts: Sequence[Sequence[Any]], axis: Axis, device: torch.device
-    ) -> list[torch.Tensor]:
-        """One tensor per leaf: ``parts[k]`` holds leaf k's local components, reduced by the
-        rules of ``reduce`` over the replicas of every worker, on ``device``."""
-
-    @abc.abstractmethod
-    def gather(
-        self, parts: Sequence[Sequence[Any]], axis: int, device: torch.device
-    ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """Per leaf, the concatenation along ``axis`` over the replicas of every worker, and
-        each replica's size along ``axis`` (global replica order)."""
-
-    @abc.abstractmethod
-    def share_variables(self, store: VariableStore) -> None:
-        """At a scope's exit: make the central variables registered since the last call
-        identical on every worker."""
-
-    @abc.abstractmethod
-    def begin_run(self, store: VariableStore) -> None:
-        """Before the replicas of a ``run`` start (variables created or loaded since are
-        made identical on every worker)."""
-
-    @abc.abstractmethod
-    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
-        """Close a ``run`` at its sync point; ``error`` is what a local replica raised."""
-
-    @abc.abstractmethod
-    def describe(self) -> str:
-        """Extra text for the strategy's ``repr``."""
-
-
-@final
-class OneProcess(Workers):
-    """One worker: reductions and gathers over the local replicas only."""
-
-    num_workers = 1
-    worker_index = 0
-
-    def reduce(
-        self, op: ReduceOp, parts: Sequence[Sequence[Any]], axis: Axis, device: torch.device
-    ) -> list[torch.Tensor]:
-        return [reduce_components(op, components, axis, device) for components in parts]
-
-    def gather(
-        self, parts: Sequence[Sequence[Any]], axis: int, device: torch.device
-    ) -> tuple[list[torch.Tensor], list[list[int]]]:
-        gathered = [gather_components(components, axis, device) for components in parts]
-        sizes = [[int(t.shape[axis]) for t in components] for components in parts]
-        return gathered, sizes
-
-    def share_variables(self, store: VariableStore) -> None:
-        pass
-
-    def begin_run(self, store: VariableStore) -> None:
-        pass
-
-    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
-        store.end_run()
-
-    def describe(self) -> str:
-        return ""
 
 
 def _is_value(leaf: Any) -> bool:
