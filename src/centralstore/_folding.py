@@ -24,13 +24,14 @@ if TYPE_CHECKING:
     from ._views import View
 
 
-def _overlapped(view: View, tensor: torch.Tensor, parameter_device: torch.device) -> bool:
+def _overlapped(tensor: torch.Tensor, parameter_device: torch.device) -> bool:
+    """Whether the gradient's copy to the parameter device starts from the hook."""
     return tensor.device.type == "cuda" and parameter_device.type == "cpu"
 
 
 def on_gradient(store: VariableStore, view: View, tensor: torch.Tensor) -> None:
     """Post-accumulate-grad hook of a view: start its copy, or forward it outside ``run``."""
-    if _overlapped(view, tensor, store.parameter_device):
+    if _overlapped(tensor, store.parameter_device):
         _start_copy(view, tensor)
         if not store.in_run:
             store.pending.append(view)
