@@ -12,29 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from replicas import context, local, replica_id, strategy_of
 
 import centralstore as cs
 from centralstore import _replicas
 
 REPLICAS = [1, 2, 3, 4]
-
-
-def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
-    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
-
-
-def context() -> cs.ReplicaContext:
-    rc = cs.get_replica_context()
-    assert rc is not None
-    return rc
-
-
-def replica_id() -> int:
-    return context().replica_id_in_sync_group
-
-
-def local(strategy: cs.Strategy, value: Any) -> tuple[Any, ...]:
-    return strategy.experimental_local_results(value)
 
 
 # -- arguments (3.3.1) -------------------------------------------------------------------------

@@ -7,15 +7,12 @@ import io
 
 import pytest
 import torch
+from replicas import strategy_of
 from torch import nn
 
 import centralstore as cs
 
 AGG = cs.VariableAggregation
-
-
-def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
-    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
 
 
 def halves(x: torch.Tensor) -> cs.PerReplica[torch.Tensor]:

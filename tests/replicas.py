@@ -1,0 +1,27 @@
+"""Helpers shared by the tests that run replicas on logical CPU devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import centralstore as cs
+
+
+def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
+    """A strategy with ``replicas`` replicas on ``cpu:0``, ``cpu:1``, ..."""
+    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+
+
+def context() -> cs.ReplicaContext:
+    """The running replica's context (never None inside ``run``)."""
+    rc = cs.get_replica_context()
+    assert rc is not None
+    return rc
+
+
+def replica_id() -> int:
+    return context().replica_id_in_sync_group
+
+
+def local(strategy: cs.Strategy, value: Any) -> tuple[Any, ...]:
+    return strategy.experimental_local_results(value)
