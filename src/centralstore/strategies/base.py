@@ -162,14 +162,18 @@ class Strategy(abc.ABC):
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
+        replicas = range(self._local_replicas)
         if _tree.contains(args, PerReplica) or _tree.contains(kwargs, PerReplica):
             self._check_components((args, kwargs), "run's arguments")
+            inputs = [(select(args, r), select(kwargs, r)) for r in replicas]
+        else:
+            inputs = [(args, kwargs) for _ in replicas]
         self._workers.begin_run(self._variables)
         environment = _replicas.Environment(self._local_replicas)
         self._variables.begin_run()
 
         def body(state: _replicas.RunState, replica: int) -> None:
-            self._run_replica(state, replica, fn, args, kwargs, environment)
+            self._run_replica(state, replica, fn, *inputs[replica], environment)
 
         try:
             state = _replicas.execute(self._local_replicas, self._pool, body)
@@ -213,6 +217,7 @@ class Strategy(abc.ABC):
         kwargs: dict[str, Any],
         environment: _replicas.Environment,
     ) -> None:
+        """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context."""
         on_worker = replica > 0 and state.threaded
         _context.push(_context.Entry(self, ReplicaContext(self, replica, state)))
         try:
@@ -221,7 +226,7 @@ class Strategy(abc.ABC):
                 self._device_guard(replica),
                 self._variables.replica_mode(replica),
             ):
-                output = fn(*select(args, replica), **select(kwargs, replica))
+                output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:
             pass
         except BaseException as error:
