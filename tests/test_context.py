@@ -31,7 +31,7 @@ def test_outside_everything() -> None:
     seen = observe()
     assert isinstance(seen["strategy"], cs.OneDeviceStrategy)
     assert seen["strategy"].compute_devices == ("cpu:0",)
-    assert seen["strategy"] is _context.default_strategy()
+    assert seen["strategy"] is _context.default().strategy
     assert seen["has_strategy"] is False
     assert seen["cross_replica"] is False
     context = seen["replica_context"]
@@ -49,7 +49,7 @@ def test_inside_scope() -> None:
     assert seen == {
         "strategy": strategy, "has_strategy": True, "cross_replica": True, "replica_context": None,
     }
-    assert observe()["strategy"] is _context.default_strategy()
+    assert observe()["strategy"] is _context.default().strategy
 
 
 @pytest.mark.parametrize("in_scope", [False, True])
@@ -104,7 +104,7 @@ def test_after_run_and_merge_call_the_outer_context_is_back() -> None:
 
 def test_an_explicit_one_device_strategy_is_not_the_default() -> None:
     strategy = cs.OneDeviceStrategy("cpu:0")
-    assert strategy is not _context.default_strategy()
+    assert strategy is not _context.default().strategy
     with strategy.scope():
         assert cs.has_strategy()
     assert strategy.run(cs.has_strategy) is True
@@ -198,7 +198,7 @@ def test_the_context_is_per_thread() -> None:
         thread.start()
         thread.join()
         assert cs.get_strategy() is strategy
-    assert seen[0]["strategy"] is _context.default_strategy()
+    assert seen[0]["strategy"] is _context.default().strategy
     assert seen[0]["has_strategy"] is False
     assert isinstance(seen[0]["replica_context"], cs.ReplicaContext)
 

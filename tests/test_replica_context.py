@@ -19,13 +19,13 @@ SUM, MEAN = cs.ReduceOp.SUM, cs.ReduceOp.MEAN
 
 
 def test_properties() -> None:
-    strategy = cs.CentralStorageStrategy(["cpu:2", "CPU:1", "cpu:2"])
+    strategy = cs.CentralStorageStrategy(["cpu:2", "CPU:1", "cpu:0"])
     out = local(strategy, strategy.run(context))
     assert [type(rc.replica_id_in_sync_group) for rc in out] == [int, int, int]
     assert [rc.replica_id_in_sync_group for rc in out] == [0, 1, 2]
     assert [rc.num_replicas_in_sync for rc in out] == [3, 3, 3]
     assert [rc.device for rc in out] == [
-        torch.device("cpu", 2), torch.device("cpu", 1), torch.device("cpu", 2),
+        torch.device("cpu", 2), torch.device("cpu", 1), torch.device("cpu", 0),
     ]
     assert all(isinstance(rc.device, torch.device) for rc in out)
     assert all(rc.strategy is strategy for rc in out)

@@ -144,11 +144,11 @@ def test_differing_structures_raise(outputs: tuple[Any, Any]) -> None:
     assert "replica 0 returned" in str(info.value) and "replica 1 returned" in str(info.value)
 
 
-def test_none_is_a_leaf_like_any_other_value() -> None:
+def test_none_from_one_replica_and_a_value_from_another_is_a_structure_mismatch() -> None:
     strategy = strategy_of(2)
-    out = strategy.run(lambda: (None, 1)[replica_id()])
-    assert isinstance(out, cs.PerReplica)
-    assert out.values == (None, 1)
+    with pytest.raises(ValueError, match="replica 0 returned None and replica 1 returned int"):
+        strategy.run(lambda: (None, 1)[replica_id()])
+    assert strategy.run(lambda: None) is None
 
 
 def test_experimental_run_v2_is_run() -> None:
@@ -510,8 +510,8 @@ def test_a_run_inside_merge_call_gets_its_own_workers(rendezvous: bool) -> None:
     assert local(strategy, strategy.run(step)) == (expected,) * 3
 
 
-def test_an_error_escaping_a_worker_body_is_recorded_not_lost() -> None:
-    pool = _replicas.WorkerPool("test")
+def test_an_error_escaping_a_thread_body_is_recorded_not_lost() -> None:
+    pool = _replicas.ThreadPool("test")
     escaped = ReplicaError("escaped")
 
     def body(state: _replicas.RunState, replica: int) -> None:
@@ -525,14 +525,14 @@ def test_an_error_escaping_a_worker_body_is_recorded_not_lost() -> None:
     try:
         state = _replicas.execute(2, pool, body)
         assert state.errors == [None, escaped]
-        state = _replicas.execute(2, pool, body)  # the worker thread survived
+        state = _replicas.execute(2, pool, body)  # the replica thread survived
         assert state.errors == [None, escaped]
     finally:
         pool.close()
 
 
 def test_a_replica_returning_while_others_wait_marks_the_run_failed() -> None:
-    pool = _replicas.WorkerPool("test")
+    pool = _replicas.ThreadPool("test")
 
     def body(state: _replicas.RunState, replica: int) -> None:
         try:

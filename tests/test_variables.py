@@ -46,11 +46,11 @@ def test_variables_are_held_weakly() -> None:
         models[0](torch.ones(1, 3)).sum().backward()
 
     strategy.run(step)
-    assert len(strategy._variables.records) == 2
+    assert len(strategy._store.records) == 2
     models.clear()
     gc.collect()
-    assert strategy._variables.records == {}
-    assert all(not views.views for views in strategy._variables.replicas)
+    assert strategy._store.records == {}
+    assert all(not views.views for views in strategy._store.replicas)
 
 
 def test_scope_places_factories_on_the_parameter_device() -> None:
@@ -75,8 +75,8 @@ def test_variable_and_set_aggregation() -> None:
         frozen = cs.Variable(3, trainable=False)
         cs.set_aggregation(frozen, AGG.ONLY_FIRST_REPLICA)
     assert v.requires_grad and not frozen.requires_grad
-    assert strategy._variables.record(v).aggregation is AGG.SUM
-    assert strategy._variables.record(frozen).aggregation is AGG.ONLY_FIRST_REPLICA
+    assert strategy._store.record(v).aggregation is AGG.SUM
+    assert strategy._store.record(frozen).aggregation is AGG.ONLY_FIRST_REPLICA
     with pytest.raises(ValueError, match="not one"), strategy.scope():
         cs.set_aggregation(torch.zeros(1), AGG.SUM)
     with pytest.raises(ValueError, match="aggregation must be one of"):
@@ -106,7 +106,7 @@ def test_no_parameter_copies_on_cpu() -> None:
     for _ in range(3):
         strategy.run(step, args=(cs.PerReplica([torch.ones(2, 4)] * 3),))
     assert all(s == pointers for s in seen)
-    views = [v for r in strategy._variables.replicas for v in r.views.values()]
+    views = [v for r in strategy._store.replicas for v in r.views.values()]
     assert len(views) == 3 * 4
     assert {v.tensor.data_ptr() for v in views} == pointers
 

@@ -5,28 +5,28 @@ devices and folds the replicas' gradients back onto the central variables.
 """
 
 from ._aggregation import VariableAggregation as VariableAggregation
-from ._context import get_replica_context as get_replica_context
-from ._context import get_strategy as get_strategy
-from ._context import has_strategy as has_strategy
-from ._context import in_cross_replica_context as in_cross_replica_context
 from ._losses import compute_average_loss as compute_average_loss
 from ._losses import scale_regularization_loss as scale_regularization_loss
 from ._reduce import ReduceOp as ReduceOp
 from ._replica_context import ReplicaContext as ReplicaContext
 from ._values import PerReplica as PerReplica
 from ._values import ValueContext as ValueContext
-from ._variables import Variable as Variable
-from ._variables import set_aggregation as set_aggregation
 from .input.dataset import Dataset as Dataset
 from .input.options import InputContext as InputContext
 from .input.options import InputOptions as InputOptions
 from .strategies.base import Strategy as Strategy
 from .strategies.central_storage import CentralStorageStrategy as CentralStorageStrategy
+from .strategies.context import get_replica_context as get_replica_context
+from .strategies.context import get_strategy as get_strategy
+from .strategies.context import has_strategy as has_strategy
+from .strategies.context import in_cross_replica_context as in_cross_replica_context
 from .strategies.extended import StrategyExtended as StrategyExtended
 from .strategies.multi_worker import (
     MultiWorkerCentralStorageStrategy as MultiWorkerCentralStorageStrategy,
 )
 from .strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
+from .variables.store import Variable as Variable
+from .variables.store import set_aggregation as set_aggregation
 
 __version__ = "0.1.0"
 

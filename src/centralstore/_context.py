@@ -1,23 +1,27 @@
-"""The thread-local context stack and the context functions.
+"""The thread-local context stack.
 
 Each thread has a stack whose bottom entry is the default strategy with its default replica
 context. ``strategy.scope()`` and ``merge_call`` push cross-replica entries (no replica
-context); each replica of ``run`` pushes an entry with its ``ReplicaContext``.
+context); each replica of ``run`` pushes an entry with its ``ReplicaContext``. An entry also
+carries its strategy's variable store, so that code below the strategy reaches the store of
+the current strategy without knowing the strategy.
+
+The default entry is installed from above (``strategies/one_device.py``), the only module
+that knows which strategy is the default; the public context functions that type the
+entries live in ``strategies/context.py``.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, NamedTuple
-
-if TYPE_CHECKING:
-    from ._replica_context import ReplicaContext
-    from .strategies.base import Strategy
+from collections.abc import Callable
+from typing import NamedTuple
 
 
 class Entry(NamedTuple):
-    strategy: Strategy
-    replica_context: ReplicaContext | None
+    strategy: object  # a Strategy: typed where it is read (strategies/context.py)
+    replica_context: object | None  # its ReplicaContext; None in cross-replica context
+    store: object  # the strategy's VariableStore: typed where it is read (variables/store.py)
 
 
 class _Local(threading.local):
@@ -27,15 +31,19 @@ class _Local(threading.local):
 
 _local = _Local()
 _default: list[Entry] = []
+_make_default: list[Callable[[], Entry]] = []
+
+
+def install_default(make: Callable[[], Entry]) -> None:
+    """Say how the default entry is made (on first use, once per process)."""
+    _make_default[:] = [make]
 
 
 def _default_entry() -> Entry:
     if not _default:
-        from ._replica_context import ReplicaContext
-        from .strategies.one_device import OneDeviceStrategy
-
-        strategy = OneDeviceStrategy("cpu:0")
-        _default.append(Entry(strategy, ReplicaContext(strategy, 0)))
+        if not _make_default:  # pragma: no cover - importing centralstore installs it
+            raise RuntimeError("centralstore's default strategy is not installed")
+        _default.append(_make_default[0]())
     return _default[0]
 
 
@@ -53,39 +61,13 @@ def pop() -> None:
     _local.stack.pop()
 
 
-def default_strategy() -> Strategy:
-    """The strategy in force outside every scope: a ``OneDeviceStrategy`` on ``cpu:0``."""
-    return _default_entry().strategy
-
-
-def get_strategy() -> Strategy:
-    """The current strategy: the one whose scope or ``run`` we are in, else the default.
-
-    >>> import centralstore as cs
-    >>> cs.get_strategy().num_replicas_in_sync
-    1
-    """
-    return current().strategy
-
-
-def has_strategy() -> bool:
-    """Whether a strategy other than the default is current (in a scope, ``run`` or merge)."""
-    return current().strategy is not default_strategy()
-
-
-def in_cross_replica_context() -> bool:
-    """True inside ``scope()`` and ``merge_call``; False outside everything and in a replica."""
-    return current().replica_context is None
-
-
-def get_replica_context() -> ReplicaContext | None:
-    """The ``ReplicaContext`` of the running replica, the default one outside every scope, or
-    ``None`` in cross-replica context."""
-    return current().replica_context
+def default() -> Entry:
+    """The entry in force outside every scope."""
+    return _default_entry()
 
 
 def in_replica_of_strategy() -> bool:
     """Whether this thread runs a replica of a non-default strategy (cross-replica calls such
     as ``run``, ``reduce`` and ``scope`` are errors there)."""
     entry = current()
-    return entry.replica_context is not None and entry.strategy is not default_strategy()
+    return entry.replica_context is not None and entry.strategy is not default().strategy

@@ -9,21 +9,31 @@ the summed incoming gradients.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
-from . import _context, _tree
-from ._reduce import ReduceOp, as_tensor
+from . import _tree
+from ._placement import Placement
+from ._reduce import ReduceOp, as_tensor, gather_axis
 from ._values import regroup, select
+from ._workers import Workers
 
 if TYPE_CHECKING:
     from ._replicas import RunState
-    from .strategies.base import Strategy
+
+S = TypeVar("S")
+
+# The strategy's cross-replica call: ``merge(fn, args, kwargs)`` runs ``fn(strategy, *args,
+# **kwargs)`` once, in cross-replica context, after a sync point.
+Merge = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], Any]
 
 
-class ReplicaContext:
+class ReplicaContext(Generic[S]):
     """The context of one replica inside ``strategy.run``; ``get_replica_context()`` returns it.
+
+    Generic in the type of its strategy (``get_replica_context()`` gives a
+    ``ReplicaContext[Strategy]``), so that this module, which strategies use, needs none.
 
     >>> import centralstore as cs
     >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
@@ -32,37 +42,48 @@ class ReplicaContext:
     [2.0, 2.0]
     """
 
-    __slots__ = ("_replica_id", "_state", "_strategy")
+    __slots__ = ("_merge", "_placement", "_replica_id", "_state", "_strategy", "_workers")
 
-    def __init__(self, strategy: Strategy, replica_id: int, state: RunState | None = None) -> None:
+    def __init__(
+        self,
+        strategy: S,
+        placement: Placement,
+        workers: Workers,
+        merge: Merge,
+        replica_id: int,
+        state: RunState | None = None,
+    ) -> None:
         self._strategy = strategy
+        self._placement = placement
+        self._workers = workers
+        self._merge = merge
         self._replica_id = replica_id
         self._state = state
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> S:
         return self._strategy
 
     @property
     def replica_id_in_sync_group(self) -> int:
         """This replica's index, 0 to ``num_replicas_in_sync - 1`` (a Python int); with
         several workers it counts the replicas of the workers before this one too."""
-        return self._strategy._replica_offset + self._replica_id
+        return self._placement.replica_offset + self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return self._strategy.num_replicas_in_sync
+        return self._placement.num_replicas
 
     @property
     def device(self) -> torch.device:
         """The compute device of this replica, e.g. ``torch.device("cpu", 1)``."""
-        return self._strategy._torch_devices[self._replica_id]
+        return self._placement.torch_devices[self._replica_id]
 
     @property
     def _storage_device(self) -> torch.device:
         # Where this replica's tensors live: ``device`` names a logical CPU device, and
         # ``tensor.to(torch.device("cpu", 1))`` would copy even a CPU tensor.
-        return self._strategy._storage_devices[self._replica_id]
+        return self._placement.storage_devices[self._replica_id]
 
     def __repr__(self) -> str:
         return (
@@ -86,6 +107,7 @@ class ReplicaContext:
     def all_gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value`` from every replica along ``axis``; each replica gets its own
         copy on its device. Sizes along ``axis`` may differ."""
+        axis = gather_axis(axis, "ReplicaContext.all_gather")
         leaves, spec = _tree.flatten(value)
         tensors = [as_tensor(leaf, self._storage_device) for leaf in leaves]
         gathered = _AllGather.apply(self, axis, spec, *tensors)  # type: ignore[no-untyped-call]
@@ -107,22 +129,15 @@ class ReplicaContext:
         kwargs = {} if kwargs is None else kwargs
         state = self._state
         if state is None or state.num_replicas == 1:  # nobody to wait for
-            return self._merge([(tuple(args), kwargs)], merge_fn)[0]
+            return self._merged([(tuple(args), kwargs)], merge_fn)[0]
         return state.meet(
             self._replica_id, "merge_call", (tuple(args), kwargs),
-            lambda arrived: self._merge(arrived, merge_fn),
+            lambda arrived: self._merged(arrived, merge_fn),
         )
 
-    def _merge(self, arrived: list[Any], merge_fn: Callable[..., Any]) -> list[Any]:
+    def _merged(self, arrived: list[Any], merge_fn: Callable[..., Any]) -> list[Any]:
         args, kwargs = regroup(arrived) if len(arrived) > 1 else arrived[0]
-        strategy = self._strategy
-        _context.push(_context.Entry(strategy, None))
-        try:
-            with strategy._variables.cross_replica():
-                strategy._sync_point()
-                result = merge_fn(strategy, *args, **kwargs)
-        finally:
-            _context.pop()
+        result = self._merge(merge_fn, args, kwargs)
         return [select(result, replica) for replica in range(len(arrived))]
 
     def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:
@@ -144,7 +159,7 @@ def _same_structure(specs: Sequence[Any], what: str) -> None:
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, rc: ReplicaContext, op: ReduceOp, spec: Any, *tensors: torch.Tensor
+        ctx: Any, rc: ReplicaContext[Any], op: ReduceOp, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.rc, ctx.op = rc, op
         return _all_reduce(rc, op, spec, tensors, "all_reduce")
@@ -156,15 +171,15 @@ class _AllReduce(torch.autograd.Function):
 
 
 def _all_reduce(
-    rc: ReplicaContext, op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str
+    rc: ReplicaContext[Any], op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str
 ) -> tuple[torch.Tensor, ...]:
-    devices = rc.strategy._storage_devices
+    devices = rc._placement.storage_devices
 
     def combine(arrived: list[Any]) -> list[Any]:
         _same_structure([s for s, _ in arrived], what)
         home = devices[0]
         columns = list(zip(*(ts for _, ts in arrived), strict=True))
-        totals = rc.strategy._workers.reduce(op, columns, None, home)  # over every worker
+        totals = rc._workers.reduce(op, columns, None, home)  # over every worker
         return [
             tuple(t.to(devices[r], copy=r > 0) for t in totals) for r in range(len(arrived))
         ]
@@ -175,16 +190,16 @@ def _all_reduce(
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, rc: ReplicaContext, axis: int, spec: Any, *tensors: torch.Tensor
+        ctx: Any, rc: ReplicaContext[Any], axis: int, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.rc, ctx.axis = rc, axis
-        devices = rc.strategy._storage_devices
+        devices = rc._placement.storage_devices
 
         def combine(arrived: list[Any]) -> list[Any]:
             _same_structure([s for s, _ in arrived], "all_gather")
             columns = list(zip(*(ts for _, ts in arrived), strict=True))
             # over every worker; sizes in global replica order, for the backward's slices
-            gathered, sizes = rc.strategy._workers.gather(columns, axis, devices[0])
+            gathered, sizes = rc._workers.gather(columns, axis, devices[0])
             return [
                 (tuple(g.to(devices[r], copy=r > 0) for g in gathered), sizes)
                 for r in range(len(arrived))

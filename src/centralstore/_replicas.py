@@ -2,13 +2,20 @@
 
 Replicas run one after another on the calling thread: deterministic and with no thread
 hand-off. When replica 0 meets a rendezvous (``all_reduce``, ``all_gather``, ``merge_call``)
-the others have not started, so they start on persistent worker threads and every replica
+the others have not started, so they start on persistent replica threads and every replica
 from then on meets at a generation-counted barrier. A replica that raises aborts the barrier,
 so nobody waits forever; a replica that returns while others wait for it is an error too.
+
+``execute`` returns only once every replica thread has left the replica's code, even when the
+calling thread is interrupted (``KeyboardInterrupt``): nothing a replica computes can land
+after ``run`` has returned. Replica threads are stopped at interpreter exit, before the
+interpreter tears down under them (a thread still inside a torch kernel then aborts the
+process).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
@@ -27,13 +34,13 @@ class ReplicaAborted(Exception):
 
 
 # With OpenMP, torch.set_num_threads sets the calling thread's team size only; with other
-# backends it is global, and a worker must not change the caller's threads.
+# backends it is global, and a replica thread must not change the caller's threads.
 _THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 class Environment:
-    """Thread-local torch state the calling thread had, re-established on worker threads:
-    grad mode, inference mode and autocast; and each worker's share of the intra-op threads,
+    """Thread-local torch state the calling thread had, re-established on replica threads:
+    grad mode, inference mode and autocast; and each thread's share of the intra-op threads,
     so that R replicas computing at once do not oversubscribe the host's cores."""
 
     __slots__ = ("autocast", "grad_enabled", "inference", "threads")
@@ -62,7 +69,7 @@ class Environment:
             yield
 
 
-# Stands in for a run's barrier condition until its workers start; never waited on.
+# Stands in for a run's barrier condition until its threads start; never waited on.
 _NO_CONDITION = threading.Condition()
 
 
@@ -70,10 +77,10 @@ class RunState:
     """The shared state of one ``run``: outputs, errors and the rendezvous barrier.
 
     Until ``threaded`` is set only the calling thread touches the state, so the sequential
-    path takes no lock; the barrier's condition is created when the workers start.
+    path takes no lock; the barrier's condition is created when the threads start.
     """
 
-    def __init__(self, num_replicas: int, pool: WorkerPool, body: Body) -> None:
+    def __init__(self, num_replicas: int, pool: ThreadPool, body: Body) -> None:
         self.num_replicas = num_replicas
         self.outputs: list[Any] = [None] * num_replicas
         self.errors: list[BaseException | None] = [None] * num_replicas
@@ -90,7 +97,7 @@ class RunState:
         self._count = 0
         self._results: Sequence[Any] = ()
         self._returned: set[int] = set()
-        self._running_workers = 0
+        self._running_threads = 0
 
     # -- called by replica bodies ------------------------------------------------------------
 
@@ -163,9 +170,9 @@ class RunState:
                     raise ReplicaAborted()
                 return self._results[replica]
         if starting:
-            # Only now that replica 0 has arrived: a worker replica that returns at once
+            # Only now that replica 0 has arrived: a threaded replica that returns at once
             # without arriving is then the one at fault, as in any later rendezvous.
-            self._start_workers()
+            self._start_threads()
         with self._cond:
             self._cond.wait_for(lambda: self._count == self.num_replicas or self._aborted)
             if self._aborted:
@@ -192,29 +199,51 @@ class RunState:
         self._aborted = True
         self._cond.notify_all()
 
-    def _start_workers(self) -> None:
+    def _start_threads(self) -> None:
         self._crew = self._pool.reserve()
         for replica in range(1, self.num_replicas):
-            self._pool.submit(self._crew, replica, self._run_on_worker)
-            # Counted once submitted, so a worker that fails to start leaves no one to wait for.
+            self._pool.submit(self._crew, replica, self._run_on_thread)
+            # Counted once submitted, so a thread that fails to start leaves no one to wait for.
             with self._cond:
-                self._running_workers += 1
+                self._running_threads += 1
 
-    def _run_on_worker(self, replica: int) -> None:
+    def _run_on_thread(self, replica: int) -> None:
         try:
             self._body(self, replica)
-        except BaseException as error:  # the body records its own errors; never lose a worker
+        except BaseException as error:  # the body records its own errors; never lose one
             self.failed(replica, error)
         finally:
             with self._cond:
-                self._running_workers -= 1
+                self._running_threads -= 1
                 self._cond.notify_all()
 
-    def wait_for_workers(self) -> None:
+    def interrupted(self) -> None:
+        """The calling thread was interrupted outside a replica's code: release every replica
+        from its rendezvous."""
         if not self.threaded:
             return
         with self._cond:
-            self._cond.wait_for(lambda: self._running_workers == 0)
+            self.any_failed = True
+            self._abort()
+
+    def wait_for_threads(self) -> None:
+        """Wait until every replica thread has left the replica's code. A further interrupt
+        meanwhile does not cut the wait short (a replica would finish after ``run`` raised
+        and its gradients land in the next step); it is raised once the wait is over."""
+        if not self.threaded:
+            return
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._running_threads == 0)
+                break
+            except BaseException as error:  # KeyboardInterrupt, or any other async signal
+                interrupt = interrupt or error
+                with self._cond:
+                    self._abort()
+        if interrupt is not None:
+            raise interrupt
 
     def close(self) -> None:
         """No collective can meet any more; the crew is free for another run."""
@@ -227,21 +256,23 @@ class RunState:
 _Tasks = queue.SimpleQueue[tuple[Callable[[int], None], int] | None]
 
 
-class WorkerPool:
-    """Persistent worker threads, started on first need: a crew of one thread per replica
+class ThreadPool:
+    """Persistent replica threads, started on first need: a crew of one thread per replica
     beyond the first.
 
     Usually one run at a time needs a crew. A run started while another run's crew waits at
     its barrier (``strategy.run`` inside ``merge_call``) gets a crew of its own: the waiting
     one could never take its replicas. The threads hold no reference to the strategy; they
-    stop when the pool is closed (when the strategy is garbage collected).
+    stop when the pool is closed: when the strategy is garbage collected, or at exit.
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._queues: dict[tuple[int, int], _Tasks] = {}
+        self._threads: list[threading.Thread] = []
         self._busy: set[int] = set()
         self._lock = threading.Lock()
+        _pools.add(self)
 
     def reserve(self) -> int:
         """A crew that no run in flight uses; give it back with ``release``."""
@@ -263,10 +294,11 @@ class WorkerPool:
                 tasks = queue.SimpleQueue()
                 suffix = f"-crew-{crew}" if crew else ""
                 thread = threading.Thread(
-                    target=_worker_loop, args=(tasks,),
+                    target=_thread_loop, args=(tasks,),
                     name=f"{self._name}-replica-{replica}{suffix}", daemon=True,
                 )
                 thread.start()
+                self._threads.append(thread)
                 self._queues[crew, replica] = tasks
         tasks.put((task, replica))
 
@@ -276,30 +308,57 @@ class WorkerPool:
                 tasks.put(None)
             self._queues.clear()
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the closed pool's threads to end."""
+        for thread in self._threads:
+            thread.join(timeout)
 
-def _worker_loop(q: _Tasks) -> None:
+
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """At exit, stop every pool's threads while the interpreter is still whole. (A daemon
+    thread that is still inside a torch call when the interpreter finalizes is killed there,
+    and the C++ runtime aborts the process with SIGABRT.)"""
+    pools = list(_pools)
+    for pool in pools:
+        pool.close()
+    for pool in pools:
+        pool.join(timeout=5.0)
+
+
+def _thread_loop(q: _Tasks) -> None:
     while (item := q.get()) is not None:
         task, replica = item
         task(replica)
         del item, task
 
 
-def new_pool(owner: object, name: str) -> WorkerPool:
+def new_pool(owner: object, name: str) -> ThreadPool:
     """A pool whose threads stop when ``owner`` is garbage collected."""
-    pool = WorkerPool(name)
+    pool = ThreadPool(name)
     weakref.finalize(owner, pool.close)
     return pool
 
 
-def execute(num_replicas: int, pool: WorkerPool, body: Body) -> RunState:
-    """Run ``body`` for every replica and return the finished state (errors not raised)."""
+def execute(num_replicas: int, pool: ThreadPool, body: Body) -> RunState:
+    """Run ``body`` for every replica and return the finished state (the replicas' errors
+    not raised). Whatever happens on the calling thread, every replica thread has left the
+    replica's code when this returns or raises."""
     state = RunState(num_replicas, pool, body)
     try:
         for replica in range(num_replicas):
             body(state, replica)
             if state.threaded or state.any_failed:
                 break
-        state.wait_for_workers()
+    except BaseException:  # interrupted between replicas
+        state.interrupted()
+        raise
     finally:
-        state.close()
+        try:
+            state.wait_for_threads()
+        finally:
+            state.close()
     return state

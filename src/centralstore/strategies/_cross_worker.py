@@ -19,17 +19,25 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, final
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._reduce import Axis, ReduceOp, as_tensor, gather_components, reduce_components
-from ._workers import Workers
+from .._reduce import (
+    Axis,
+    ReduceOp,
+    as_tensor,
+    element_count,
+    gather_components,
+    mean_of,
+    reduce_components,
+)
+from .._workers import Workers
 
 if TYPE_CHECKING:
-    from .._variables import Central, VariableStore
+    from ..variables.records import Central
+    from ..variables.store import VariableStore
 
 _TEXT_BYTES = 2048  # how much of an error message travels to the other workers
 
@@ -57,24 +65,6 @@ def signature(layout: object) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
-def _count(components: Sequence[Any], axis: Axis) -> int:
-    """The number of elements along ``axis`` over ``components`` (their reduce's divisor)."""
-    if axis is None:
-        return len(components)
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    total = 0
-    for component in components:
-        shape = as_tensor(component).shape
-        total += int(np.prod([shape[a] for a in axes]))
-    return total
-
-
-def _mean_dtype(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor
-    return tensor.to(torch.get_default_dtype())
-
-
 class _Through(torch.autograd.Function):
     """The global value forward, the local term's gradient backward: a backward through
     ``reduce`` reaches this worker's replicas; the other workers' terms are constants."""
@@ -88,9 +78,10 @@ class _Through(torch.autograd.Function):
         return grad, None
 
 
-@final
 class Collectives(Workers):
-    """The workers of one ``torch.distributed`` process group.
+    """The workers of one ``torch.distributed`` process group: the collectives over it.
+
+    Abstract: its sync points are ``ProcessGroup``'s (``_exchange.py``).
 
     ``group`` is a process group, or None for the default one. ``device`` is where collective
     buffers live (the CPU for gloo, the GPU for NCCL); ``bucket_bytes`` caps one gradient
@@ -113,7 +104,6 @@ class Collectives(Workers):
         self.broken: str | None = None
         self._shared: list[Central] = []  # the central variables already broadcast
         self._ran = False
-        self.run_error: BaseException | None = None  # set while a failed run syncs
 
     def describe(self) -> str:
         return f", worker {self.worker_index} of {self.num_workers}"
@@ -233,18 +223,15 @@ class Collectives(Workers):
         return table
 
     def raise_failures(
-        self, table: torch.Tensor, what: str, error: BaseException | None, reraise: bool = True
+        self, table: torch.Tensor, what: str, error: BaseException | None
     ) -> None:
         """When some worker failed locally (said so in ``table``): raise this worker's own
-        ``error`` (unless ``reraise`` is False: the caller raises it), or one that names the
-        failed workers and their errors."""
+        ``error``, or one that names the failed workers and their errors."""
         failed = [rank for rank, flag in enumerate(table[:, 1].tolist()) if flag]
         if not failed:
             return
         texts = self.texts("" if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
-            if not reraise:
-                return
             raise error
         details = "; ".join(f"worker {rank}: {texts[rank]}" for rank in failed)
         raise RuntimeError(
@@ -283,7 +270,7 @@ class Collectives(Workers):
     ) -> list[torch.Tensor]:
         try:
             sums = [reduce_components(ReduceOp.SUM, p, axis, device) for p in parts]
-            counts = [_count(p, axis) for p in parts]
+            counts = [element_count(p, axis) for p in parts]
         except Exception as error:
             self.raise_failures(self.agree(Kind.REDUCE, failed=True), "reduce", error)
             raise  # unreachable: raise_failures raised the local error
@@ -300,7 +287,7 @@ class Collectives(Workers):
         ]
         if op is ReduceOp.MEAN:
             divisors = summed[-1].tolist()
-            results = [_mean_dtype(r) / n for r, n in zip(results, divisors, strict=True)]
+            results = [mean_of(r, n) for r, n in zip(results, divisors, strict=True)]
         return results
 
     def gather(
@@ -387,10 +374,3 @@ class Collectives(Workers):
                 if self.worker_index != 0:
                     for t, piece in zip(group, torch.split(flat, [t.numel() for t in group])):
                         t.copy_(piece.view(t.shape))
-
-    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
-        self.run_error = error  # read by the sync point's exchange (_exchange.py)
-        try:
-            store.end_run()
-        finally:
-            self.run_error = None

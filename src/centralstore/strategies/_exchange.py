@@ -16,6 +16,9 @@ At every sync point (the end of ``run``, ``merge_call``, ``optimizer.step()``) e
 5. adds the set-aside ``.grad`` back, and combines the writes by each variable's aggregation
    over the writers of every worker, as one process with all the replicas would.
 
+When the run failed on any worker, every worker puts back its set-aside ``.grad`` and the
+values its replicas' writes replaced, and raises: the run is discarded everywhere.
+
 Gradients that arrive outside ``run`` (a backward on a reduced loss) wait in
 ``store.pending`` until the next sync point, usually ``optimizer.step()``, and are exchanged
 there. Every worker reaches the same collectives in the same order, even one whose replicas
@@ -24,9 +27,7 @@ produced nothing.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 import torch
 
@@ -34,7 +35,9 @@ from .._aggregation import VariableAggregation
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
-    from .._variables import Central, VariableStore
+    from ..variables.records import Central
+    from ..variables.store import VariableStore
+    from ..variables.views import View
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 
@@ -98,44 +101,44 @@ def _restore(trainable: list[torch.Tensor], stash: list[Any], fresh: list[Any]) 
         tensor.grad = old if new is None else (new if old is None else old + new)
 
 
-def attach(workers: Collectives, store: VariableStore) -> None:
-    """Make every sync point of ``store`` exchange with the other ``workers``."""
-    store_ref = weakref.ref(store)
-    previous: list[_Layout] = []
+@final
+class ProcessGroup(Collectives):
+    """The workers of one ``torch.distributed`` process group, whose sync points exchange
+    what each worker's replicas added."""
 
-    def hook(fold_local: Callable[[], None]) -> None:
-        live = store_ref()
-        if live is None:
-            fold_local()
-            return
-        layout = _Layout(live, previous[0] if previous else None)
-        previous[:] = [layout]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._layout: _Layout | None = None  # the previous sync point's, for its signature
+
+    def sync(self, store: VariableStore, error: BaseException | None) -> None:
+        layout = _Layout(store, self._layout)
+        self._layout = layout
         try:
-            sync_across(workers, live, layout, fold_local, workers.run_error)
+            sync_across(self, store, layout, error)
         finally:
             layout.forget_tensors()
 
-    store.cross_worker = hook
+    def gradient_after_run(self, store: VariableStore, view: View) -> None:
+        store.pending.append(view)  # exchanged at the next sync point, by every worker
 
 
 def sync_across(
     workers: Collectives,
     store: VariableStore,
     layout: _Layout,
-    fold_local: Callable[[], None],
     run_error: BaseException | None,
 ) -> None:
     """The sync point of ``store`` (its variables: ``layout``) across ``workers``
-    (``run_error``: this worker's ``run`` failed; the exchange still happens, then every
-    worker raises)."""
-    writes = _local_writes(store, layout)
+    (``run_error``: this worker's ``run`` failed; the workers still agree, then every
+    worker discards the run and raises)."""
+    writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
     stash = [t.grad for t in trainable]
     for t in trainable:
         t.grad = None
     try:
-        fold_local()
+        store.fold(discard=run_error is not None)
     except BaseException:
         _restore(trainable, stash, [t.grad for t in trainable])
         raise
@@ -157,6 +160,12 @@ def sync_across(
     except BaseException:
         _restore(trainable, stash, fresh)
         raise
+    if table[:, 1].any():  # the run failed somewhere: discarded on every worker
+        _restore(trainable, stash, [None] * len(trainable))
+        with torch.no_grad():
+            for i, value in before.items():
+                layout.tensors[i].copy_(value)
+        workers.raise_failures(table, "strategy.run", run_error)
     states, counts = table[:, 3].tolist(), table[:, 4].tolist()
     if not any(counts) and all(s == NONE for s in states):
         _restore(trainable, stash, fresh)
@@ -168,7 +177,6 @@ def sync_across(
         _exchange_gradients(workers, trainable, stash, fresh, has_grad)
         if writers is not None and assigned is not None and writers.any():
             _exchange_writes(workers, layout, before, writers, assigned)
-    workers.raise_failures(table, "strategy.run", run_error, reraise=False)
 
 
 def _flags(
@@ -244,7 +252,7 @@ def _exchange_writes(
     writers: torch.Tensor,
     assigned: torch.Tensor,
 ) -> None:
-    """Combine the writes of every worker's replicas by aggregation (DESIGN 3.6.5, 3.8.7).
+    """Combine the writes of every worker's replicas by aggregation (docs/design.md §3.6).
 
     Each worker has already combined its own writers into ``c_w`` from the common value
     ``c0``; with ``n_w`` writers there, MEAN is ``sum(n_w c_w) / sum(n_w)``, SUM is

@@ -4,7 +4,10 @@ Subclasses only choose the devices (``CentralStorageStrategy``, ``OneDeviceStrat
 for ``MultiWorkerCentralStorageStrategy``, the ``Workers``: what crosses process boundaries.
 In one process R (``num_replicas_in_sync``) is the number of local replicas; with several
 workers it counts the replicas of every worker, while ``run``, the views and the variable
-store work on this process's ``_local_replicas``.
+store work on this process's local replicas.
+
+The strategy is the one door to its state: it builds a ``Placement``, a ``VariableStore`` and
+a pool of replica threads, and hands them (values, never itself) to what lies below.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _context, _devices, _replicas, _tree
-from .._reduce import Axis, ReduceOp, reduce_plain
+from .. import _context, _replicas, _tree
+from .._placement import Placement
+from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
 from .._values import PerReplica, ValueContext, local_results, regroup, select
-from .._variables import VariableStore
+from .._workers import OneProcess, Workers
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
-from ._workers import OneProcess, Workers
+from ..variables.store import VariableStore
 from .extended import StrategyExtended
 
 
@@ -56,38 +60,37 @@ class Strategy(abc.ABC):
         self, compute_devices: Sequence[str], parameter_device: str, workers: Workers | None = None
     ) -> None:
         self._workers: Workers = OneProcess() if workers is None else workers
-        self._compute_devices = tuple(compute_devices)
-        # The local replicas run here; with several workers, R counts every worker's.
-        self._local_replicas = len(self._compute_devices)
-        self._replica_offset = self._workers.worker_index * self._local_replicas
-        self._num_replicas = self._local_replicas * self._workers.num_workers
+        self._placement = Placement.build(
+            compute_devices, parameter_device, self._workers.num_workers,
+            self._workers.worker_index,
+        )
         # With one local replica among several workers, run returns plain values: they are
         # this worker's component in reduce and gather (as in TensorFlow's multi-worker).
-        self._plain_is_local = self._workers.num_workers > 1 and self._local_replicas == 1
-        self._parameter_device = parameter_device
-        self._torch_devices = tuple(_devices.torch_device(d) for d in compute_devices)
-        self._storage_devices = tuple(_devices.storage_device(d) for d in compute_devices)
-        self._parameter_storage = _devices.storage_device(parameter_device)
+        self._plain_is_local = (
+            self._workers.num_workers > 1 and self._placement.local_replicas == 1
+        )
         self._pool = _replicas.new_pool(self, type(self).__name__)
-        self._variables = VariableStore(self)
-        self._extended = StrategyExtended(self)
+        self._store = VariableStore(self._placement, self._workers)
+        self._extended = StrategyExtended(
+            self._placement, self._store, self._workers, self.reduce
+        )
 
     # -- properties ------------------------------------------------------------------------
 
     @property
     def num_replicas_in_sync(self) -> int:
         """R, the number of replicas: one per compute device, on every worker."""
-        return self._num_replicas
+        return self._placement.num_replicas
 
     @property
     def compute_devices(self) -> tuple[str, ...]:
         """The canonical names of the compute devices, in replica order."""
-        return self._compute_devices
+        return self._placement.compute_devices
 
     @property
     def parameter_device(self) -> str:
         """The canonical name of the device that stores the variables."""
-        return self._parameter_device
+        return self._placement.parameter_device
 
     @property
     def extended(self) -> StrategyExtended:
@@ -96,8 +99,8 @@ class Strategy(abc.ABC):
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(compute_devices={list(self._compute_devices)}, "
-            f"parameter_device={self._parameter_device!r}{self._workers.describe()})"
+            f"{type(self).__name__}(compute_devices={list(self.compute_devices)}, "
+            f"parameter_device={self.parameter_device!r}{self._workers.describe()})"
         )
 
     # -- scope -----------------------------------------------------------------------------
@@ -117,18 +120,18 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("scope()")
         entry = _context.current()
-        if entry.strategy is not self and entry.strategy is not _context.default_strategy():
+        if entry.strategy is not self and entry.strategy is not _context.default().strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {self!r}.scope() was entered inside the scope of "
                 f"{entry.strategy!r}. Leave the outer scope first."
             )
-        _context.push(_context.Entry(self, None))
+        _context.push(_context.Entry(self, None, self._store))
         try:
-            with torch.device(self._parameter_storage), self._variables.scope():
+            with torch.device(self._placement.parameter_storage), self._store.scope():
                 yield self
         finally:
             _context.pop()
-        self._workers.share_variables(self._variables)  # not reached when the block raised
+        self._workers.share_variables(self._store)  # not reached when the block raised
 
     # -- run -------------------------------------------------------------------------------
 
@@ -162,35 +165,38 @@ class Strategy(abc.ABC):
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
-        replicas = range(self._local_replicas)
+        local = self._placement.local_replicas
         if _tree.contains(args, PerReplica) or _tree.contains(kwargs, PerReplica):
             self._check_components((args, kwargs), "run's arguments")
-            inputs = [(select(args, r), select(kwargs, r)) for r in replicas]
+            inputs = [(select(args, r), select(kwargs, r)) for r in range(local)]
         else:
-            inputs = [(args, kwargs) for _ in replicas]
-        self._workers.begin_run(self._variables)
-        environment = _replicas.Environment(self._local_replicas)
-        self._variables.begin_run()
+            inputs = [(args, kwargs)] * local
+        environment = _replicas.Environment(local)
 
         def body(state: _replicas.RunState, replica: int) -> None:
             self._run_replica(state, replica, fn, *inputs[replica], environment)
 
-        try:
-            state = _replicas.execute(self._local_replicas, self._pool, body)
-        except BaseException as error:
+        store = self._store
+        with store.in_use("strategy.run()"):
+            self._workers.begin_run(store)
+            store.begin_run()
+            try:
+                state = _replicas.execute(local, self._pool, body)
+            except BaseException as interrupt:  # on the calling thread, between replicas
+                self._end_run(interrupt)
+                raise
+            error = next((e for e in state.errors if e is not None), None)
             self._end_run(error)
-            raise
-        self._end_run(next((e for e in state.errors if e is not None), None))
-        for replica, replica_error in enumerate(state.errors):
-            if replica_error is not None:
-                note = (
-                    f"(raised in replica {self._replica_offset + replica} on device "
-                    f"{self._compute_devices[replica]})"
-                )
-                if note not in getattr(replica_error, "__notes__", ()):
-                    replica_error.add_note(note)
-                raise replica_error
-        if self._local_replicas == 1:
+        if error is not None:
+            replica = state.errors.index(error)
+            note = (
+                f"(raised in replica {self._placement.replica_offset + replica} on device "
+                f"{self.compute_devices[replica]})"
+            )
+            if note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            raise error
+        if local == 1:
             return state.outputs[0]
         return regroup(state.outputs)
 
@@ -198,15 +204,24 @@ class Strategy(abc.ABC):
 
     def _check_components(self, value: Any, what: str) -> None:
         """Every PerReplica leaf of ``value`` has one component per local replica."""
+        local = self._placement.local_replicas
         for leaf in _tree.flatten(value)[0]:
-            if isinstance(leaf, PerReplica) and len(leaf) != self._local_replicas:
+            if isinstance(leaf, PerReplica) and len(leaf) != local:
                 raise ValueError(
                     f"{what} hold a PerReplica of {len(leaf)} components, but this strategy "
-                    f"runs {self._local_replicas} local replicas: each PerReplica needs one "
+                    f"runs {local} local replicas: each PerReplica needs one "
                     "component per replica. Build it with strategy.run, a distributed "
                     "dataset or experimental_distribute_values_from_function. "
                     f"Received: {leaf!r}"
                 )
+
+    def _replica_entry(self, replica: int, state: _replicas.RunState | None) -> _context.Entry:
+        """The context entry of replica ``replica`` of a run (``state``), or of the default
+        replica context (``state`` None)."""
+        context = ReplicaContext(
+            self, self._placement, self._workers, self._merge, replica, state
+        )
+        return _context.Entry(self, context, self._store)
 
     def _run_replica(
         self,
@@ -218,13 +233,13 @@ class Strategy(abc.ABC):
         environment: _replicas.Environment,
     ) -> None:
         """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context."""
-        on_worker = replica > 0 and state.threaded
-        _context.push(_context.Entry(self, ReplicaContext(self, replica, state)))
+        on_thread = replica > 0 and state.threaded
+        _context.push(self._replica_entry(replica, state))
         try:
             with (
-                environment.applied() if on_worker else contextlib.nullcontext(),
+                environment.applied() if on_thread else contextlib.nullcontext(),
                 self._device_guard(replica),
-                self._variables.replica_mode(replica),
+                self._store.replica_mode(replica),
             ):
                 output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:
@@ -236,28 +251,41 @@ class Strategy(abc.ABC):
         finally:
             _context.pop()
 
-    def _end_run(self, error: BaseException | None) -> None:
-        """The sync point at the end of ``run``. When a replica raised ``error``, that is what
-        ``run`` raises, even if the sync point fails too (its error becomes a note)."""
+    def _merge(
+        self, merge_fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        """``merge_fn(self, *args, **kwargs)`` once, in cross-replica context, after a sync
+        point (``merge_call``)."""
+        _context.push(_context.Entry(self, None, self._store))
         try:
-            self._workers.end_run(self._variables, error)
+            with self._store.cross_replica():
+                self._store.sync()
+                return merge_fn(self, *args, **kwargs)
+        finally:
+            _context.pop()
+
+    def _end_run(self, error: BaseException | None) -> None:
+        """The sync point at the end of ``run``: the run's work folded in, or discarded when
+        a replica raised ``error``, which is then what ``run`` raises even if the sync point
+        fails too (its error becomes a note)."""
+        try:
+            self._store.end_run(error)
         except BaseException as sync_error:
             if error is None:
                 raise
-            error.add_note(f"(the sync point at the end of run then failed too: {sync_error})")
+            if sync_error is not error:  # not merely re-raised by the other workers' verdict
+                error.add_note(
+                    f"(the sync point at the end of run then failed too: {sync_error})"
+                )
 
     def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
-        device = self._storage_devices[replica]
+        device = self._placement.storage_devices[replica]
         if device.type != "cuda":
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(device))
         stack.enter_context(torch.device(device))
         return stack
-
-    def _sync_point(self) -> None:
-        """Fold the replicas' gradients and writes into the central variables."""
-        self._variables.sync()
 
     # -- reduce, gather, local results ----------------------------------------------------
 
@@ -277,14 +305,15 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("reduce()")
         op = ReduceOp.parse(reduce_op)
-        if isinstance(value, PerReplica) and len(value) == self._local_replicas:
+        reduce_axes(axis)  # checked here too, so that a plain or empty value gets the error
+        if isinstance(value, PerReplica) and len(value) == self._placement.local_replicas:
             # the common case, without the pytree walk
             return self._workers.reduce(op, [value.values], axis, _result_device())[0]
         self._check_components(value, "reduce's value")
         leaves, spec = _tree.flatten(value)
         where, parts = self._distributed_leaves(leaves)
         results = [
-            leaf if i in where else reduce_plain(op, leaf, self._num_replicas, axis)
+            leaf if i in where else reduce_plain(op, leaf, self.num_replicas_in_sync, axis)
             for i, leaf in enumerate(leaves)
         ]
         if parts:
@@ -318,8 +347,11 @@ class Strategy(abc.ABC):
         tensor([1, 2, 3])
         """
         _cross_replica_only("gather()")
-        if isinstance(value, PerReplica):  # the common case, without the pytree walk
+        axis = gather_axis(axis)
+        if isinstance(value, PerReplica) and len(value) == self._placement.local_replicas:
+            # the common case, without the pytree walk
             return self._workers.gather([value.values], axis, _result_device())[0][0]
+        self._check_components(value, "gather's value")
         leaves, spec = _tree.flatten(value)
         results = list(leaves)
         where, parts = self._distributed_leaves(leaves)
@@ -330,14 +362,16 @@ class Strategy(abc.ABC):
         return _tree.unflatten(results, spec)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The local components of ``value``: one per local replica for a PerReplica (or a
-        structure holding some), ``(value,)`` for anything else.
+        """The local components of ``value``: a PerReplica's components; one copy per local
+        replica of a nested structure (tuple, list, dict, ...), each PerReplica leaf replaced
+        by that replica's component; ``(value,)`` for anything else (a tensor, a number).
 
         >>> import centralstore as cs
-        >>> cs.CentralStorageStrategy(["cpu:0", "cpu:1"]).experimental_local_results(3)
-        (3,)
+        >>> s = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+        >>> s.experimental_local_results(3), s.experimental_local_results([1, 2])
+        ((3,), ([1, 2], [1, 2]))
         """
-        return local_results(value, self._local_replicas)
+        return local_results(value, self._placement.local_replicas)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
@@ -351,9 +385,10 @@ class Strategy(abc.ABC):
         ...     lambda ctx: ctx.replica_id_in_sync_group * 10).values
         (0, 10)
         """
-        first, replicas = self._replica_offset, self._num_replicas
+        placement = self._placement
         return PerReplica(
-            value_fn(ValueContext(first + i, replicas)) for i in range(self._local_replicas)
+            value_fn(ValueContext(placement.replica_offset + i, placement.num_replicas))
+            for i in range(placement.local_replicas)
         )
 
     # -- input -----------------------------------------------------------------------------
@@ -376,8 +411,9 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("experimental_distribute_dataset()")
         return _distributed.distribute_dataset(
-            dataset, self._compute_devices, options,
-            replica_offset=self._replica_offset, global_replicas=self._num_replicas,
+            dataset, self.compute_devices, options,
+            replica_offset=self._placement.replica_offset,
+            global_replicas=self.num_replicas_in_sync,
         )
 
     def experimental_distribute_datasets_from_function(
@@ -393,9 +429,11 @@ class Strategy(abc.ABC):
         """
         _cross_replica_only("experimental_distribute_datasets_from_function()")
         workers = self._workers
-        context = InputContext(workers.num_workers, workers.worker_index, self._num_replicas)
+        context = InputContext(
+            workers.num_workers, workers.worker_index, self.num_replicas_in_sync
+        )
         return _distributed.distribute_datasets_from_function(
-            dataset_fn, self._compute_devices, options, input_context=context
+            dataset_fn, self.compute_devices, options, input_context=context
         )
 
     distribute_datasets_from_function = experimental_distribute_datasets_from_function

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import _context, _devices
+from .._placement import Placement
 from .._reduce import Axis, ReduceOp
+from .._workers import Workers
+from ..variables.store import VariableStore
 
-if TYPE_CHECKING:
-    from .base import Strategy
+# The strategy's ``reduce(reduce_op, value, axis=None)``.
+Reduce = Callable[..., Any]
 
 
 def _destination_device(destinations: Any) -> torch.device:
@@ -35,18 +38,23 @@ class StrategyExtended:
     (('cpu:0', 'cpu:1'), ('cpu:0',))
     """
 
-    def __init__(self, strategy: Strategy) -> None:
-        self._strategy = strategy
+    def __init__(
+        self, placement: Placement, store: VariableStore, workers: Workers, reduce: Reduce
+    ) -> None:
+        self._placement = placement
+        self._store = store
+        self._workers = workers
+        self._reduce = reduce
 
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """This worker's compute devices, in replica order."""
-        return self._strategy.compute_devices
+        return self._placement.compute_devices
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         """The devices that store variables: the parameter device."""
-        return (self._strategy.parameter_device,)
+        return (self._placement.parameter_device,)
 
     @property
     def should_checkpoint(self) -> bool:
@@ -57,18 +65,18 @@ class StrategyExtended:
         >>> cs.CentralStorageStrategy(["cpu:0"]).extended.should_checkpoint
         True
         """
-        return self._strategy._workers.worker_index == 0
+        return self._workers.worker_index == 0
 
     @property
     def should_save_summary(self) -> bool:
         """Whether this worker should write summaries and logs: the chief only."""
-        return self._strategy._workers.worker_index == 0
+        return self._workers.worker_index == 0
 
     def reduce_to(self, reduce_op: ReduceOp | str, value: Any, destinations: Any) -> Any:
         """Reduce ``value`` (as ``strategy.reduce``) and place it on ``destinations``."""
         device = _destination_device(destinations)
         with torch.device(device):
-            return self._strategy.reduce(reduce_op, value)
+            return self._reduce(reduce_op, value)
 
     def batch_reduce_to(
         self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]]
@@ -105,12 +113,12 @@ class StrategyExtended:
 
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` is a central variable of this strategy."""
-        return self._strategy._variables.record(v) is not None
+        return self._store.record(v) is not None
 
     def value_container(self, value: Any) -> Any:
         """The central variable behind a replica view, or ``value`` itself."""
         if isinstance(value, torch.Tensor):
-            central = self._strategy._variables.view_owner(value)
+            central = self._store.view_owner(value)
             if central is not None:
                 return central
         return value
@@ -122,4 +130,4 @@ class StrategyExtended:
             yield
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: Axis = None) -> Any:
-        return self._strategy.reduce(reduce_op, value, axis)
+        return self._reduce(reduce_op, value, axis)

@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from .. import _devices
 from .._devices import DeviceLike
-from ._cross_worker import Collectives
-from ._exchange import attach
+from ._exchange import ProcessGroup
 from .base import Strategy
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -166,12 +165,11 @@ class MultiWorkerCentralStorageStrategy(Strategy):
             )
         seconds = _seconds(timeout)
         group = _process_group(process_group, parameter, seconds)
-        workers = Collectives(
+        workers = ProcessGroup(
             group, seconds, int(bucket_cap_mb * 2**20), _collective_device(group, parameter)
         )
         workers.check_local_replicas(devices)
         super().__init__(devices, parameter, workers)
-        attach(workers, self._variables)
         self._collectives = workers
 
     @property

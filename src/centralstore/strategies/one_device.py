@@ -1,10 +1,11 @@
-"""``OneDeviceStrategy``: every strategy call, with one replica on one device."""
+"""``OneDeviceStrategy``: every strategy call, with one replica on one device; and the
+default strategy, in force outside every scope."""
 
 from __future__ import annotations
 
 from typing import final
 
-from .. import _devices
+from .. import _context, _devices
 from .._devices import DeviceLike
 from .base import Strategy
 
@@ -23,3 +24,12 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: DeviceLike) -> None:
         name = _devices.canonical(device)
         super().__init__((name,), name)
+
+
+def _default_entry() -> _context.Entry:
+    """The bottom of every thread's context stack: a ``OneDeviceStrategy`` on ``cpu:0`` with
+    its default replica context."""
+    return OneDeviceStrategy("cpu:0")._replica_entry(0, None)
+
+
+_context.install_default(_default_entry)

@@ -7,21 +7,28 @@ storage with it when the replica computes where it lives (no copy) and is a cach
 otherwise, refreshed only when the central value changed. Buffers get a private copy per
 replica, since kernels such as batch norm write them in place. An in-place call on a shared
 view is routed to a private copy first, so replicas never race on central storage; the sync
-point folds the writes by aggregation (``_folding.py``).
+point folds the writes by aggregation (``folding.py``).
+
+Every gradient hook holds its view and its receiver weakly: the garbage collector cannot see
+the references a tensor's hooks hold, so a strong one from a view's hook back to the view
+would keep the view, its tensor and the model's weights alive forever.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _folding
-from ._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation
+from .records import Central
 
-if TYPE_CHECKING:
-    from ._variables import Central, VariableStore
+# Where a view's gradient goes once it has accumulated: the store's receiver, held weakly.
+GradientReceiver = Callable[["View", torch.Tensor], None]
 
 READ, DELTA, ASSIGN = 0, 1, 2
 _DELTA_NAMES = frozenset({"add_", "sub_", "__iadd__", "__isub__"})
@@ -82,8 +89,8 @@ class View:
     """One replica's view of one central variable."""
 
     __slots__ = (
-        "alias", "assigned", "central_version", "epoch", "pending", "private", "record",
-        "start_version", "tensor",
+        "__weakref__", "alias", "assigned", "central_version", "epoch", "pending", "private",
+        "record", "start_version", "tensor",
     )
 
     def __init__(self, record: Central, tensor: torch.Tensor, private: bool) -> None:
@@ -101,15 +108,35 @@ class View:
         return self.private and (self.assigned or self.tensor._version != self.start_version)
 
 
-class ReplicaViews:
-    """The views of one replica, created on first use and validated once per epoch."""
+def _on_gradient(
+    view_ref: weakref.ref[View], receiver_ref: weakref.WeakMethod[GradientReceiver],
+    tensor: torch.Tensor,
+) -> None:
+    view, receiver = view_ref(), receiver_ref()
+    if view is not None and receiver is not None:
+        receiver(view, tensor)
 
-    def __init__(self, store: VariableStore, replica: int, device: torch.device) -> None:
-        self.store = store
+
+class ReplicaViews:
+    """The views of one replica, created on first use and validated once per epoch (each
+    run and each sync point starts one)."""
+
+    def __init__(
+        self,
+        records: dict[int, Central],
+        replica: int,
+        device: torch.device,
+        num_replicas: int,
+        receiver: weakref.WeakMethod[GradientReceiver],
+    ) -> None:
+        self.records = records
         self.replica = replica
         self.device = device
+        self.num_replicas = num_replicas
         self.views: dict[int, View] = {}
         self.touched: list[View] = []
+        self.epoch = 0
+        self._receiver = receiver
 
     def forget(self, key: int) -> None:
         self.views.pop(key, None)
@@ -122,7 +149,7 @@ class ReplicaViews:
 
     def resolve(self, record: Central, write: bool) -> View:
         view = self.views.get(record.key)
-        if view is None or view.epoch != self.store.epoch:
+        if view is None or view.epoch != self.epoch:
             view = self._validate(record, view)
         if write and not view.private:
             self._route(view)
@@ -144,7 +171,7 @@ class ReplicaViews:
         view.central_version = central._version
         view.start_version = view.tensor._version
         view.assigned = False
-        view.epoch = self.store.epoch
+        view.epoch = self.epoch
         self.touched.append(view)
         return view
 
@@ -162,9 +189,8 @@ class ReplicaViews:
         """Let ``tensor`` collect gradients for ``view``'s variable, forwarded by a hook."""
         if requires_grad:
             tensor.requires_grad_(True)
-            store = self.store
             tensor.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                lambda t: _folding.on_gradient(store, view, t)
+                functools.partial(_on_gradient, weakref.ref(view), self._receiver)
             )
 
     def _route(self, view: View) -> None:
@@ -178,7 +204,7 @@ class ReplicaViews:
         view.start_version = private._version
 
     def _check_aggregation(self, view: View) -> None:
-        if self.store.num_replicas > 1 and view.record.aggregation is VariableAggregation.NONE:
+        if self.num_replicas > 1 and view.record.aggregation is VariableAggregation.NONE:
             central = view.record.ref()
             shape = None if central is None else tuple(central.shape)
             raise ValueError(
@@ -228,7 +254,7 @@ class ReplicaViews:
     def _swap(self, values: Any, writes: set[int], private: list[View]) -> tuple[Any, ...]:
         """``values`` (and the items of list/tuple values) with views for central variables;
         private views used go to ``private``."""
-        records = self.store.records
+        records = self.records
         swapped = []
         for value in values:
             record = records.get(id(value))
@@ -269,7 +295,7 @@ class ResolutionMode(TorchFunctionMode):
     def __init__(self, views: ReplicaViews) -> None:
         super().__init__()
         self._views = views
-        self._records = views.store.records
+        self._records = views.records
         self.suspended = False  # while merge_call runs cross-replica code on this thread
 
     def __torch_function__(

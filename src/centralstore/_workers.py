@@ -1,4 +1,9 @@
-"""``Workers``: the worker processes a strategy spans, and ``OneProcess``, the usual one."""
+"""``Workers``: the worker processes a strategy spans, and ``OneProcess``, the usual one.
+
+The one place where one process and several differ: every call that crosses a process
+boundary is a method here (glossary: a worker is a process; the replicas of one process run
+on its replica threads).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,12 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
-from .._reduce import Axis, ReduceOp, gather_components, reduce_components
+from ._reduce import Axis, ReduceOp, gather_components, reduce_components
+from .variables import folding
+from .variables.views import View
 
 if TYPE_CHECKING:
-    from .._variables import VariableStore
+    from .variables.store import VariableStore
 
 
 class Workers(abc.ABC):
@@ -19,7 +26,7 @@ class Workers(abc.ABC):
 
     Everything that crosses a process boundary goes through here: reductions and gathers
     over the replicas of every worker, the broadcast that makes new central variables
-    identical on every worker, and the end of ``run`` (where gradients are exchanged).
+    identical on every worker, and the sync points (where gradients are exchanged).
     ``OneProcess`` is the single-process case; ``MultiWorkerCentralStorageStrategy`` passes
     one built on ``torch.distributed``.
     """
@@ -52,8 +59,14 @@ class Workers(abc.ABC):
         made identical on every worker)."""
 
     @abc.abstractmethod
-    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
-        """Close a ``run`` at its sync point; ``error`` is what a local replica raised."""
+    def sync(self, store: VariableStore, error: BaseException | None) -> None:
+        """A sync point of ``store``: fold what its replicas left into the central
+        variables, over every worker. ``error`` is what a local replica of the run raised:
+        then the run's work is discarded on every worker and the error raised."""
+
+    @abc.abstractmethod
+    def gradient_after_run(self, store: VariableStore, view: View) -> None:
+        """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
 
     @abc.abstractmethod
     def describe(self) -> str:
@@ -85,8 +98,12 @@ class OneProcess(Workers):
     def begin_run(self, store: VariableStore) -> None:
         pass
 
-    def end_run(self, store: VariableStore, error: BaseException | None) -> None:
-        store.end_run()
+    def sync(self, store: VariableStore, error: BaseException | None) -> None:
+        store.fold(discard=error is not None)
+
+    def gradient_after_run(self, store: VariableStore, view: View) -> None:
+        with torch.no_grad():  # folded at once, so that .grad is complete after backward
+            folding.fold_gradients([view])
 
     def describe(self) -> str:
         return ""

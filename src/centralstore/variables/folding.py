@@ -1,0 +1,144 @@
+"""The arithmetic of a sync point: replicas' gradients and writes folded into the central
+variables, or discarded when the run failed.
+
+Gradients are summed in replica order onto the parameter device and added to what ``.grad``
+already holds, one ``torch._foreach_add_`` per replica. Writes combine by each variable's
+aggregation. From CUDA replicas to a CPU parameter device, each gradient's copy starts from
+its post-accumulate-grad hook, on a side stream into pinned memory, while backward is still
+running; the sync point only waits for it. When the sync point happens is the store's
+business (``store.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._aggregation import VariableAggregation
+from .views import View
+
+
+def overlapped(tensor: torch.Tensor, parameter_device: torch.device) -> bool:
+    """Whether the gradient's copy to the parameter device starts from the hook."""
+    return tensor.device.type == "cuda" and parameter_device.type == "cpu"
+
+
+def start_copy(view: View, tensor: torch.Tensor) -> None:
+    """Start copying the gradient just accumulated on ``tensor`` to pinned host memory."""
+    grad = tensor.grad
+    if grad is None:
+        return
+    tensor.grad = None
+    stream = _side_stream(grad.device)
+    stream.wait_stream(torch.cuda.current_stream(grad.device))
+    with torch.cuda.stream(stream):
+        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        host.copy_(grad, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+    grad.record_stream(stream)
+    view.pending.append((host, event))
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    stream = _side_streams.get(device)
+    if stream is None:
+        stream = _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+def gradients_of(view: View) -> list[torch.Tensor]:
+    """The view's gradients, in order, taken off it."""
+    grads = []
+    for host, event in view.pending:
+        event.synchronize()
+        grads.append(host)
+    view.pending.clear()
+    for tensor in (view.tensor, view.alias):
+        if tensor is not None and tensor.grad is not None:
+            grads.append(tensor.grad)
+            tensor.grad = None
+    return grads
+
+
+def fold_gradients(views: list[View]) -> None:
+    """Add the views' gradients to their central ``.grad`` (one ``_foreach_add_``)."""
+    targets, sources = [], []
+    queued: set[int] = set()
+    for view in views:
+        central = view.record.ref()
+        for grad in gradients_of(view):
+            if central is None:
+                continue
+            grad = grad.to(central.device, central.dtype, non_blocking=False)
+            if central.grad is None:
+                central.grad = grad
+            elif grad.is_sparse or central.grad.is_sparse or id(central) in queued:
+                central.grad = central.grad + grad
+            else:
+                queued.add(id(central))
+                targets.append(central.grad)
+                sources.append(grad)
+    if targets:
+        torch._foreach_add_(targets, sources)
+
+
+def apply_writes(touched: list[list[View]], num_replicas: int) -> None:
+    """Combine the replicas' writes into each central variable by its aggregation."""
+    writers: dict[int, list[View]] = {}
+    for views in touched:
+        for view in views:
+            if view.written():
+                writers.setdefault(view.record.key, []).append(view)
+    for views in writers.values():
+        record = views[0].record
+        central = record.ref()
+        aggregation = record.aggregation
+        if central is None:
+            continue
+        if num_replicas > 1 and aggregation is VariableAggregation.NONE:
+            continue  # the replica that wrote has already raised
+        finals = [view.tensor.detach().to(central.device) for view in views]
+        if num_replicas == 1:
+            value = finals[0]
+        elif any(view.assigned for view in views):
+            value = _combine(aggregation, finals)
+        else:
+            value = central + _combine(aggregation, [final - central for final in finals])
+        central.copy_(value)
+
+
+def _combine(aggregation: Any, values: list[torch.Tensor]) -> torch.Tensor:
+    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        return values[0]
+    total = values[0]
+    for value in values[1:]:
+        total = total + value
+    if aggregation is VariableAggregation.MEAN:
+        return total / len(values)
+    return total
+
+
+def finish(touched: list[list[View]]) -> None:
+    """Close the replicas' views after a sync point: routed copies go back to the shared
+    views, and the touched lists are emptied."""
+    for views in touched:
+        for view in views:
+            if view.alias is not None:
+                view.tensor, view.alias, view.private = view.alias, None, False
+        views.clear()
+
+
+def discard(touched: list[list[View]]) -> None:
+    """Drop what a failed run left in the views (gradients, gradient copies in flight,
+    writes), so that the central variables, their ``.grad`` and buffers stay as before it.
+    Private copies that were written are refreshed from the central value on next use (their
+    version no longer matches the one they were validated at)."""
+    for views in touched:
+        for view in views:
+            gradients_of(view)  # taken off the view, and dropped
+    finish(touched)

@@ -1,0 +1,44 @@
+"""The record of one central variable: a weak reference to it and its aggregation."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .._aggregation import VariableAggregation
+
+
+class Central:
+    """A central variable as its store knows it: held weakly, so that a dropped model leaves
+    no trace; ``key`` is ``id`` of the tensor, the key of the store's records."""
+
+    __slots__ = ("aggregation", "is_buffer", "key", "ref")
+
+    def __init__(
+        self, key: int, ref: weakref.ref[torch.Tensor], aggregation: VariableAggregation,
+        is_buffer: bool,
+    ) -> None:
+        self.key = key
+        self.ref = ref
+        self.aggregation = aggregation
+        self.is_buffer = is_buffer
+
+
+def check_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation) -> None:
+    """Integer variables cannot be MEAN-aggregated."""
+    if aggregation is VariableAggregation.MEAN and not (
+        tensor.is_floating_point() or tensor.is_complex()
+    ):
+        raise ValueError(
+            f"An integer variable (dtype {tensor.dtype}) cannot be MEAN-aggregated: the mean of "
+            "integers is not an integer. Use SUM or ONLY_FIRST_REPLICA, or a floating dtype."
+        )
+
+
+def default_buffer_aggregation(buffer: torch.Tensor) -> VariableAggregation:
+    """Floating buffers (running statistics) average over replicas; integer ones (counters
+    such as ``num_batches_tracked``) take the first replica's write."""
+    if buffer.is_floating_point() or buffer.is_complex():
+        return VariableAggregation.MEAN
+    return VariableAggregation.ONLY_FIRST_REPLICA

@@ -1,0 +1,367 @@
+"""The variable store of one strategy: which tensors are its central variables, with what
+aggregation, and its sync points.
+
+A central variable lives once, on the parameter device. Inside ``strategy.scope()`` every
+parameter and buffer registered on a module, and every tensor created with
+``requires_grad=True``, becomes one. The store holds them weakly (a dropped model leaves no
+trace), gives each replica its views (``views.py``), and folds their gradients and writes
+back at each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every
+step of an optimizer over its variables. A sync point after a failed run discards instead,
+so a run is a transaction. Across worker processes the sync point is the ``Exchange``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any, Protocol, cast
+
+import numpy as np
+import torch
+from torch.nn.modules import module as _module
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+
+from .. import _context
+from .._aggregation import VariableAggregation
+from .._placement import Placement
+from . import folding
+from .records import Central, check_aggregation, default_buffer_aggregation
+from .views import GradientReceiver, ReplicaViews, ResolutionMode, View
+
+
+class Exchange(Protocol):
+    """How a sync point spans the worker processes (``Workers`` in ``_workers.py``): one
+    process folds locally; several also exchange with each other."""
+
+    def sync(self, store: VariableStore, error: BaseException | None) -> None:
+        """The sync point of ``store``; ``error`` is what a local replica of the run raised
+        (the run's work is then discarded on every worker, and the error raised)."""
+
+    def gradient_after_run(self, store: VariableStore, view: View) -> None:
+        """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
+
+
+class VariableStore:
+    """The central variables of one strategy, its replicas' views of them, and its sync
+    points.
+
+    One thread at a time: ``in_use`` makes a second thread that runs or syncs while another
+    is inside a run fail loudly instead of folding half a run.
+    """
+
+    def __init__(self, placement: Placement, exchange: Exchange) -> None:
+        self.placement = placement
+        self.exchange = exchange
+        self.records: dict[int, Central] = {}
+        receiver = weakref.WeakMethod(cast(GradientReceiver, self._on_gradient))
+        self.replicas = [
+            ReplicaViews(self.records, r, device, placement.num_replicas, receiver)
+            for r, device in enumerate(placement.storage_devices)
+        ]
+        self.modes = [ResolutionMode(views) for views in self.replicas]
+        self.in_run = False
+        self.pending: list[View] = []  # views with gradients that arrived outside run
+        self._lock = threading.Lock()
+        self._user: threading.Thread | None = None  # the thread inside a run or sync point
+        self._doing = ""
+        self._depth = 0
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register(
+        self, tensor: torch.Tensor, aggregation: VariableAggregation, is_buffer: bool = False
+    ) -> None:
+        """Make ``tensor`` a central variable (again: its aggregation is updated)."""
+        check_aggregation(tensor, aggregation)
+        key = id(tensor)
+        record = self.records.get(key)
+        if record is not None:
+            record.aggregation = aggregation
+            return
+        ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
+        self.records[key] = Central(key, ref, aggregation, is_buffer)
+        placement = self.placement
+        if placement.parameter_storage.type == "cpu" and any(
+            d.type == "cuda" for d in placement.storage_devices
+        ):
+            with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
+                tensor.data = tensor.data.pin_memory()
+        _track(self)
+
+    def forget(self, key: int) -> None:
+        self.records.pop(key, None)
+        for views in self.replicas:
+            views.forget(key)
+
+    def record(self, tensor: Any) -> Central | None:
+        return self.records.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+
+    def owns_any(self, tensors: list[torch.Tensor]) -> bool:
+        records = self.records
+        return any(id(t) in records for t in tensors)
+
+    def view_owner(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The central variable of which ``tensor`` is a replica view, if any."""
+        for views in self.replicas:
+            central = views.central_of(tensor)
+            if central is not None:
+                return central
+        return None
+
+    # -- scope -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """Register what modules and factories create while this store's scope is on top."""
+
+        def mine() -> bool:
+            entry = _context.current()
+            return entry.store is self and entry.replica_context is None
+
+        def on_parameter(module: Any, name: str, param: Any) -> None:
+            if param is not None and mine():
+                self.register(param, VariableAggregation.NONE)
+
+        def on_buffer(module: Any, name: str, buffer: Any) -> None:
+            if isinstance(buffer, torch.Tensor) and mine():
+                record = self.record(buffer)
+                aggregation = record.aggregation if record else default_buffer_aggregation(buffer)
+                self.register(buffer, aggregation, is_buffer=True)
+
+        handles = [
+            _module.register_module_parameter_registration_hook(on_parameter),
+            _module.register_module_buffer_registration_hook(on_buffer),
+        ]
+        try:
+            with _RegistrationMode(self, mine):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    # -- run ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def in_use(self, doing: str) -> Iterator[None]:
+        """Hold the store for this thread while it ``doing`` (a run or a sync point); the same
+        thread may nest (``run`` inside ``merge_call``), another one raises."""
+        me = threading.current_thread()
+        with self._lock:
+            if self._user is not None and self._user is not me:
+                raise RuntimeError(
+                    f"Thread {me.name!r} called {doing} while thread {self._user.name!r} is "
+                    f"inside {self._doing} of the same strategy. A strategy serves one thread at "
+                    "a time: its sync points would mix the two threads' gradients. Give each "
+                    "thread its own strategy and model, or wait for the other thread."
+                )
+            if self._user is None:
+                self._user, self._doing = me, doing
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if not self._depth:
+                    self._user = None
+
+    def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
+        """The resolution mode for ``replica`` (a no-op while there is nothing to resolve).
+        It is on for one replica too, so that a failed run can be discarded."""
+        return self.modes[replica] if self.records else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def cross_replica(self) -> Iterator[None]:
+        """Central variables as themselves, for ``merge_call`` on a replica's thread."""
+        for mode in self.modes:
+            mode.suspended = True
+        try:
+            yield
+        finally:
+            for mode in self.modes:
+                mode.suspended = False
+
+    def begin_run(self) -> None:
+        self.in_run = True
+        self._next_epoch()
+
+    def end_run(self, error: BaseException | None) -> None:
+        """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
+        work is discarded."""
+        self.in_run = False
+        self.exchange.sync(self, error)
+
+    def sync(self) -> None:
+        """A sync point outside the end of ``run`` (``merge_call``, an optimizer step)."""
+        self.exchange.sync(self, None)
+
+    def fold(self, discard: bool = False) -> None:
+        """This process's part of a sync point: fold everything the replicas left since the
+        last one into the central variables, in replica order, or drop it (``discard``)."""
+        if self.pending:
+            with torch.no_grad():
+                folding.fold_gradients(self.pending)
+            self.pending.clear()
+        touched = [replica.touched for replica in self.replicas]
+        if not any(touched):
+            return
+        if discard:
+            folding.discard(touched)
+        else:
+            with torch.no_grad():
+                for views in touched:
+                    folding.fold_gradients(views)
+                folding.apply_writes(touched, self.placement.num_replicas)
+            folding.finish(touched)
+        self._next_epoch()
+
+    def _next_epoch(self) -> None:
+        for views in self.replicas:
+            views.epoch += 1
+
+    def _on_gradient(self, view: View, tensor: torch.Tensor) -> None:
+        """A view's gradient has accumulated: start its copy to the parameter device, and
+        outside ``run`` hand it on at once."""
+        if folding.overlapped(tensor, self.placement.parameter_storage):
+            folding.start_copy(view, tensor)
+            if not self.in_run:  # waited for at the next sync point, not on autograd's thread
+                self.pending.append(view)
+        elif not self.in_run:
+            self.exchange.gradient_after_run(self, view)
+
+
+def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:
+    store = store_ref()
+    if store is not None:
+        store.forget(key)
+
+
+def current_store() -> VariableStore:
+    """The store of the current strategy (the one whose scope or run this thread is in)."""
+    return cast(VariableStore, _context.current().store)
+
+
+# -- every optimizer step is a sync point of the stores that own its parameters ------------
+
+_stores: weakref.WeakSet[VariableStore] = weakref.WeakSet()
+_handle: list[Any] = []
+
+
+def _track(store: VariableStore) -> None:
+    """Make optimizer steps sync points for ``store``; the global hook lives while some
+    store with variables does."""
+    if store in _stores:
+        return
+    _stores.add(store)
+    weakref.finalize(store, _release)
+    if not _handle:
+        _handle.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _release() -> None:
+    if not _stores and _handle:
+        _handle.pop().remove()
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _context.in_replica_of_strategy():
+        if current_store().owns_any(params):
+            raise RuntimeError(
+                "optimizer.step() was called inside strategy.run (replica context), where it "
+                "would update the central variables once per replica. Call it after run, or "
+                "inside the step function as "
+                "get_replica_context().merge_call(lambda strategy: optimizer.step())."
+            )
+        return
+    for store in list(_stores):
+        if store.owns_any(params):
+            with store.in_use("optimizer.step()"):
+                store.sync()
+
+
+class _RegistrationMode(TorchFunctionMode):
+    """Registers leaf tensors created with ``requires_grad=True`` inside the scope."""
+
+    def __init__(self, store: VariableStore, mine: Any) -> None:
+        super().__init__()
+        self._store = store
+        self._mine = mine
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (
+            isinstance(out, torch.Tensor)
+            and out.requires_grad
+            and out.is_leaf
+            and id(out) not in self._store.records
+            and self._mine()
+        ):
+            self._store.register(out, VariableAggregation.NONE)
+        return out
+
+
+def Variable(
+    initial_value: Any,
+    aggregation: VariableAggregation | str = VariableAggregation.NONE,
+    trainable: bool = True,
+) -> torch.Tensor:
+    """A central variable of the current strategy, stored once on its parameter device.
+
+    ``trainable`` means ``requires_grad`` (floating dtypes only). ``aggregation`` says how
+    writes from several replicas combine. Inside ``run`` it is a replica-local tensor on the
+    replica's device, like every tensor created there.
+
+    >>> import centralstore as cs
+    >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     steps = cs.Variable(0, aggregation="ONLY_FIRST_REPLICA", trainable=False)
+    >>> _ = strategy.run(lambda: steps.add_(1))
+    >>> int(steps)
+    1
+    """
+    parsed = VariableAggregation.parse(aggregation)
+    value = torch.from_numpy(initial_value) if isinstance(initial_value, np.ndarray) else (
+        torch.as_tensor(initial_value)
+    )
+    entry = _context.current()
+    in_replica = entry.replica_context is not None and entry is not _context.default()
+    store = current_store()
+    device = torch.get_default_device() if in_replica else store.placement.parameter_storage
+    tensor = value.detach().to(device, copy=True)
+    if trainable and (tensor.is_floating_point() or tensor.is_complex()):
+        tensor.requires_grad_(True)
+    if not in_replica:
+        store.register(tensor, parsed)
+    return tensor
+
+
+def set_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation | str) -> None:
+    """Give a central variable of the current strategy an aggregation for writes in ``run``.
+
+    >>> import centralstore as cs
+    >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    >>> with strategy.scope():
+    ...     total = torch.zeros((), requires_grad=True)
+    ...     cs.set_aggregation(total, "SUM")
+    >>> with torch.no_grad():
+    ...     _ = strategy.run(lambda: total.add_(1.0))
+    >>> total.item()
+    2.0
+    """
+    store = current_store()
+    if store.record(tensor) is None:
+        raise ValueError(
+            f"set_aggregation needs a central variable of {_context.current().strategy!r}, "
+            f"but got a tensor of "
+            f"shape {tuple(tensor.shape)} that is not one. Create it inside strategy.scope() "
+            "(on a module, with requires_grad=True, or with cs.Variable) and call "
+            "set_aggregation inside that scope."
+        )
+    store.register(tensor, VariableAggregation.parse(aggregation))
