@@ -1,4 +1,4 @@
-"""Device names (DESIGN 3.1): spellings, defaults, order, and the errors TensorFlow omits."""
+"""Device names (docs/design.md 3.1): spellings, defaults, order, and errors TensorFlow omits."""
 
 from __future__ import annotations
 
@@ -106,7 +106,6 @@ def test_the_parameter_device_defaults_to_the_cpu_with_several_compute_devices()
 
 def test_the_parameter_device_defaults_to_the_only_compute_device() -> None:
     assert cs.CentralStorageStrategy(["cpu:1"]).parameter_device == "cpu:1"
-    assert cs.CentralStorageStrategy(["CPU:2", "/cpu:2"]).parameter_device == "cpu:2"
 
 
 def test_an_explicit_parameter_device_is_canonicalised() -> None:
@@ -120,7 +119,7 @@ def test_a_missing_parameter_device_raises() -> None:
         cs.CentralStorageStrategy(["cpu:0"], parameter_device=f"GPU:{GPUS}")
 
 
-# -- order and duplicates (3.1.3) --------------------------------------------------------------
+# -- order, and no duplicates (3.1.3) --------------------------------------------------------------
 
 
 def test_order_is_kept() -> None:
@@ -131,11 +130,23 @@ def test_order_is_kept() -> None:
     assert devices.values == (torch.device("cpu", 1), torch.device("cpu", 0))
 
 
-def test_duplicates_are_kept() -> None:
-    strategy = cs.CentralStorageStrategy(["cpu:0", "/cpu:0", torch.device("cpu")])
-    assert strategy.compute_devices == ("cpu:0", "cpu:0", "cpu:0")
-    assert strategy.num_replicas_in_sync == 3
-    assert strategy.parameter_device == "cpu:0"
+@pytest.mark.parametrize(
+    ("devices", "name", "where"),
+    [
+        (["cpu:0", "cpu:0"], "cpu:0", "('cpu:0' at position 0 and 'cpu:0' at position 1)"),
+        (["cpu", "cpu:0"], "cpu:0", "('cpu' at position 0 and 'cpu:0' at position 1)"),
+        (["cpu:0", "/cpu:0", torch.device("cpu")], "cpu:0", "'/cpu:0' at position 1"),
+        (["CPU:2", "cpu:1", "/device:CPU:2"], "cpu:2", "'/device:CPU:2' at position 2"),
+    ],
+)
+def test_a_device_named_twice_raises(devices: list[object], name: str, where: str) -> None:
+    match = f"compute_devices names the device '{name}' twice"
+    with pytest.raises(ValueError, match=match) as info:
+        cs.CentralStorageStrategy(devices)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert where in message
+    assert "'cpu:0', 'cpu:1', ..." in message  # the fix: logical CPU devices
+    assert message.endswith(f"Received: compute_devices={devices!r}")
 
 
 def test_canonical_names_appear_in_repr() -> None:
@@ -184,7 +195,7 @@ def test_canonical_names_work_in_torch_calls() -> None:
 def test_torch_and_storage_devices() -> None:
     assert _devices.torch_device("cpu:1") == torch.device("cpu", 1)
     assert _devices.storage_device("cpu:1") == torch.device("cpu")
-    assert _devices.same_storage("cpu:0", "cpu:3")
+    assert _devices.storage_device("cpu:3") == _devices.storage_device("cpu:0")
     assert _devices.visible_devices()[0] == "cpu:0"
 
 

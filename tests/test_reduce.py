@@ -1,4 +1,4 @@
-"""reduce, gather and local results (DESIGN 3.4, 3.8.3-4, 3.8.10), against literal tables."""
+"""reduce, gather and local results (docs/design.md 3.4, 3.8.3-4), against literal tables."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import centralstore as cs
-from centralstore._reduce import ReduceOp
+from centralstore._reduce import ReduceOp, element_count, mean_dtype, mean_of
 
 SUM, MEAN = cs.ReduceOp.SUM, cs.ReduceOp.MEAN
 
@@ -223,9 +223,107 @@ def test_reduce_keeps_the_autograd_graph() -> None:
 
 
 def test_reduce_accepts_numbers_and_numpy_components() -> None:
-    value = cs.PerReplica([1, np.array(2.0), torch.tensor(3.0)])
-    same(strategy_of(3).reduce(SUM, value), torch.tensor(6.0, dtype=torch.float64))
+    value = cs.PerReplica([1, np.array(2), torch.tensor(3)])
+    same(strategy_of(3).reduce(SUM, value), torch.tensor(6))
     same(strategy_of(2).reduce(MEAN, cs.PerReplica([1, 2])), 1.5)
+    same(strategy_of(2).reduce(SUM, cs.PerReplica([np.float64(1.5), np.array(2.0)])),
+         torch.tensor(3.5, dtype=torch.float64))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis", ["x", "0", 0.0, 1.5, True, (0, "a"), (0.0,), (True,), {0},
+                                  torch.tensor(0)])
+def test_an_axis_of_the_wrong_type_raises_type_error(axis: Any) -> None:
+    strategy = strategy_of(2)
+    value = per_replica([1.0, 2.0], [3.0])
+    for reduced in (value, {"a": value}, torch.ones(2)):  # the fast path, a nest, a plain value
+        for op in (SUM, MEAN):
+            with pytest.raises(TypeError, match=r"strategy\.reduce\(axis=\.\.\.\)") as info:
+                strategy.reduce(op, reduced, axis=axis)
+            assert str(info.value).endswith(f"Received: axis={axis!r}")
+            assert "tuple of ints" in str(info.value)
+
+
+@pytest.mark.parametrize("axis", [None, "0", 0.0, True, (0,), [0]])
+def test_a_gather_axis_that_is_not_an_int_raises_type_error(axis: Any) -> None:
+    with pytest.raises(TypeError, match=r"strategy\.gather\(axis=\.\.\.\) must be an int") as info:
+        strategy_of(2).gather(per_replica([1.0], [2.0, 3.0]), axis)
+    assert str(info.value).endswith(f"Received: axis={axis!r}")
+
+
+def test_numpy_integer_axes_are_accepted() -> None:
+    value = per_replica([[1.0, 2.0]], [[3.0, 4.0]])
+    same(strategy_of(2).reduce(SUM, value, axis=np.int64(1)), [10.0])  # type: ignore[arg-type]
+    same(strategy_of(2).reduce(MEAN, value, axis=(np.int32(0), -1)), 2.5)  # type: ignore[arg-type]
+    same(strategy_of(2).gather(value, np.int64(-1)), [[1.0, 2.0, 3.0, 4.0]])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("components", [("a", "b"), (torch.ones(1), "b"), (None, None),
+                                        (np.array(["a"]), np.array(["b"])), (object(), 1)])
+def test_reducing_values_without_a_tensor_form_raises_type_error(components: Any) -> None:
+    bad = next(i for i, c in enumerate(components) if not isinstance(c, torch.Tensor))
+    kind = type(components[bad]).__name__
+    for op in (SUM, MEAN):
+        for axis in (None, 0):
+            with pytest.raises(TypeError, match="strategy.reduce takes tensors, numpy arrays or "
+                               f"numbers, but the value of replica {bad} is a {kind}"):
+                strategy_of(2).reduce(op, cs.PerReplica(components), axis=axis)
+    with pytest.raises(TypeError, match=rf"strategy\.gather takes tensors.*replica {bad}"):
+        strategy_of(2).gather(cs.PerReplica(components), 0)
+    with pytest.raises(TypeError, match=r"strategy\.reduce takes tensors.*got a str"):
+        strategy_of(2).reduce(SUM, "text", axis=0)
+
+
+dtypes = [torch.float16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+@settings(max_examples=40, deadline=None, database=None)
+@given(chosen=st.lists(st.sampled_from(dtypes), min_size=2, max_size=4),
+       op=st.sampled_from([SUM, MEAN]), axis=st.sampled_from([None, 0]))
+def test_replicas_of_different_dtypes_raise_naming_each(
+    chosen: list[torch.dtype], op: ReduceOp, axis: Any
+) -> None:
+    value = cs.PerReplica([torch.ones(2, dtype=d) for d in chosen])
+    strategy = strategy_of(len(chosen))
+    if len(set(chosen)) == 1:
+        assert strategy.reduce(op, value, axis=axis).shape == ((2,) if axis is None else ())
+        return
+    with pytest.raises(ValueError, match="same dtype") as info:
+        strategy.reduce(op, value, axis=axis)
+    listing = ", ".join(f"replica {r}: {d}" for r, d in enumerate(chosen))
+    assert f"({listing})" in str(info.value)
+
+
+def test_int64_and_float32_replicas_raise_instead_of_promoting() -> None:
+    value = cs.PerReplica([torch.tensor([1]), torch.tensor([1.5])])
+    with pytest.raises(ValueError, match=r"replica 0: torch.int64, replica 1: torch.float32"):
+        strategy_of(2).reduce(SUM, value)
+    with pytest.raises(ValueError, match="same dtype"):
+        strategy_of(2).reduce(MEAN, cs.PerReplica([1, 2.5]))
+
+
+def test_all_reduce_of_different_dtypes_raises() -> None:
+    strategy = strategy_of(2)
+
+    def step() -> Any:
+        replica = cs.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+        return cs.get_replica_context().all_reduce(  # type: ignore[union-attr]
+            SUM, torch.tensor([1]) if replica == 0 else torch.tensor([1.0])
+        )
+
+    with pytest.raises(ValueError, match=r"replica 0: torch.int64, replica 1: torch.float32"):
+        strategy.run(step)
+
+
+@pytest.mark.parametrize("axis", [None, 0])
+def test_bools_add_as_integers(axis: Any) -> None:
+    value = cs.PerReplica([torch.tensor([True, True]), torch.tensor([True, False])])
+    strategy = strategy_of(2)
+    same(strategy.reduce(MEAN, value, axis=axis), [1.0, 0.5] if axis is None else 0.75)
+    same(strategy.reduce(SUM, value, axis=axis), torch.tensor([2, 1] if axis is None else 3))
 
 
 # -- gather ------------------------------------------------------------------------------------
@@ -285,11 +383,26 @@ def test_experimental_local_results() -> None:
     assert strategy.experimental_local_results(a)[0] is a
     assert len(strategy.experimental_local_results(a)) == 1
     assert strategy.experimental_local_results(None) == (None,)
+    assert strategy.experimental_local_results(3) == (3,)
     nested = {"x": cs.PerReplica([1, 2]), "y": [a, cs.PerReplica(["p", "q"])]}
     first, second = strategy.experimental_local_results(nested)
     assert first == {"x": 1, "y": [a, "p"]}
     assert second == {"x": 2, "y": [a, "q"]}
     assert first["y"][0] is a and second["y"][0] is a
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_local_results_of_a_nest_without_per_replica_give_one_copy_per_replica(
+    replicas: int,
+) -> None:
+    strategy = strategy_of(replicas)
+    a = torch.ones(1)
+    results = strategy.experimental_local_results([1, 2])
+    assert results == ([1, 2],) * replicas
+    nested = {"x": (a, None), "y": []}
+    copies = strategy.experimental_local_results(nested)
+    assert copies == (nested,) * replicas
+    assert all(copy["x"][0] is a for copy in copies)  # the leaves are shared, not copied
 
 
 def test_experimental_local_results_of_a_central_variable() -> None:
@@ -377,3 +490,35 @@ def test_as_tensor_moves_only_when_the_device_differs() -> None:
     converted = as_tensor(np.arange(3), torch.device("cpu"))
     assert converted.tolist() == [0, 1, 2] and converted.dtype == torch.int64
     assert as_tensor(2.5).dtype == torch.float32
+
+
+# -- the MEAN arithmetic as pure functions -----------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(lengths=sizes, width=st.integers(1, 3),
+       axis=st.sampled_from([None, 0, 1, -1, (0, 1), ()]))
+def test_element_count_is_the_divisor_of_a_global_mean(
+    lengths: list[int], width: int, axis: Any
+) -> None:
+    parts = [torch.ones(n, width) for n in lengths]
+    if axis is None:
+        expected = len(parts)
+    else:
+        axes = (axis,) if isinstance(axis, int) else axis
+        expected = sum(math.prod(p.shape[a] for a in axes) for p in parts)
+    assert element_count(parts, axis) == expected
+    assert element_count([p.numpy() for p in parts], axis) == expected
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [(torch.int8, torch.float32), (torch.int64, torch.float32), (torch.bool, torch.float32),
+     (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float64),
+     (torch.complex128, torch.complex128)],
+)
+def test_mean_dtype_and_mean_of(dtype: torch.dtype, expected: torch.dtype) -> None:
+    assert mean_dtype(dtype) is expected
+    result = mean_of(torch.ones(3, dtype=dtype), 2)
+    assert result.dtype is expected
+    assert result.tolist() == [0.5, 0.5, 0.5] or result.real.tolist() == [0.5, 0.5, 0.5]

@@ -93,6 +93,35 @@ def test_regroup_of_different_structures_raises_naming_both() -> None:
     assert "replica 0 returned" in str(info.value)
 
 
+def test_regroup_of_none_and_a_value_in_one_place_raises_naming_both() -> None:
+    tensor = torch.ones(1)
+    with pytest.raises(ValueError, match="Every replica must return the same structure") as info:
+        _values.regroup([(None, tensor), (torch.zeros(1), tensor)])
+    message = str(info.value)
+    assert "replica 0 returned (None, Tensor) and replica 1 returned (Tensor, Tensor)" in message
+    with pytest.raises(ValueError, match="replica 2 returned None"):
+        _values.regroup([tensor, torch.zeros(1), None])
+    match = r"\{'loss': float\} and replica 1 returned \{'loss': None\}"
+    with pytest.raises(ValueError, match=match):
+        _values.regroup([{"loss": 1.0}, {"loss": None}])
+
+
+def test_regroup_keeps_none_that_every_replica_returned() -> None:
+    out = _values.regroup([(None, 1), (None, 2)])
+    assert out[0] is None and out[1].values == (1, 2)
+
+
+def test_run_with_none_from_one_replica_raises() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+
+    def step() -> torch.Tensor | None:
+        replica = cs.get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+        return None if replica == 0 else torch.ones(1)
+
+    with pytest.raises(ValueError, match="replica 0 returned None and replica 1 returned Tensor"):
+        strategy.run(step)
+
+
 def test_select_then_regroup_round_trips() -> None:
     tree = {"x": cs.PerReplica([1, 2, 3]), "y": ("same", cs.PerReplica([4, 5, 6]))}
     back = _values.regroup([_values.select(tree, r) for r in range(3)])
@@ -105,7 +134,17 @@ def test_local_results() -> None:
     value = cs.PerReplica([1, 2])
     assert _values.local_results(value, 2) == (1, 2)
     assert _values.local_results(7, 2) == (7,)
+    assert _values.local_results(None, 2) == (None,)
     assert _values.local_results([value, 0], 2) == ([1, 0], [2, 0])
+
+
+def test_local_results_of_a_nest_without_per_replica_is_one_copy_per_replica() -> None:
+    assert _values.local_results([1, 2], 2) == ([1, 2], [1, 2])
+    assert _values.local_results((), 3) == ((), (), ())
+    Pair = namedtuple("Pair", "a b")
+    first, second = _values.local_results(Pair(1, [2]), 2)
+    assert first == second == Pair(1, [2]) and isinstance(first, Pair)
+    assert first.b is not second.b  # fresh containers, as TensorFlow's map_structure
 
 
 def test_value_context() -> None:

@@ -81,7 +81,14 @@ def canonical(device: DeviceLike) -> str:
 
 
 def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
-    """Canonical names for a list of devices, keeping order and duplicates."""
+    """Canonical names for a list of devices, in order; a device named twice raises.
+
+    TensorFlow rejects duplicates too (each device runs one replica, and a replica is known by
+    its device). Several replicas on one host use logical CPU devices ``cpu:0``, ``cpu:1``, ...
+
+    >>> canonical_list(["CPU:1", "/device:CPU:0"], "compute_devices")
+    ('cpu:1', 'cpu:0')
+    """
     if isinstance(devices, (str, torch.device)):
         raise TypeError(
             f"{what} must be a list of devices, not a single device. "
@@ -97,7 +104,20 @@ def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
             f"{what} is empty; name at least one device, e.g. ['cpu:0', 'cpu:1']. "
             f"Visible devices: {visible_devices()}. Received: {what}={devices!r}"
         )
-    return tuple(canonical(d) for d in devices)
+    names = tuple(canonical(d) for d in devices)
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            earlier = devices[first[name]]
+            raise ValueError(
+                f"{what} names the device {name!r} twice ({earlier!r} at position "
+                f"{first[name]} and {devices[i]!r} at position {i}); each compute device "
+                f"runs one replica. For several replicas on one host, use the logical CPU "
+                f"devices 'cpu:0', 'cpu:1', ... Visible devices: {visible_devices()}. "
+                f"Received: {what}={list(devices)!r}"
+            )
+        first[name] = i
+    return names
 
 
 def torch_device(name: str) -> torch.device:
@@ -115,11 +135,6 @@ def storage_device(name: str) -> torch.device:
     return torch_device(name)
 
 
-def same_storage(a: str, b: str) -> bool:
-    """Whether tensors on devices ``a`` and ``b`` live in the same memory."""
-    return storage_device(a) == storage_device(b)
-
-
 def default_compute_devices() -> tuple[str, ...]:
     """TensorFlow's default: every visible GPU, else the CPU."""
     gpus = tuple(f"cuda:{i}" for i in range(torch.cuda.device_count()))
@@ -128,6 +143,6 @@ def default_compute_devices() -> tuple[str, ...]:
 
 def default_parameter_device(compute_devices: Sequence[str]) -> str:
     """TensorFlow's default: the only compute device when there is one, else the CPU."""
-    if len(set(compute_devices)) == 1:
+    if len(compute_devices) == 1:
         return compute_devices[0]
     return "cpu:0"

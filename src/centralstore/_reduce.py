@@ -9,8 +9,9 @@ caller's business except for the final placement.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -43,14 +44,130 @@ class ReduceOp(enum.Enum):
         )
 
 
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def _is_index(value: object) -> TypeGuard[int | np.integer[Any]]:
+    # bool is an int to Python, but axis=True is a mistake, not dimension 1
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def reduce_axes(axis: object, call: str = "strategy.reduce") -> tuple[int, ...] | None:
+    """``axis`` of ``call`` as a tuple of ints (``None`` stays ``None``); anything but None, an
+    int or a list or tuple of ints raises ``TypeError``.
+
+    >>> reduce_axes(None), reduce_axes(0), reduce_axes([-1, 0]), reduce_axes(())
+    (None, (0,), (-1, 0), ())
+    """
+    if axis is None:
+        return None
+    if _is_index(axis):
+        return (int(axis),)
+    if isinstance(axis, (tuple, list)):
+        axes = [int(a) for a in axis if _is_index(a)]
+        if len(axes) == len(axis):
+            return tuple(axes)
+    raise TypeError(
+        f"{call}(axis=...) must be None, an int or a tuple of ints naming the dimensions to "
+        "reduce over (negative ones count from the end), e.g. axis=0 or axis=(0, 1). "
+        f"Received: axis={axis!r}"
+    )
+
+
+def gather_axis(axis: object, call: str = "strategy.gather") -> int:
+    """``axis`` of ``call`` as an int; anything else raises ``TypeError``.
+
+    >>> gather_axis(-1)
+    -1
+    """
+    if _is_index(axis):
+        return int(axis)
+    raise TypeError(
+        f"{call}(axis=...) must be an int naming the dimension to concatenate along (negative "
+        f"ones count from the end), e.g. axis=0. Received: axis={axis!r}"
+    )
+
+
 def as_tensor(value: Any, device: torch.device | None = None) -> torch.Tensor:
     """``value`` as a tensor: tensors pass (moved to ``device`` when given), numbers and numpy
-    arrays are converted."""
+    arrays are converted; anything else raises ``TypeError``."""
     if isinstance(value, torch.Tensor):
         return value if device is None or value.device == device else value.to(device)
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value).to(device)
-    return torch.as_tensor(value, device=device)
+    try:
+        if isinstance(value, np.ndarray):
+            tensor = torch.from_numpy(value)
+        else:
+            tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(
+            "reduce, gather, all_reduce and all_gather combine tensors, numpy arrays and "
+            f"numbers, but got a {type(value).__name__}, which has no numeric tensor form. "
+            f"Keep it out of the value, or convert it first. Received: {value!r}"
+        ) from error
+    return tensor if device is None else tensor.to(device)
+
+
+def _tensors(components: Sequence[Any], device: torch.device, call: str) -> list[torch.Tensor]:
+    parts = []
+    for replica, component in enumerate(components):
+        try:
+            parts.append(as_tensor(component, device))
+        except TypeError as error:
+            raise TypeError(
+                f"{call} takes tensors, numpy arrays or numbers, but the value of replica "
+                f"{replica} is a {type(component).__name__}. Return numeric values from the "
+                f"replicas, or read the others with experimental_local_results. "
+                f"Received: {component!r}"
+            ) from error.__cause__
+    return parts
+
+
+# -- the arithmetic ----------------------------------------------------------------------------
+
+
+def mean_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a MEAN of values of ``dtype``: floating and complex dtypes are kept;
+    integers and bools give torch's default float dtype (TensorFlow's integer MEAN truncates).
+
+    >>> for dtype in (torch.float16, torch.float64, torch.complex64, torch.int64, torch.uint8,
+    ...               torch.bool):
+    ...     print(dtype, "->", mean_dtype(dtype))
+    torch.float16 -> torch.float16
+    torch.float64 -> torch.float64
+    torch.complex64 -> torch.complex64
+    torch.int64 -> torch.float32
+    torch.uint8 -> torch.float32
+    torch.bool -> torch.float32
+    """
+    if dtype.is_floating_point or dtype.is_complex:
+        return dtype
+    return torch.get_default_dtype()
+
+
+def element_count(components: Sequence[Any], axis: Axis) -> int:
+    """MEAN's divisor: the number of components (replicas) for ``axis=None``, else the number
+    of elements along ``axis`` summed over the components. Components are anything with a
+    shape (tensors, numpy arrays) or numbers; ``axis`` must be valid for each.
+
+    >>> a, b = np.zeros((2, 3)), np.zeros((1, 3))
+    >>> [element_count([a, b], axis) for axis in (None, 0, -1, (0, 1), ())]
+    [2, 3, 6, 9, 2]
+    >>> element_count([np.zeros(0), np.zeros(0)], 0)  # MEAN of two empty components is nan
+    0
+    """
+    axes = reduce_axes(axis)
+    if axes is None:
+        return len(components)
+    return sum(math.prod(np.shape(c)[a] for a in axes) for c in components)
+
+
+def mean_of(total: torch.Tensor, count: float) -> torch.Tensor:
+    """``total / count`` in ``mean_dtype`` (a count of 0 gives nan, as TensorFlow).
+
+    >>> mean_of(torch.tensor([3, 4]), 2)
+    tensor([1.5000, 2.0000])
+    """
+    return total.to(mean_dtype(total.dtype)) / count
 
 
 _CPU = torch.device("cpu")
@@ -65,8 +182,9 @@ def result_device() -> torch.device:
     return torch.get_default_device()
 
 
-def _axes(axis: Axis, component: torch.Tensor, replica: int) -> tuple[int, ...]:
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)  # type: ignore[arg-type]
+def _dims(
+    axes: tuple[int, ...], axis: Axis, component: torch.Tensor, replica: int
+) -> tuple[int, ...]:
     ndim = component.dim()
     for a in axes:
         if not -ndim <= a < max(ndim, 0) or ndim == 0:
@@ -83,11 +201,21 @@ def _axes(axis: Axis, component: torch.Tensor, replica: int) -> tuple[int, ...]:
     return dims
 
 
-def _add_in_order(parts: Sequence[torch.Tensor], op: ReduceOp, axis: Axis) -> torch.Tensor:
+def _same_dtype(parts: Sequence[torch.Tensor], what: str) -> None:
+    dtype = parts[0].dtype
+    if any(part.dtype != dtype for part in parts):
+        listing = ", ".join(f"replica {r}: {part.dtype}" for r, part in enumerate(parts))
+        raise ValueError(
+            f"{what} requires every replica's value to have the same dtype, but they differ "
+            f"({listing}). Cast them to one dtype in the replicas, e.g. x.float(); Python ints "
+            f"become torch.int64 and floats {torch.get_default_dtype()}."
+        )
+
+
+def _add_in_order(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     shape = parts[0].shape
     for replica, part in enumerate(parts):
         if part.shape != shape:
-            what = f"reduce({op.name})" if axis is None else f"reduce({op.name}, axis={axis})"
             raise ValueError(
                 f"{what} requires every replica's value to have the same shape, but replica 0 "
                 f"has {tuple(shape)} and replica {replica} has {tuple(part.shape)}."
@@ -98,41 +226,42 @@ def _add_in_order(parts: Sequence[torch.Tensor], op: ReduceOp, axis: Axis) -> to
     return total
 
 
-def _mean_dtype(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return tensor
-    return tensor.to(torch.get_default_dtype())
-
-
 def reduce_components(
     op: ReduceOp, components: Sequence[Any], axis: Axis, device: torch.device
 ) -> torch.Tensor:
     """Reduce the per-replica ``components`` to one tensor on ``device``.
 
+    The components must share one dtype: a silent promotion (int64 and float32 giving
+    float32) would hide a replica that computed something else, and TensorFlow rejects it
+    too. Bools add as integers (as ``torch.sum``), so SUM counts and MEAN gives a fraction.
+
     >>> reduce_components(ReduceOp.MEAN, [torch.tensor([0., 1, 2, 3]), torch.tensor([4., 5])],
     ...                   0, torch.device("cpu"))
     tensor(2.5000)
     """
-    parts = [as_tensor(c, device) for c in components]
-    if axis is None:
-        total = _add_in_order(parts, op, None)
-        if op is ReduceOp.MEAN:
-            return _mean_dtype(total) / len(parts)
-        return total
-    sums, count = [], 0
-    for replica, part in enumerate(parts):
-        axes = _axes(axis, part, replica)
-        sums.append(part.sum(dim=axes) if axes else part)  # torch sums all dims for dim=()
-        count += int(np.prod([part.shape[a] for a in axes]))
-    total = _add_in_order(sums, op, axis)
+    axes = reduce_axes(axis)
+    what = f"reduce({op.name})" if axes is None else f"reduce({op.name}, axis={axis})"
+    parts = _tensors(components, device, "strategy.reduce")
+    _same_dtype(parts, what)
+    if parts[0].dtype == torch.bool:  # bool + bool is a logical or in torch
+        parts = [part.long() for part in parts]
+    if axes is None:
+        total = _add_in_order(parts, what)
+    else:
+        sums = []
+        for replica, part in enumerate(parts):
+            dims = _dims(axes, axis, part, replica)
+            sums.append(part.sum(dim=dims) if dims else part)  # torch sums all dims for dim=()
+        total = _add_in_order(sums, what)
     if op is ReduceOp.MEAN:
-        return _mean_dtype(total) / count
+        return mean_of(total, element_count(parts, axes))
     return total
 
 
 def reduce_plain(op: ReduceOp, value: Any, num_replicas: int, axis: Axis) -> Any:
     """Reduce a value that is not distributed: it counts as present on every replica."""
-    if axis is None:
+    axes = reduce_axes(axis)
+    if axes is None:
         if op is ReduceOp.MEAN or num_replicas == 1:
             return value
         raise ValueError(
@@ -140,12 +269,21 @@ def reduce_plain(op: ReduceOp, value: Any, num_replicas: int, axis: Axis) -> Any
             f"{num_replicas} replicas (is it one value, or {num_replicas} copies?). Pass the "
             f"PerReplica that strategy.run returned, or use MEAN. Received: value={value!r}"
         )
-    return reduce_components(op, [value] * num_replicas, axis, result_device())
+    device = result_device()
+    try:
+        tensor = as_tensor(value, device)
+    except TypeError as error:
+        raise TypeError(
+            f"strategy.reduce takes tensors, numpy arrays or numbers, but got a "
+            f"{type(value).__name__}. Received: value={value!r}"
+        ) from error.__cause__
+    return reduce_components(op, [tensor] * num_replicas, axis, device)
 
 
 def gather_components(components: Sequence[Any], axis: int, device: torch.device) -> torch.Tensor:
     """Concatenate the per-replica ``components`` along ``axis`` on ``device``."""
-    parts = [as_tensor(c, device) for c in components]
+    axis = gather_axis(axis)
+    parts = _tensors(components, device, "strategy.gather")
     ref = parts[0]
     for replica, part in enumerate(parts):
         if part.dim() == 0:

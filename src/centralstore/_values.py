@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, NoReturn, TypeVar, overload
 
 from . import _tree
 
@@ -74,7 +74,9 @@ def regroup(outputs: Sequence[Any]) -> Any:
     """One structure from the replicas' outputs, with PerReplica leaves where they differ.
 
     The structure of replica 0 is kept; a leaf that every replica returned as the same object
-    stays unwrapped. Replicas that return different structures raise ``ValueError``.
+    stays unwrapped. Replicas that return different structures raise ``ValueError``, and so
+    does ``None`` from some replicas where others return a value (TensorFlow would build a
+    PerReplica that mixes them, and the ``None`` would fail later, far from its cause).
     """
     first = outputs[0]
     if all(out is first for out in outputs):
@@ -84,26 +86,72 @@ def regroup(outputs: Sequence[Any]) -> Any:
     for replica, out in enumerate(outputs[1:], start=1):
         leaves, spec = _tree.flatten(out)
         if spec != spec0:
-            raise ValueError(
-                "Every replica must return the same structure, but replica 0 returned "
-                f"{spec0} and replica {replica} returned {spec}."
-            )
+            _different_structures(outputs, replica)
         columns.append(leaves)
-    regrouped = [
-        row[0] if all(x is row[0] for x in row) else PerReplica(row)
-        for row in zip(*columns, strict=True)
-    ]
+    regrouped = []
+    for row in zip(*columns, strict=True):
+        head = row[0]
+        if all(x is head for x in row):
+            regrouped.append(head)
+            continue
+        for replica, x in enumerate(row):
+            if (x is None) != (head is None):
+                _different_structures(outputs, replica)
+        regrouped.append(PerReplica(row))
     return _tree.unflatten(regrouped, spec0)
 
 
+class _Leaf:
+    """A leaf in a structure's description: its type name, or ``None``."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, leaf: Any) -> None:
+        self._name = "None" if leaf is None else type(leaf).__name__
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+def _describe(tree: Any) -> str:
+    """``tree`` with each leaf shown as its type: ``(Tensor, None)``, ``{'loss': float}``."""
+    return repr(_tree.map_leaves(_Leaf, tree))
+
+
+def _different_structures(outputs: Sequence[Any], replica: int) -> NoReturn:
+    first, other = _describe(outputs[0]), _describe(outputs[replica])
+    if first == other:  # a registered container whose repr hides its structure
+        first, other = str(_tree.flatten(outputs[0])[1]), str(_tree.flatten(outputs[replica])[1])
+    raise ValueError(
+        f"Every replica must return the same structure, but replica 0 returned {first} and "
+        f"replica {replica} returned {other}. Return the same kind of value from every "
+        "replica (for example an empty or zero tensor rather than None)."
+    )
+
+
 def local_results(value: Any, num_replicas: int) -> tuple[Any, ...]:
-    """The local components: PerReplica -> its components, a plain value -> ``(value,)``,
-    a nested structure with PerReplica leaves -> one copy per replica."""
+    """The local components of ``value``, as TensorFlow: a PerReplica gives its components; a
+    nested structure gives one copy per replica, each PerReplica leaf replaced by that
+    replica's component (a structure without PerReplica leaves is copied as it is); any other
+    value (a tensor, a number, ``None``, a central variable) gives ``(value,)``.
+
+    >>> local_results([PerReplica([1, 2]), 0], 2)
+    ([1, 0], [2, 0])
+    >>> local_results([1, 2], 2), local_results(3, 2)
+    (([1, 2], [1, 2]), (3,))
+    """
     if isinstance(value, PerReplica):
         return value.values
-    if not _tree.contains(value, PerReplica):
+    leaves, spec = _tree.flatten(value)
+    if value is None or (len(leaves) == 1 and leaves[0] is value):  # not a container
         return (value,)
-    return tuple(select(value, replica) for replica in range(num_replicas))
+    return tuple(
+        _tree.unflatten(
+            [leaf.values[replica] if isinstance(leaf, PerReplica) else leaf for leaf in leaves],
+            spec,
+        )
+        for replica in range(num_replicas)
+    )
 
 
 class ValueContext:
