@@ -20,7 +20,7 @@ from typing import NoReturn
 
 import torch
 
-from . import __version__, _devices
+from . import __version__, _devices, demo
 from .strategies.central_storage import CentralStorageStrategy
 
 EXIT_USAGE = 2
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"centralstore {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser(
+    demo_command = commands.add_parser(
         "demo",
         help="train a small CNN on scikit-learn's digits with CentralStorageStrategy",
         description=(
@@ -96,54 +96,54 @@ def build_parser() -> argparse.ArgumentParser:
             "the same run as a plain one-device PyTorch loop, and compare the weights."
         ),
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--compute-devices",
         type=_device_list,
         metavar="DEVICES",
         help="comma-separated compute devices, e.g. cpu:0,cpu:1 or GPU:0,GPU:1 "
         "(default: every visible GPU, else cpu:0,cpu:1)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--parameter-device",
         type=_device,
         metavar="DEVICE",
         help="where the variables live (default: the only GPU when one computes, else cpu:0)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--epochs",
         type=_count(1),
         default=12,
         metavar="N",
         help="passes over the training set (default: 12)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--batch-size",
         type=_count(1),
         default=64,
         metavar="N",
         help="the global batch size, split over the replicas (default: 64)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--seed",
         type=_count(0),
         default=0,
         metavar="N",
         help="seeds the data split, the shuffling and the initial weights (default: 0)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--out",
         type=Path,
         metavar="DIR",
         default=Path("demo-out"),
         help="directory for curves.png and summary.json (default: demo-out)",
     )
-    demo.add_argument(
+    demo_command.add_argument(
         "--no-compare",
         dest="compare",
         action="store_false",
         help="skip the one-device run and the weight comparison",
     )
-    demo.set_defaults(handler=_demo, parser=demo)
+    demo_command.set_defaults(handler=_demo, parser=demo_command)
     devices = commands.add_parser(
         "devices",
         help="list the visible devices and what CentralStorageStrategy() would choose",
@@ -171,13 +171,11 @@ def _devices_command(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import _demo
-
     parser: argparse.ArgumentParser = args.parser
     if args.out.exists() and not args.out.is_dir():
         parser.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
     try:
-        strategy = _demo.make_strategy(args.compute_devices, args.parameter_device)
+        strategy = demo.make_strategy(args.compute_devices, args.parameter_device)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
     try:  # now, rather than after training; by the one worker that writes there
@@ -185,14 +183,14 @@ def _demo(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"argument --out: cannot create {str(args.out)!r}: {error.strerror}")
-    settings = _demo.Settings(
+    settings = demo.Settings(
         epochs=args.epochs,
         batch_size=args.batch_size,
         seed=args.seed,
         out=args.out,
         compare=args.compare,
     )
-    _demo.run(strategy, settings)
+    demo.run(strategy, settings)
     if torch.distributed.is_initialized():  # a torchrun worker
         _exit_worker()
     return 0

@@ -1,54 +1,89 @@
-"""What the demo shows: the console report, the progress bars, ``curves.png``, ``summary.json``.
+"""What the demo shows: the console report, each epoch's progress, ``curves.png``,
+``summary.json``.
 
-Kept apart from the training job (``_demo.py``) so that the job reads as training code.
+Kept apart from the training (``train.py``) so that the training reads as training code.
 """
 
 from __future__ import annotations
 
 import json
-import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, Protocol, TextIO, final
 
 import torch
 
-from . import __version__
+import centralstore as cs
+from centralstore.input.split import split_sizes
 
-if TYPE_CHECKING:
-    from ._demo import Digits, History, Run, Settings
-    from .strategies.base import Strategy
+from .job import ADAM_EPSILON, LEARNING_RATE, Digits, History, Run, Settings, steps_per_epoch
 
 _WIDTH = 20  # the column of the report's labels
 
 
-class Progress:
-    """One epoch's tqdm bar (on stderr) with the running loss and accuracy, and the test
-    accuracy once the epoch is evaluated; silent unless ``shown`` (workers other than the
-    chief)."""
-
-    def __init__(self, epoch: int, epochs: int, steps: int, *, shown: bool = True) -> None:
-        from tqdm import tqdm
-
-        digits = len(str(epochs))
-        self._bar = tqdm(
-            total=steps,
-            desc=f"epoch {epoch + 1:>{digits}}/{epochs}",
-            unit="step",
-            file=sys.stderr,
-            leave=True,
-            dynamic_ncols=True,
-            disable=not shown,
-        )
+class Progress(Protocol):
+    """One epoch's progress display, told of every step and of the test accuracy at the end."""
 
     def step(self, loss: float, accuracy: float) -> None:
         """One step done; ``loss`` and ``accuracy`` are the epoch's running means."""
-        self._bar.set_postfix(loss=f"{loss:.4f}", acc=f"{accuracy:.4f}", refresh=False)
+
+    def close(self, test_accuracy: float) -> None:
+        """The epoch is trained and evaluated."""
+
+
+def progress(epoch: int, epochs: int, steps: int, stream: TextIO) -> Progress:
+    """Epoch ``epoch`` (from 0) of ``epochs``, ``steps`` steps long, shown on ``stream``: a
+    tqdm bar on a terminal, elsewhere (a pipe, a log file) one plain line at the epoch's end.
+
+    tqdm redraws its bar with carriage returns, which a file keeps: each epoch would leave one
+    long line of every redraw.
+    """
+    label = f"epoch {epoch + 1:>{len(str(epochs))}}/{epochs}"
+    return _Bar(label, steps, stream) if stream.isatty() else _Line(label, steps, stream)
+
+
+@final
+class _Bar:
+    """A tqdm bar with the running loss and accuracy, and the test accuracy once known."""
+
+    def __init__(self, label: str, steps: int, stream: TextIO) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=steps, desc=label, unit="step", file=stream, leave=True, dynamic_ncols=True
+        )
+
+    def step(self, loss: float, accuracy: float) -> None:
+        self._bar.set_postfix_str(f"loss={loss:.4f}, acc={accuracy:.4f}", refresh=False)
         self._bar.update(1)
 
     def close(self, test_accuracy: float) -> None:
         self._bar.set_postfix_str(f"{self._bar.postfix}, test_acc={test_accuracy:.4f}")
         self._bar.close()
+
+
+@final
+class _Line:
+    """One line when the epoch ends: ``epoch 1/12: 23/23 steps in 0.4 s, loss=..., acc=...,
+    test_acc=...``."""
+
+    def __init__(self, label: str, steps: int, stream: TextIO) -> None:
+        self._label, self._steps, self._stream = label, steps, stream
+        self._done, self._loss, self._accuracy = 0, float("nan"), float("nan")
+        self._started = time.perf_counter()
+
+    def step(self, loss: float, accuracy: float) -> None:
+        self._done, self._loss, self._accuracy = self._done + 1, loss, accuracy
+
+    def close(self, test_accuracy: float) -> None:
+        seconds = time.perf_counter() - self._started
+        print(
+            f"{self._label}: {self._done}/{self._steps} steps in {seconds:.1f} s, "
+            f"loss={self._loss:.4f}, acc={self._accuracy:.4f}, test_acc={test_accuracy:.4f}",
+            file=self._stream,
+            flush=True,
+        )
 
 
 class Report:
@@ -61,14 +96,12 @@ class Report:
         print(f"{label:<{_WIDTH}}: {value}", file=self._out, flush=True)
 
     def header(
-        self, strategy: Strategy, settings: Settings, train_samples: int, test_samples: int
+        self, strategy: cs.Strategy, settings: Settings, train_samples: int, test_samples: int
     ) -> None:
         replicas = strategy.num_replicas_in_sync
         workers = num_workers(strategy)
-        print(
-            f"centralstore {__version__} demo: a small CNN on scikit-learn's handwritten digits",
-            file=self._out,
-        )
+        title = "a small CNN on scikit-learn's handwritten digits"
+        print(f"centralstore {cs.__version__} demo: {title}", file=self._out)
         self.line(
             "data",
             f"{train_samples:,} training / {test_samples:,} test images (8x8, 10 classes), "
@@ -80,7 +113,7 @@ class Report:
         )
         self.line("parameter device", placement([strategy.parameter_device], workers))
         slices = " + ".join(str(n) for n in split_sizes(settings.batch_size, replicas))
-        steps = -(-train_samples // settings.batch_size)
+        steps = steps_per_epoch(train_samples, settings.batch_size)
         self.line(
             "global batch",
             f"{settings.batch_size} = {slices} (one slice per replica), {steps} steps per "
@@ -118,20 +151,7 @@ class Report:
         self.line("wall time", f"{seconds:.1f} s")
 
 
-def split_sizes(global_batch: int, replicas: int) -> list[int]:
-    """The slice sizes of a global batch over the replicas: consecutive slices of
-    ceil(g / R), the last ones short or empty (TensorFlow's rule).
-
-    >>> split_sizes(64, 2), split_sizes(5, 3), split_sizes(4, 3), split_sizes(1, 2)
-    ([32, 32], [2, 2, 1], [2, 2, 0], [1, 0])
-    """
-    size = -(-global_batch // replicas)
-    return [
-        min((i + 1) * size, global_batch) - min(i * size, global_batch) for i in range(replicas)
-    ]
-
-
-def num_workers(strategy: Strategy) -> int:
+def num_workers(strategy: cs.Strategy) -> int:
     """How many worker processes train together: the replicas in sync over this worker's
     (every worker holds as many)."""
     return strategy.num_replicas_in_sync // len(strategy.compute_devices)
@@ -152,7 +172,7 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
-def _cpu_note(strategy: Strategy) -> str:
+def _cpu_note(strategy: cs.Strategy) -> str:
     devices = strategy.compute_devices
     if not all(d.startswith("cpu") for d in devices):
         return ""
@@ -163,7 +183,7 @@ def _cpu_note(strategy: Strategy) -> str:
 
 
 def summary(
-    strategy: Strategy,
+    strategy: cs.Strategy,
     settings: Settings,
     data: Digits,
     distributed: Run,
@@ -172,8 +192,6 @@ def summary(
     device: torch.device,
 ) -> dict[str, Any]:
     """Everything the run measured, as JSON-ready values (``summary.json``)."""
-    from ._demo import ADAM_EPSILON, LEARNING_RATE
-
     one_device = None
     if reference is not None:
         one_device = {
@@ -184,7 +202,7 @@ def summary(
             "history": _history(reference.history),
         }
     return {
-        "centralstore_version": __version__,
+        "centralstore_version": cs.__version__,
         "torch_version": torch.__version__,
         "strategy": type(strategy).__name__,
         "compute_devices": list(strategy.compute_devices),

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 import centralstore as cs
 
-from ._demo import Digits, History, Run, Settings, make_model, make_optimizer, train_batches
+from .job import Digits, History, Run, Settings, make_model, make_optimizer, train_batches
 
 
 def reference_device(strategy: cs.Strategy) -> torch.device:

@@ -1,0 +1,164 @@
+"""The demo's distributed run, and the whole job around it.
+
+It trains with ``CentralStorageStrategy`` the way TensorFlow code does (model and optimizer built
+in ``scope()``, global batches through ``experimental_distribute_dataset``, the loss scaled by
+the global batch, metrics through ``reduce``), then (``run``) trains the same model once more
+as a plain one-device PyTorch loop (``one_device.py``), from the same initial weights on the
+same global batches in the same order, and measures how far apart the two final sets of
+weights are: float32 rounding apart.
+
+Under ``torchrun`` the same job runs in every worker process with
+``MultiWorkerCentralStorageStrategy``; only the chief (worker 0) prints and writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import centralstore as cs
+
+from . import report
+from .job import (
+    Digits,
+    History,
+    Run,
+    Settings,
+    global_size,
+    held_out_batches,
+    load_digits,
+    make_model,
+    make_optimizer,
+    steps_per_epoch,
+    train_batches,
+)
+from .one_device import max_abs_difference, reference_device, train_one_device
+
+
+def train_distributed(
+    strategy: cs.Strategy,
+    data: Digits,
+    settings: Settings,
+    progress: Callable[[int, int], report.Progress],
+) -> tuple[Run, dict[str, torch.Tensor]]:
+    """Train with ``strategy``; return the run and the initial weights (for the comparison).
+
+    ``progress(epoch, steps)`` makes each epoch's progress display.
+    """
+    torch.manual_seed(settings.seed)
+    loader = train_batches(data, settings.batch_size, settings.seed)
+    with strategy.scope():  # the variables live once, on the parameter device
+        model = make_model()
+        optimizer, schedule = make_optimizer(model, settings.epochs * len(loader))
+    initial = copy.deepcopy(model.state_dict())
+    dataset = strategy.experimental_distribute_dataset(loader)
+    test_dataset = strategy.experimental_distribute_dataset(
+        held_out_batches(data, settings.batch_size)
+    )
+
+    def train_step(
+        images: torch.Tensor, labels: torch.Tensor, global_batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One replica's share of a step: its slice of the global batch."""
+        logits = model(images)
+        per_example = F.cross_entropy(logits, labels, reduction="none")
+        # Divided by the *global* batch: summed over the replicas (what folding the
+        # gradients does) this is the mean over the global batch, as on one device.
+        loss = cs.compute_average_loss(per_example, global_batch_size=global_batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss.detach(), (logits.argmax(1) == labels).sum()
+
+    history = History()
+    seconds = 0.0
+    for epoch in range(settings.epochs):
+        bar = progress(epoch, len(dataset))
+        loss_sum, correct, seen = 0.0, 0, 0
+        start = time.perf_counter()
+        for images, labels in dataset:
+            batch = global_size(strategy, labels)
+            optimizer.zero_grad()
+            loss, hits = strategy.run(train_step, args=(images, labels, batch))
+            optimizer.step()  # once, on the central variables, with the summed gradients
+            schedule.step()
+            loss_sum += float(strategy.reduce(cs.ReduceOp.SUM, loss, axis=None)) * batch
+            correct += int(strategy.reduce(cs.ReduceOp.SUM, hits, axis=None))
+            seen += batch
+            bar.step(loss_sum / seen, correct / seen)
+        seconds += time.perf_counter() - start
+        history.loss.append(loss_sum / seen)
+        history.accuracy.append(correct / seen)
+        history.test_accuracy.append(evaluate(strategy, model, test_dataset))
+        bar.close(history.test_accuracy[-1])
+    samples = settings.epochs * len(data.train_labels)
+    return Run(model, history, seconds, samples), initial
+
+
+def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:
+    """Test accuracy, computed by the replicas on their slices of each test batch and summed
+    over the whole batch with ``reduce(SUM, ..., axis=0)``."""
+
+    def hits(images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = model(images)
+        return (logits.argmax(1) == labels).float()
+
+    correct, total = 0.0, 0
+    with torch.no_grad():
+        for images, labels in dataset:
+            correct += float(strategy.reduce("SUM", strategy.run(hits, (images, labels)), axis=0))
+            total += global_size(strategy, labels)
+    return correct / total
+
+
+def run(
+    strategy: cs.Strategy,
+    settings: Settings,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> dict[str, Any]:
+    """The whole job: train, compare with one device, print the report, write ``curves.png``
+    and ``summary.json`` into ``settings.out``. Returns the summary.
+
+    The report goes to ``out``, the progress of each epoch to ``err`` (``sys.stdout`` and
+    ``sys.stderr`` when not given, as with ``print``). Every worker runs all of it (the
+    one-device comparison too: it needs no other worker), but only the chief prints and
+    writes files.
+    """
+    started = time.perf_counter()
+    # One intra-op thread: at this size (8x8 images, slices of 32) more threads only add
+    # synchronization, and on a busy machine their spinning costs 10x or more.
+    torch.set_num_threads(1)
+    chief = strategy.extended.should_save_summary
+    if not chief:  # the same calls, into streams nobody reads
+        out, err = io.StringIO(), io.StringIO()
+    console = report.Report(sys.stdout if out is None else out)
+    progress_stream = sys.stderr if err is None else err
+    data = load_digits(settings.seed)
+    console.header(strategy, settings, len(data.train_labels), len(data.test_labels))
+    distributed, initial = train_distributed(
+        strategy,
+        data,
+        settings,
+        lambda epoch, steps: report.progress(epoch, settings.epochs, steps, progress_stream),
+    )
+    console.results(distributed)
+    reference: Run | None = None
+    difference: float | None = None
+    device = reference_device(strategy)
+    if settings.compare:
+        reference = train_one_device(initial, data, settings, device)
+        difference = max_abs_difference(distributed.model, reference.model)
+        steps = settings.epochs * steps_per_epoch(len(data.train_labels), settings.batch_size)
+        console.comparison(device, reference, difference, steps=steps)
+    summary = report.summary(strategy, settings, data, distributed, reference, difference, device)
+    summary["wall_seconds"] = time.perf_counter() - started
+    if strategy.extended.should_checkpoint:  # one writer, however many workers
+        console.written(report.write(settings.out, summary), summary["wall_seconds"])
+    return summary

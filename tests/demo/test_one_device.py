@@ -1,0 +1,47 @@
+"""The demo's oracle (``centralstore.demo.one_device``): a plain one-device loop that the
+distributed run must match, and the distance between two models' weights."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from demo.reading import small_digits
+
+import centralstore as cs
+from centralstore.demo import job, one_device, report, train
+
+
+def test_distributed_run_matches_its_one_device_twin_on_three_replicas() -> None:
+    """Global batches of 16 over three replicas (6 + 6 + 4) train like one device."""
+    data = small_digits(train=40, test=8)
+    settings = job.Settings(epochs=2, batch_size=16)
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    distributed, initial = train.train_distributed(
+        strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
+    )
+    reference = one_device.train_one_device(initial, data, settings, torch.device("cpu"))
+    assert one_device.max_abs_difference(distributed.model, reference.model) < 1e-5
+    assert distributed.history.loss == pytest.approx(reference.history.loss, rel=1e-4)
+    assert distributed.history.test_accuracy == reference.history.test_accuracy
+    assert distributed.samples == reference.samples == 2 * 40
+    assert len(reference.history.accuracy) == 2 and reference.train_seconds > 0
+
+
+def test_max_abs_difference_is_the_largest_over_every_tensor() -> None:
+    torch.manual_seed(0)
+    a = job.make_model()
+    b = job.make_model()
+    b.load_state_dict(a.state_dict())
+    assert one_device.max_abs_difference(a, b) == 0.0
+    first, *_, last = b.parameters()
+    with torch.no_grad():
+        last[3] += 0.25
+        first.view(-1)[0] -= 0.125
+    assert one_device.max_abs_difference(a, b) == pytest.approx(0.25)
+
+
+def test_the_reference_runs_on_the_first_compute_device() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:1", "cpu:0"])
+    assert one_device.reference_device(strategy) == torch.device("cpu")

@@ -1,0 +1,101 @@
+"""What the demo shows (``centralstore.demo.report``): each epoch's progress, the report's
+lines, ``summary.json`` and ``curves.png``."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from demo.reading import PNG_SIGNATURE, SUMMARY_KEYS, field, small_digits
+
+import centralstore as cs
+from centralstore.demo import job, report
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def show_epochs(stream: io.StringIO, epochs: int, steps: int) -> str:
+    """Drive ``progress`` through ``epochs`` epochs of ``steps`` steps; return what it wrote."""
+    for epoch in range(epochs):
+        shown = report.progress(epoch, epochs, steps, stream)
+        for step in range(1, steps + 1):
+            shown.step(loss=1.0 / step, accuracy=step / steps)
+        shown.close(test_accuracy=0.5 + epoch / 100)
+    return stream.getvalue()
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_epoch() -> None:
+    text = show_epochs(io.StringIO(), epochs=10, steps=4)
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == 10
+    assert lines[0].startswith("epoch  1/10: 4/4 steps in ")
+    assert lines[0].endswith(" s, loss=0.2500, acc=1.0000, test_acc=0.5000")
+    assert lines[9].startswith("epoch 10/10: 4/4 steps in ")
+    assert lines[9].endswith(", test_acc=0.5900")
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar_per_epoch() -> None:
+    text = show_epochs(Terminal(), epochs=2, steps=4)
+    assert "\r" in text  # redrawn in place
+    assert text.count("\n") == 2  # each bar left standing when its epoch ends
+    last = text.split("\n")[0].split("\r")[-1]
+    assert last.startswith("epoch 1/2: 100%") and "4/4" in last
+    assert "loss=0.2500, acc=1.0000, test_acc=0.5000" in last
+
+
+@pytest.mark.parametrize(
+    ("devices", "batch_size", "slices"),
+    [
+        (["cpu:0", "cpu:1"], 64, "64 = 32 + 32"),
+        (["cpu:0", "cpu:1", "cpu:2"], 100, "100 = 34 + 34 + 32"),
+        (["cpu:0", "cpu:1", "cpu:2"], 4, "4 = 2 + 2 + 0"),
+    ],
+)
+def test_the_header_shows_each_replicas_slice_of_the_global_batch(
+    devices: list[str], batch_size: int, slices: str
+) -> None:
+    out = io.StringIO()
+    strategy = cs.CentralStorageStrategy(devices)
+    settings = job.Settings(epochs=3, batch_size=batch_size, seed=7)
+    report.Report(out).header(strategy, settings, train_samples=1437, test_samples=360)
+    text = out.getvalue()
+    assert text.startswith(f"centralstore {cs.__version__} demo: ")
+    steps = job.steps_per_epoch(1437, batch_size)
+    assert field(text, "global batch") == (
+        f"{slices} (one slice per replica), {steps} steps per epoch, 3 epochs"
+    )
+    assert field(text, "data").endswith("split with seed 7")
+    assert field(text, "strategy") == f"CentralStorageStrategy, {len(devices)} replicas in sync"
+
+
+def test_without_a_comparison_the_summary_says_none_and_the_files_are_written(
+    tmp_path: Path,
+) -> None:
+    data = small_digits(train=10, test=4)
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    history = job.History(loss=[2.3, 2.0], accuracy=[0.1, 0.3], test_accuracy=[0.25, 0.5])
+    run = job.Run(job.make_model(), history, train_seconds=0.5, samples=20)
+    settings = job.Settings(epochs=2, batch_size=4, compare=False)
+    summary = report.summary(strategy, settings, data, run, None, None, torch.device("cpu"))
+    assert set(summary) == SUMMARY_KEYS - {"wall_seconds"}  # run adds the wall time
+    assert summary["one_device"] is None and summary["max_abs_weight_difference"] is None
+    assert (summary["train_samples"], summary["test_samples"]) == (10, 4)
+    assert summary["samples_per_second"] == 40.0 and summary["test_accuracy"] == 0.5
+    assert summary["history"] == {
+        "loss": [2.3, 2.0],
+        "accuracy": [0.1, 0.3],
+        "test_accuracy": [0.25, 0.5],
+    }
+    paths = report.write(tmp_path / "new" / "dir", summary)
+    assert [p.name for p in paths] == ["curves.png", "summary.json"]
+    assert paths[0].read_bytes().startswith(PNG_SIGNATURE)
+    assert json.loads(paths[1].read_text()) == summary

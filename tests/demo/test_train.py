@@ -1,0 +1,214 @@
+"""The whole demo job (``centralstore.demo.train``): the distributed run, the comparison with
+one device, the report, the progress, the files.
+
+The short runs call ``run`` in this process, into their own ``tmp_path`` and streams
+(parallel-safe), for one epoch; the torchrun run is a subprocess per worker; the full default
+run, which must reach 0.95 test accuracy, is marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from demo.reading import (
+    ENV,
+    PNG_SIGNATURE,
+    SUMMARY_KEYS,
+    field,
+    small_digits,
+    weight_difference,
+)
+
+import centralstore as cs
+from centralstore.demo import job, report, train
+
+
+class Finished(NamedTuple):
+    """A finished ``run``: what it printed, its progress lines, its summary, where it wrote."""
+
+    stdout: str
+    stderr: str
+    summary: dict[str, object]
+    out: Path
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads() -> Iterator[None]:
+    """``run`` sets one intra-op thread for the process; give the other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_demo(strategy: cs.Strategy, settings: job.Settings) -> Finished:
+    """``run`` with its report and progress captured, failing on any warning."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = train.run(strategy, settings, out=stdout, err=stderr)
+    return Finished(stdout.getvalue(), stderr.getvalue(), summary, settings.out)
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    """One epoch of the demo on two logical CPU devices, into a fresh directory."""
+    out = tmp_path_factory.mktemp("demo") / "results"
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    return run_demo(strategy, job.Settings(epochs=1, out=out))
+
+
+def test_short_demo_prints_placement_accuracy_speed_and_equivalence(short_run: Finished) -> None:
+    stdout, out = short_run.stdout, short_run.out
+    assert field(stdout, "compute devices").startswith("cpu:0, cpu:1")
+    assert field(stdout, "parameter device") == "cpu:0"
+    assert field(stdout, "strategy") == "CentralStorageStrategy, 2 replicas in sync"
+    assert field(stdout, "global batch").startswith("64 = 32 + 32")
+    assert 0.0 <= float(field(stdout, "test accuracy")) <= 1.0
+    assert float(field(stdout, "samples per second").split()[0].replace(",", "")) > 0
+    assert field(stdout, "one device").startswith("cpu, a plain PyTorch loop")
+    assert weight_difference(stdout) < 1e-5
+    assert str(out / "curves.png") in field(stdout, "wrote")
+    # The progress, off a terminal: one plain line for the one epoch, no carriage return.
+    assert re.fullmatch(
+        r"epoch 1/1: 23/23 steps in \S+ s, loss=.+, test_acc=\S+\n", short_run.stderr
+    )
+    assert "Traceback" not in short_run.stderr and "Warning" not in short_run.stderr
+
+
+def test_short_demo_writes_curves_and_summary(short_run: Finished) -> None:
+    out = short_run.out
+    assert (out / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(short_run.summary))  # what run returned
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["compute_devices"] == ["cpu:0", "cpu:1"]
+    assert summary["parameter_device"] == "cpu:0"
+    assert summary["num_replicas_in_sync"] == 2 and summary["num_workers"] == 1
+    assert (summary["train_samples"], summary["test_samples"]) == (1437, 360)
+    assert (summary["epochs"], summary["global_batch_size"], summary["seed"]) == (1, 64, 0)
+    assert summary["centralstore_version"] == cs.__version__
+    for name in ("loss", "accuracy", "test_accuracy"):
+        assert len(summary["history"][name]) == 1
+    assert 0 < summary["history"]["loss"][0] < 2.5  # cross-entropy over 10 classes: ~2.3
+    assert 0 <= summary["history"]["accuracy"][0] <= 1
+    assert summary["history"]["test_accuracy"][0] == summary["test_accuracy"]
+    assert 0 <= summary["test_accuracy"] <= 1
+    assert summary["samples_per_second"] > 0 and summary["train_seconds"] > 0
+    assert 0 <= summary["max_abs_weight_difference"] < 1e-5
+    one_device = summary["one_device"]
+    assert one_device["device"] == "cpu"
+    assert one_device["test_accuracy"] == pytest.approx(summary["test_accuracy"], abs=0.01)
+    assert one_device["history"]["loss"] == pytest.approx(summary["history"]["loss"], rel=1e-4)
+
+
+def test_progress_off_a_terminal_is_one_plain_line_per_epoch() -> None:
+    """tqdm on a pipe or a log file would leave one line of carriage-return redraws per epoch;
+    off a terminal each epoch ends in one plain line instead."""
+    stream = io.StringIO()
+    settings = job.Settings(epochs=3, batch_size=16)
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    train.train_distributed(
+        strategy,
+        small_digits(train=40, test=8),
+        settings,
+        lambda epoch, steps: report.progress(epoch, settings.epochs, steps, stream),
+    )
+    text = stream.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    for line in lines:  # 40 examples in global batches of 16: 3 steps
+        assert re.fullmatch(
+            r"epoch \d/3: 3/3 steps in \S+ s, loss=\d\.\d{4}, acc=\d\.\d{4}, test_acc=\d\.\d{4}",
+            line,
+        ), line
+
+
+def torchrun(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run ARGS`` in ``cwd``, output captured.
+
+    Past ``timeout`` it gets SIGTERM, which torchrun passes on to its workers (they run in
+    sessions of their own, out of reach of a kill aimed at torchrun alone), then SIGKILL.
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", *args]
+    with subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                stdout, stderr = process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                stdout, stderr = process.communicate()
+            pytest.fail(f"torchrun ran past {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def test_demo_under_torchrun_prints_and_writes_once(tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 -m centralstore demo``: two workers of one CPU replica
+    split each global batch 32 + 32 and train like one device; the chief alone prints the
+    report and the progress and writes the files.
+
+    Each worker runs in a directory of its own (``rank0``, ``rank1``) with a relative
+    ``--out``, so that a file written by worker 1 shows instead of overwriting worker 0's.
+    """
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+    demo = 'cd "rank$RANK" && exec "$0" -m centralstore demo --epochs 1 --out results'
+    result = torchrun(
+        "--standalone", "--nproc-per-node", "2", "--no-python",
+        "sh", "-c", demo, sys.executable,
+        cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    stdout = result.stdout
+    for label in ("strategy", "compute devices", "test accuracy", "weight difference", "wrote"):
+        assert len(re.findall(rf"^{label}\s*:", stdout, re.MULTILINE)) == 1, stdout
+    assert stdout.count(f"centralstore {cs.__version__} demo") == 1, stdout
+    assert field(stdout, "strategy") == "MultiWorkerCentralStorageStrategy, 2 replicas in sync"
+    assert field(stdout, "compute devices").startswith("cpu:0 on each of 2 workers")
+    assert field(stdout, "global batch").startswith("64 = 32 + 32")
+    assert 0.0 <= float(field(stdout, "test accuracy")) <= 1.0
+    assert weight_difference(stdout) < 1e-5
+    # One progress line (stderr is a pipe here): the chief's.
+    assert len(re.findall(r"^epoch 1/1: ", result.stderr, re.MULTILINE)) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "terminate called" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "rank0" / "results").iterdir()) == [
+        "curves.png",
+        "summary.json",
+    ]
+    assert list((tmp_path / "rank1").iterdir()) == []  # worker 1 wrote nothing, not even --out
+    summary = json.loads((tmp_path / "rank0" / "results" / "summary.json").read_text())
+    assert set(summary) == SUMMARY_KEYS
+    assert summary["strategy"] == "MultiWorkerCentralStorageStrategy"
+    assert summary["compute_devices"] == ["cpu:0"]
+    assert (summary["num_workers"], summary["num_replicas_in_sync"]) == (2, 2)
+    assert 0 <= summary["max_abs_weight_difference"] < 1e-5
+
+
+@pytest.mark.slow
+def test_full_default_demo_reaches_95_percent(tmp_path: Path) -> None:
+    """The default run (what ``centralstore demo`` runs): about 10 s on two idle CPU cores."""
+    strategy = job.make_strategy(compute_devices=None, parameter_device=None)
+    finished = run_demo(strategy, job.Settings(out=tmp_path / "results"))
+    assert float(field(finished.stdout, "test accuracy")) >= 0.95
+    assert weight_difference(finished.stdout) < 1e-5
+    summary = json.loads((tmp_path / "results" / "summary.json").read_text())
+    assert summary["epochs"] == 12 and len(summary["history"]["test_accuracy"]) == 12
+    assert summary["test_accuracy"] >= 0.95
+    assert summary["one_device"]["test_accuracy"] >= 0.95
+    assert len(finished.stderr.splitlines()) == 12  # one progress line per epoch
