@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import gc
 import io
+import os
+import threading
+import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -450,3 +454,180 @@ def test_scale_regularization_loss() -> None:
     assert out.item() == 2.0 if not isinstance(out, cs.PerReplica) else out[0].item() == 2.0
     with strategy.scope(), pytest.raises(RuntimeError, match="cross-replica"):
         cs.scale_regularization_loss(torch.tensor(1.0))
+
+
+# -- isolation: a sync point folds only its own strategy's variables ---------------------------
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+# Initial weights drawn up front: threads share torch's global generator.
+_INITIAL = {seed: (torch.manual_seed(seed), _model().state_dict())[1] for seed in (1, 2)}
+
+
+def _train(strategy: cs.Strategy, seed: int, steps: int = 15) -> list[torch.Tensor]:
+    with strategy.scope():
+        model = _model()
+        model.load_state_dict(_INITIAL[seed])
+        # SGD, not Adam: Adam scales the rounding noise of a near-zero gradient (the bias
+        # before BatchNorm) up to lr, and threads may round differently (intra-op threads).
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+    def step(x: torch.Tensor) -> None:
+        loss = model(x).pow(2).sum() / 8
+        loss.backward()
+        cs.get_replica_context().all_reduce("sum", loss.detach())  # the threaded path
+
+    for x in data:
+        optimizer.zero_grad()
+        strategy.run(step, args=(halves(x),))
+        optimizer.step()
+    return [t.detach().clone() for t in model.state_dict().values()]
+
+
+def test_two_strategies_in_two_threads_train_as_they_do_one_after_the_other() -> None:
+    expected = [_train(strategy_of(2), seed) for seed in (1, 2)]
+    results: dict[int, list[torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def train(seed: int) -> None:
+        try:
+            results[seed] = _train(strategy_of(2), seed)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for seed, reference in zip((1, 2), expected, strict=True):
+        for got, want in zip(results[seed], reference, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def _blocked_run(
+    strategy: cs.Strategy, step: Callable[[], None]
+) -> tuple[threading.Thread, threading.Event, threading.Event, list[BaseException]]:
+    """Start ``strategy.run(step)`` on a thread named 'trainer' and wait until replica 0 has
+    run ``step`` and blocks; set the second event to let it finish."""
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def blocking() -> None:
+        step()
+        if cs.get_replica_context().replica_id_in_sync_group == 0:
+            inside.set()
+            release.wait(10)
+
+    def target() -> None:
+        try:
+            strategy.run(blocking)
+        except BaseException as error:  # reported by the test
+            errors.append(error)
+
+    thread = threading.Thread(target=target, name="trainer")
+    thread.start()
+    assert inside.wait(10)
+    return thread, release, inside, errors
+
+
+def test_one_strategy_used_by_two_threads_at_once_raises_naming_both() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        w = torch.ones(2, requires_grad=True)
+        optimizer = torch.optim.SGD([w], lr=1.0)
+    thread, release, _, errors = _blocked_run(strategy, lambda: w.sum().backward())
+    me = threading.current_thread().name
+    try:
+        with pytest.raises(RuntimeError, match=f"Thread '{me}' called strategy.run.*'trainer'"):
+            strategy.run(lambda: None)
+        with pytest.raises(RuntimeError, match=f"Thread '{me}' called optimizer.step.*'trainer'"):
+            optimizer.step()
+    finally:
+        release.set()
+        thread.join()
+    assert not errors
+    assert w.grad is not None and w.grad.tolist() == [2.0, 2.0]  # exactly right, once
+    optimizer.step()
+    assert w.tolist() == [-1.0, -1.0]
+
+
+def test_an_optimizer_step_syncs_only_the_strategies_that_own_its_parameters() -> None:
+    busy, other = strategy_of(2), strategy_of(2)
+    with busy.scope():
+        w = torch.ones(2, requires_grad=True)
+    with other.scope():
+        v = torch.ones(2, requires_grad=True)
+        optimizer = torch.optim.SGD([v], lr=1.0)
+    thread, release, _, errors = _blocked_run(busy, lambda: (w * 3).sum().backward())
+    try:
+        other.run(lambda: v.sum().backward())
+        optimizer.step()  # the busy strategy is mid-run on another thread: left alone
+        assert w.grad is None
+    finally:
+        release.set()
+        thread.join()
+    assert not errors
+    assert w.grad is not None and w.grad.tolist() == [6.0, 6.0]
+    assert v.tolist() == [-1.0, -1.0]
+
+
+# -- nothing leaks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int) -> None:
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        optimizer = torch.optim.Adam(model.parameters())
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        cs.get_replica_context().all_reduce("sum", 1.0)
+
+    x = torch.randn(4, 4)
+    strategy.run(step, args=(halves(x) if replicas == 2 else x,))
+    optimizer.step()
+    views = [view for r in strategy._store.replicas for view in r.views.values()]
+    assert views
+    refs = [weakref.ref(o) for o in (model, optimizer, model[0].weight, *views)]
+    del model, optimizer, views
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    strategy_ref, store_ref = weakref.ref(strategy), weakref.ref(strategy._store)
+    del strategy
+    gc.collect()
+    assert strategy_ref() is None and store_ref() is None
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_memory_stays_flat_over_many_dropped_models() -> None:
+    strategy = strategy_of(2)
+    x = halves(torch.randn(8, 1024))
+
+    def one_model() -> None:
+        with strategy.scope():
+            model = nn.Linear(1024, 1024)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        strategy.run(lambda x: model(x).sum().backward(), args=(x,))
+        optimizer.step()
+
+    for _ in range(5):  # the allocator's working set
+        one_model()
+    gc.collect()
+    start = _rss_bytes()
+    for _ in range(40):
+        one_model()
+    gc.collect()
+    weights = 40 * (1024 * 1024 + 1024) * 4
+    assert _rss_bytes() - start < 0.1 * weights

@@ -1,0 +1,160 @@
+"""Runs are transactions: a run in which any replica raises, or that is interrupted, leaves
+the central variables, their ``.grad`` and their buffers exactly as before it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+from replicas import context, replica_id, strategy_of
+from torch import nn
+
+import centralstore as cs
+
+
+class Failure(Exception):
+    pass
+
+
+def build(strategy: cs.Strategy) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        steps = cs.Variable(0, aggregation="SUM", trainable=False)
+    return model, optimizer, steps
+
+
+def snapshot(model: nn.Module, steps: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    state: dict[str, torch.Tensor | None] = {
+        k: v.detach().clone() for k, v in model.state_dict().items()
+    }
+    for name, p in model.named_parameters():
+        state[f"{name}.grad"] = None if p.grad is None else p.grad.clone()
+    state["steps"] = steps.detach().clone()
+    return state
+
+
+def assert_same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        assert (x is None) == (y is None), key
+        if x is not None and y is not None:
+            assert torch.equal(x, y), key
+
+
+def batches(replicas: int) -> cs.PerReplica[torch.Tensor]:
+    x = torch.randn(4 * replicas, 4, generator=torch.Generator().manual_seed(1))
+    return cs.PerReplica(x.chunk(replicas))
+
+
+def step_fn(
+    model: nn.Module, steps: torch.Tensor, fail: Callable[[str], None]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        fail("start")
+        loss = model(x).pow(2).mean()
+        steps.add_(1)
+        fail("before backward")
+        loss.backward()
+        fail("after backward")
+        total = context().all_reduce("sum", loss.detach())
+        fail("after all_reduce")
+        return total
+
+    return step
+
+
+WHERE = ["start", "before backward", "after backward", "after all_reduce"]
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("failing", ["first", "last"])
+def test_a_failed_run_leaves_variables_grads_and_buffers_as_before(
+    replicas: int, where: str, failing: str
+) -> None:
+    strategy = strategy_of(replicas)
+    model, optimizer, steps = build(strategy)
+    failed = 0 if failing == "first" else replicas - 1
+    data = batches(replicas)
+    ok = step_fn(model, steps, lambda at: None)
+    strategy.run(ok, args=(data,))  # .grad and buffers are not pristine: accumulation counts
+    before = snapshot(model, steps)
+
+    def fail(at: str) -> None:
+        if at == where and replica_id() == failed:
+            raise Failure(at)
+
+    with pytest.raises(Failure):
+        strategy.run(step_fn(model, steps, fail), args=(data,))
+    assert_same(snapshot(model, steps), before)
+
+    # The strategy stays usable: the next run gives what it gives without the failed one.
+    strategy.run(ok, args=(data,))
+    optimizer.step()
+    twin = strategy_of(replicas)
+    model2, optimizer2, steps2 = build(twin)
+    ok2 = step_fn(model2, steps2, lambda at: None)
+    twin.run(ok2, args=(data,))
+    twin.run(ok2, args=(data,))
+    optimizer2.step()
+    assert_same(snapshot(model, steps), snapshot(model2, steps2))
+
+
+def test_a_failed_run_discards_writes_of_every_aggregation() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        variables = {
+            agg: cs.Variable(10.0, aggregation=agg, trainable=False)
+            for agg in ("SUM", "MEAN", "ONLY_FIRST_REPLICA")
+        }
+
+    def step() -> None:
+        for v in variables.values():
+            v.add_(1.0)
+            v.copy_(torch.tensor(5.0))
+        if replica_id() == 1:
+            raise Failure()
+
+    with pytest.raises(Failure):
+        strategy.run(step)
+    assert [float(v) for v in variables.values()] == [10.0, 10.0, 10.0]
+
+
+def test_an_interrupted_run_returns_after_every_replica_thread_left_and_lands_nothing() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    strategy = strategy_of(2)
+    with strategy.scope():
+        w = torch.ones(1, requires_grad=True)
+    finished = threading.Event()
+
+    def step() -> None:
+        if replica_id() == 1:
+            time.sleep(0.6)  # still computing when the interrupt arrives
+            (w * 100).sum().backward()
+            finished.set()
+        else:
+            (w * 1).sum().backward()
+        context().all_reduce("sum", 1.0)
+
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            strategy.run(step)
+        assert finished.is_set()  # replica 1 had left its code before run raised
+    finally:
+        timer.cancel()
+    assert w.grad is None  # nothing of the interrupted run, nor later
+    strategy.run(lambda: (w * 2).sum().backward())
+    assert w.grad is not None
+    assert w.grad.tolist() == [4.0]
