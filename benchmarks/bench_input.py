@@ -4,8 +4,8 @@ The source is MNIST-shaped: 60,000 float samples of 28x28 and int64 labels in a
 ``TensorDataset``, global batch 256, so one pass is 235 batches. The loop body is empty, so
 the table shows the input pipeline's own cost. Every repeat runs each case once, interleaved,
 so that drifts in machine load hit the cases alike; the table shows medians (and the best
-pass, which is less sensitive to other processes on a shared machine). The target (DESIGN
-section 7) is a time ratio of at most 1.05 against the source.
+pass, which is less sensitive to other processes on a shared machine). The target (docs/design.md
+§7) is a time ratio of at most 1.05 against the source.
 
 Run: ``python benchmarks/bench_input.py [--repeats 15]``
 """

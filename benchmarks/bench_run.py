@@ -6,11 +6,11 @@ function called plainly in the same process:
   run(lambda x: x, (tensor,))   the same with an argument passed to every replica
   reduce(SUM, PerReplica)       R tensors of 4 floats summed; plain: the same additions
   run with one all_reduce       the threaded path: replica 0 meets a rendezvous, so the other
-                                replicas run on worker threads; plain: the same all_reduce
+                                replicas run on replica threads; plain: the same all_reduce
                                 in the default replica context (outside any strategy)
 Calls are timed in batches and the table shows the median over batches, per call. The
 machine is shared, so the cases are interleaved round by round: a drift in load hits them
-alike. The target (DESIGN section 7) is a median under 25 us for a trivial run with R = 2,
+alike. The target (docs/design.md §7) is a median under 25 us for a trivial run with R = 2,
 aiming at 15.
 
 Run: ``python benchmarks/bench_run.py [--rounds 30] [--batch 200]``
