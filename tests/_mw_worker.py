@@ -304,8 +304,34 @@ def fault_scenario(timeout: float) -> dict[str, Any]:
     return {"error": None}
 
 
+def survivor_scenario(peer: str) -> None:
+    """Worker 1 dies (or hangs) in its third step; worker 0 lets the error end the process,
+    as an ordinary training script does."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=4.0)
+    rank = strategy.worker_index
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor, i: int) -> None:
+        if rank == 1 and i == 2:
+            if peer == "dead":
+                os._exit(3)
+            time.sleep(60)
+        model(x).sum().backward()
+
+    for i in range(5):
+        strategy.run(step, args=(torch.ones(3, 2), i))
+        optimizer.step()
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
+    if scenario == "survivor":
+        survivor_scenario(sys.argv[3])  # raises: the process ends on the error
+        return
     rank = int(os.environ["RANK"])
     if scenario == "main":
         results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")

@@ -210,6 +210,33 @@ def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: 
     assert result["seconds"] < timeout + 5
 
 
+@pytest.mark.parametrize("peer", ["dead", "hung"])
+def test_the_survivor_of_a_dead_or_hung_peer_exits_with_its_python_error(
+    tmp_path: Path, peer: str
+) -> None:
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "survivor", str(tmp_path), peer],
+            env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        output, _ = processes[0].communicate(timeout=60)
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert processes[0].returncode == 1, output  # not 134 (SIGABRT in torch's teardown)
+    assert "RuntimeError: The cross-worker" in output
+    assert "terminate called" not in output
+
+
 # -- in this process: construction errors and defaults ----------------------------------------
 
 

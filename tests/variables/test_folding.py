@@ -136,13 +136,13 @@ def test_an_interrupted_run_returns_after_every_replica_thread_left_and_lands_no
     finished = threading.Event()
 
     def step() -> None:
+        context().all_reduce("sum", 1.0)  # replica 1 now runs on its thread
         if replica_id() == 1:
             time.sleep(0.6)  # still computing when the interrupt arrives
             (w * 100).sum().backward()
             finished.set()
         else:
-            (w * 1).sum().backward()
-        context().all_reduce("sum", 1.0)
+            (w * 1).sum().backward()  # replica 0 returns; run waits for replica 1
 
     main = threading.main_thread().ident
     assert main is not None

@@ -14,9 +14,14 @@ and every later call raises at once: the process should exit, and torchrun resta
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import hashlib
+import logging
 import math
+import os
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -65,6 +70,20 @@ def signature(layout: object) -> int:
     return int.from_bytes(digest, "little") >> 2
 
 
+def _exit_on_uncaught_error() -> None:
+    """At exit after a broken collective, when an uncaught error ends the process: flush,
+    then leave with status 1 before the interpreter's teardown. (With a dead or hung peer,
+    torch's teardown of gloo can abort the survivor with SIGABRT, status 134, which hides
+    the Python error from torchrun and from the user.)"""
+    if getattr(sys, "last_value", None) is None:  # a normal exit: normal teardown
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
 class _Through(torch.autograd.Function):
     """The global value forward, the local term's gradient backward: a backward through
     ``reduce`` reaches this worker's replicas; the other workers' terms are constants."""
@@ -108,6 +127,14 @@ class Collectives(Workers):
     def describe(self) -> str:
         return f", worker {self.worker_index} of {self.num_workers}"
 
+    def mark_broken(self, reason: str) -> None:
+        """This process group is out of step for ``reason``: every later collective raises,
+        and a process that ends on an uncaught error exits with status 1 without the C++
+        teardown (see ``_exit_on_uncaught_error``)."""
+        if self.broken is None:
+            atexit.register(_exit_on_uncaught_error)
+        self.broken = reason
+
     # -- the collectives ---------------------------------------------------------------------
 
     def _start(
@@ -136,7 +163,7 @@ class Collectives(Workers):
         return wait
 
     def _fail(self, what: str, error: Exception) -> NoReturn:
-        self.broken = f"{what} on worker {self.worker_index}: {error}"
+        self.mark_broken(f"{what} on worker {self.worker_index}: {error}")
         raise RuntimeError(
             f"The cross-worker {what} failed on worker {self.worker_index} of "
             f"{self.num_workers} within timeout={self.timeout.total_seconds():g}s: "
@@ -214,7 +241,7 @@ class Collectives(Workers):
                 f"worker {rank} in {_KIND_NAMES.get(k, f'operation {k}')}"
                 for rank, k in enumerate(kinds)
             )
-            self.broken = f"the workers were out of step ({where})"
+            self.mark_broken(f"the workers were out of step ({where})")
             raise RuntimeError(
                 f"The workers are out of step: {where}. Every worker must make the same "
                 "strategy calls (scope, run, reduce, gather, merge_call, optimizer.step) in "
@@ -362,7 +389,7 @@ class Collectives(Workers):
         try:
             self.check_signatures(table, "Creating central variables", repr(layout))
         except ValueError:
-            self.broken = "the workers created different central variables"
+            self.mark_broken("the workers created different central variables")
             raise
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:

@@ -150,7 +150,7 @@ def sync_across(
             Kind.SYNC, layout.signature, state, len(writes), failed=run_error is not None
         )
         if len(set(table[:, 2].tolist())) > 1:
-            workers.broken = "the workers' central variables differ"
+            workers.mark_broken("the workers' central variables differ")
             raise RuntimeError(
                 "The workers' central variables differ (number, shapes, dtypes, "
                 "requires_grad or aggregation), so their gradients cannot be exchanged. "
