@@ -8,6 +8,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -580,9 +581,9 @@ def test_an_optimizer_step_syncs_only_the_strategies_that_own_its_parameters() -
 # -- nothing leaks ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int) -> None:
-    strategy = strategy_of(replicas)
+def _step_once(strategy: cs.Strategy, replicas: int) -> list[weakref.ref[Any]]:
+    """Build a model and its optimizer in scope, step them once, drop them; weak references
+    to them, a parameter and every replica view."""
     with strategy.scope():
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
         optimizer = torch.optim.Adam(model.parameters())
@@ -596,8 +597,13 @@ def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int) -> No
     optimizer.step()
     views = [view for r in strategy._store.replicas for view in r.views.values()]
     assert views
-    refs = [weakref.ref(o) for o in (model, optimizer, model[0].weight, *views)]
-    del model, optimizer, views
+    return [weakref.ref(o) for o in (model, optimizer, model[0].weight, *views)]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int) -> None:
+    strategy = strategy_of(replicas)
+    refs = _step_once(strategy, replicas)
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
     strategy_ref, store_ref = weakref.ref(strategy), weakref.ref(strategy._store)
