@@ -1,4 +1,4 @@
-"""The context functions (DESIGN 3.2): the table for all four places, scopes, and threads."""
+"""The context functions (docs/design.md §3.2): the table for all four places, scopes, and threads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The public namespace (DESIGN 2): pinned names, and every method of the strategy classes."""
+"""The public namespace (docs/design.md §2): pinned names, and every method of the strategy classes."""
 
 from __future__ import annotations
 

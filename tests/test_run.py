@@ -1,4 +1,4 @@
-"""``strategy.run`` (DESIGN 3.3): arguments, regrouping, dispatch, inherited state, faults."""
+"""``strategy.run`` (docs/design.md §3.3): arguments, regrouping, dispatch, inherited state, faults."""
 
 from __future__ import annotations
 

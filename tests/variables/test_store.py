@@ -143,7 +143,7 @@ def test_in_place_write_on_parameter_is_routed_to_a_private_copy() -> None:
     assert w.item() == 11.5
 
 
-# -- the aggregation table of DESIGN 3.6.5 ----------------------------------------------------
+# -- the aggregation table of docs/design.md §3.6.5 -----------------------------------------------
 
 WRITES = {
     "add_": lambda v, x: v.add_(x),
