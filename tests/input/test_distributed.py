@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import collections
-import gc
 import re
 import threading
-import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from centralstore._values import PerReplica
+from centralstore.input.data_options import AutoShardPolicy, Options
 from centralstore.input.dataset import Dataset
 from centralstore.input.distributed import (
     DistributedDataset,
@@ -24,6 +22,7 @@ from centralstore.input.distributed import (
     distribute_datasets_from_function,
 )
 from centralstore.input.options import InputContext, InputOptions
+from centralstore.input.spec import TensorSpec
 
 TWO = ("cpu:0", "cpu:1")
 INLINE = InputOptions(experimental_fetch_to_device=False, experimental_place_dataset_on_device=True)
@@ -41,16 +40,6 @@ def input_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "centralstore-input"]
 
 
-def wait_for_no_input_thread(before: set[threading.Thread], seconds: float = 2.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        gc.collect()
-        if not [t for t in input_threads() if t not in before and t.is_alive()]:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 class Flaky:
     """A re-iterable source that raises ``error`` after ``good`` batches."""
 
@@ -62,18 +51,6 @@ class Flaky:
         for i in range(self.good):
             yield torch.full((2,), i)
         raise self.error
-
-
-class Endless:
-    """A re-iterable source without end, that counts the batches it produced."""
-
-    def __init__(self) -> None:
-        self.produced = 0
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        while True:
-            self.produced += 1
-            yield torch.zeros(4, 3)
 
 
 # TensorFlow's documented example: range(5).batch(2), `val + 1` in every replica.
@@ -165,7 +142,7 @@ def test_a_shuffled_source_is_reshuffled_every_pass() -> None:
 
 def test_len_needs_a_source_with_len() -> None:
     dist = distribute_dataset(Dataset.range(4).filter(bool).batch(2), TWO)
-    with pytest.raises(TypeError, match=re.escape("no len(): its source, a _Stage, has none")):
+    with pytest.raises(TypeError, match=re.escape("no len(): its source, a Dataset, has none")):
         len(dist)
 
 
@@ -183,7 +160,7 @@ def test_scalar_elements_over_two_replicas_raise_in_the_loop() -> None:
         list(distribute_dataset(Dataset.range(3), TWO))
 
 
-# The prefetch thread: errors, abandoning, closing.
+# The prefetch thread: errors (abandoning and closing: test_iterator.py).
 
 
 def test_source_error_reaches_the_consumer_as_the_same_object() -> None:
@@ -203,48 +180,6 @@ def test_error_in_iter_of_the_source_raises_at_iter() -> None:
 
     with pytest.raises(RuntimeError, match="cannot open"):
         iter(distribute_dataset(Broken(), TWO))
-
-
-def test_break_out_of_the_loop_leaves_no_thread_running() -> None:
-    before = set(input_threads())
-    source = Endless()
-    for i, _ in enumerate(distribute_dataset(source, TWO)):
-        if i == 3:
-            break
-    assert wait_for_no_input_thread(before)
-    produced = source.produced
-    time.sleep(0.05)
-    assert source.produced == produced
-
-
-def test_dropped_iterator_is_not_kept_alive_by_its_thread() -> None:
-    before = set(input_threads())
-    iterator = iter(distribute_dataset(Endless(), TWO, InputOptions(
-        experimental_per_replica_buffer_size=2)))
-    next(iterator)
-    time.sleep(0.02)  # let the producer fill the queue and block on it
-    ref = weakref.ref(iterator)
-    del iterator
-    gc.collect()
-    assert ref() is None
-    assert wait_for_no_input_thread(before)
-
-
-def test_close_stops_the_thread_and_ends_the_iteration() -> None:
-    before = set(input_threads())
-    iterator = iter(distribute_dataset(Endless(), TWO))
-    assert next(iterator) is not None
-    iterator.close()
-    assert wait_for_no_input_thread(before, seconds=0.5)
-    with pytest.raises(StopIteration):
-        next(iterator)
-
-
-def test_get_next_and_the_context_manager() -> None:
-    before = set(input_threads())
-    with iter(distribute_dataset(Dataset.range(4).batch(2), TWO)) as iterator:
-        assert per_replica(iterator.get_next()) == [[0], [1]]
-    assert wait_for_no_input_thread(before)
 
 
 def test_place_dataset_on_device_runs_without_a_thread() -> None:
@@ -309,12 +244,13 @@ def test_from_function_on_one_replica_gives_plain_elements() -> None:
 
 
 def test_one_shot_iterator_source_raises() -> None:
-    with pytest.raises(TypeError, match=r"one-shot iterator.*Pass a re-iterable"):
+    call = re.escape("experimental_distribute_dataset(dataset) is a one-shot iterator")
+    with pytest.raises(TypeError, match=f"{call}.*Pass a re-iterable"):
         distribute_dataset(iter([torch.zeros(2)]), TWO)
 
 
 def test_non_iterable_source_raises() -> None:
-    with pytest.raises(TypeError, match=r"must be iterable.*got a int"):
+    with pytest.raises(TypeError, match=r"must be iterable.*got a int\. Received: dataset=5"):
         distribute_dataset(5, TWO)  # type: ignore[arg-type]
 
 
@@ -340,13 +276,14 @@ def test_local_replicas_outside_the_replicas_in_sync_raise(
 
 
 def test_from_function_argument_errors() -> None:
-    with pytest.raises(TypeError, match="dataset_fn must be a function"):
+    call = re.escape("distribute_datasets_from_function(dataset_fn) must be a function")
+    with pytest.raises(TypeError, match=f"{call}.*Received: dataset_fn=<Dataset cardinality=2>"):
         distribute_datasets_from_function(Dataset.range(2), TWO)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="input_context must be an InputContext"):
         distribute_datasets_from_function(
             lambda ctx: [], TWO, input_context=(1, 0, 2)  # type: ignore[arg-type]
         )
-    with pytest.raises(TypeError, match="returned by dataset_fn must be iterable"):
+    with pytest.raises(TypeError, match=r"\(dataset_fn's result\) must be iterable"):
         distribute_datasets_from_function(lambda ctx: None, TWO)  # type: ignore[arg-type,return-value]
 
 
@@ -378,3 +315,102 @@ def test_host_replicas_make_steps_on_the_calling_thread() -> None:
     next(iterator)
     assert made == [0]
     assert set(threading.enumerate()) == before
+
+
+# auto_shard_policy: worker 1 of a job of 2 workers with 2 replicas each, without processes.
+
+
+def with_policy(dataset: Dataset, policy: AutoShardPolicy) -> Dataset:
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+@pytest.mark.parametrize("policy", [None, AutoShardPolicy.AUTO, AutoShardPolicy.DATA])
+def test_data_sharding_gives_each_worker_its_replicas_slices(
+    policy: AutoShardPolicy | None,
+) -> None:
+    dataset = Dataset.range(16).batch(8)
+    if policy is not None:
+        dataset = with_policy(dataset, policy)
+    workers = [
+        distribute_dataset(dataset, TWO, replica_offset=offset, global_replicas=4)
+        for offset in (0, 2)
+    ]
+    seen = [[x for step in w for part in per_replica(step) for x in part] for w in workers]
+    assert seen == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+
+
+def test_sharding_off_gives_every_worker_all_the_data_over_its_replicas() -> None:
+    dataset = with_policy(Dataset.range(16).batch(8), AutoShardPolicy.OFF)
+    worker = distribute_dataset(dataset, TWO, replica_offset=2, global_replicas=4)
+    assert [per_replica(step) for step in worker] == [
+        [[0, 1, 2, 3], [4, 5, 6, 7]],
+        [[8, 9, 10, 11], [12, 13, 14, 15]],
+    ]
+    alone = distribute_dataset(dataset, TWO)
+    assert [per_replica(step) for step in alone] == [per_replica(step) for step in worker]
+
+
+@pytest.mark.parametrize("policy", [AutoShardPolicy.FILE, AutoShardPolicy.HINT])
+def test_file_and_hint_sharding_are_not_supported(policy: AutoShardPolicy) -> None:
+    dataset = with_policy(Dataset.range(4).batch(2), policy)
+    received = re.escape(f"Received: auto_shard_policy=AutoShardPolicy.{policy.name}")
+    with pytest.raises(ValueError, match=f"does not support.*Use AutoShardPolicy.DATA.*{received}"):
+        distribute_dataset(dataset, TWO)
+
+
+# Strings, mismatched leaves, element_spec
+
+
+def test_string_batches_are_split_and_never_placed() -> None:
+    dataset = Dataset.from_tensor_slices((np.arange(5), ["a", "b", "c", "d", "e"])).batch(5)
+    for options in (None, INLINE):
+        ((numbers, words),) = list(distribute_dataset(dataset, TWO, options))
+        assert isinstance(words, PerReplica)
+        assert list(words) == [["a", "b", "c"], ["d", "e"]]
+        assert per_replica(numbers) == [[0, 1, 2], [3, 4]]
+    ((_, whole),) = list(distribute_dataset(dataset, ("cpu:0",)))
+    assert whole == ["a", "b", "c", "d", "e"]
+
+
+def test_a_global_batch_with_leaves_of_different_sizes_raises() -> None:
+    mispaired = [(torch.zeros(4), torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"experimental_distribute_dataset\(dataset\).*\[4, 2\]"):
+        list(distribute_dataset(mispaired, TWO))
+
+
+def test_element_spec_of_a_distributed_dataset() -> None:
+    dataset = Dataset.from_tensor_slices(
+        {"x": np.zeros((6, 3), np.float32), "label": np.arange(6), "name": ["n"] * 6}
+    ).batch(4)
+    expected = {
+        "x": TensorSpec((None, 3), torch.float32),
+        "label": TensorSpec((None,), torch.int64),
+        "name": TensorSpec((None,), str),
+    }
+    for devices in (("cpu:0",), TWO):
+        dist = distribute_dataset(dataset, devices)
+        assert dist.element_spec == expected
+        assert len(list(dist)) == 2
+    from_function = distribute_datasets_from_function(lambda ctx: Dataset.range(4).batch(2), TWO)
+    assert from_function.element_spec == TensorSpec((None,), torch.int64)
+
+
+def test_element_spec_is_made_by_a_separate_pass_once() -> None:
+    passes: list[int] = []
+
+    class Source:
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            passes.append(1)
+            yield from (torch.zeros(2, 5), torch.zeros(2, 5))
+
+    dist = distribute_dataset(Source(), TWO)
+    assert dist.element_spec == dist.element_spec == TensorSpec((None, 5), torch.float32)
+    assert len(passes) == 1
+    assert len(list(dist)) == 2
+
+
+def test_element_spec_of_an_empty_source_raises() -> None:
+    with pytest.raises(ValueError, match="has no element"):
+        _ = distribute_dataset(Dataset.range(0).batch(2), TWO).element_spec

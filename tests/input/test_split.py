@@ -12,20 +12,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from centralstore import _tree
 from centralstore.input.dataset import Dataset
-from centralstore.input.split import (
-    deal_steps,
-    slice_bounds,
-    split_batch,
-    split_leaves,
-    split_sizes,
-)
+from centralstore.input.split import deal_steps, split_leaves, split_sizes
+from centralstore.input.strings import Strings
+
+
+def replicas_of(batch: Any, num_replicas: int, **local: int) -> list[Any]:
+    """One copy of ``batch``'s structure per local replica, rebuilt from ``split_leaves``."""
+    columns, spec = split_leaves(batch, num_replicas, **local)
+    count = local.get("local_replicas", num_replicas - local.get("replica_offset", 0))
+    return [_tree.unflatten([column[i] for column in columns], spec) for i in range(count)]
 
 
 def steps(n: int, batch: int, replicas: int, drop_remainder: bool = False) -> list[list[Any]]:
     """``range(n).batch(batch)`` split over ``replicas``: one list of slices per step."""
     dataset = Dataset.range(n).batch(batch, drop_remainder=drop_remainder)
-    return [[s.tolist() for s in split_batch(b, replicas)] for b in dataset]
+    return [[s.tolist() for s in replicas_of(b, replicas)] for b in dataset]
 
 
 @pytest.mark.parametrize(
@@ -51,11 +54,22 @@ def test_split_rule_table(n: int, batch: int, replicas: int, expected: list[Any]
 )
 def test_split_sizes_table(size: int, replicas: int, sizes: list[int]) -> None:
     assert split_sizes(size, replicas) == sizes
-    assert [len(s) for s in split_batch(torch.arange(size), replicas)] == sizes
+    assert [len(s) for s in replicas_of(torch.arange(size), replicas)] == sizes
 
 
-def test_slice_bounds_are_consecutive() -> None:
-    assert slice_bounds(7, 3) == [(0, 3), (3, 6), (6, 7)]
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 50), replicas=st.integers(1, 6))
+def test_split_sizes_are_ceil_slices_that_cover_the_batch(size: int, replicas: int) -> None:
+    sizes = split_sizes(size, replicas)
+    per_replica = -(-size // replicas)
+    starts = list(itertools.accumulate(sizes, initial=0))[:-1]
+    assert sum(sizes) == size
+    assert starts == [min(i * per_replica, size) for i in range(replicas)]
+
+
+def test_split_sizes_needs_a_replica() -> None:
+    with pytest.raises(ValueError, match="Received: num_replicas=0"):
+        split_sizes(4, 0)
 
 
 def test_drop_remainder_drops_only_the_short_final_global_batch() -> None:
@@ -65,28 +79,46 @@ def test_drop_remainder_drops_only_the_short_final_global_batch() -> None:
 
 def test_empty_slices_are_real_tensors_keeping_trailing_dims_and_dtype() -> None:
     batch = torch.ones(1, 2, dtype=torch.float16)
-    first, second = split_batch(batch, 2)
+    first, second = replicas_of(batch, 2)
     assert first.shape == (1, 2)
     assert second.shape == (0, 2)
     assert second.dtype == torch.float16
 
 
-def test_every_leaf_is_split_on_its_own_first_dimension() -> None:
+def test_every_leaf_is_cut_at_the_same_rows_keeping_the_structure() -> None:
     Pair = collections.namedtuple("Pair", ["x", "y"])
-    batch = {"pair": Pair(torch.zeros(5, 3), torch.arange(5)), "other": torch.ones(3, 4)}
-    first, second = split_batch(batch, 2)
+    batch = {"pair": Pair(torch.zeros(5, 3), torch.arange(5)), "other": torch.ones(5, 4)}
+    first, second = replicas_of(batch, 2)
     assert type(first["pair"]) is Pair
     assert [first["pair"].x.shape, first["pair"].y.shape, first["other"].shape] == [
         (3, 3),
         (3,),
-        (2, 4),
+        (3, 4),
     ]
-    assert [second["pair"].x.shape, second["other"].shape] == [(2, 3), (1, 4)]
+    assert [second["pair"].x.shape, second["other"].shape] == [(2, 3), (2, 4)]
+
+
+def test_leaves_of_different_batch_sizes_raise_naming_the_sizes() -> None:
+    with pytest.raises(ValueError, match=r"same batch \(first\) dimension.*sizes=\[4, 2\]"):
+        split_leaves((torch.zeros(4), torch.zeros(2)), 2)
+    with pytest.raises(ValueError, match=r"sizes=\[3, 2\]"):
+        split_leaves((torch.zeros(3), Strings(["a", "b"])), 2)
+    assert split_leaves((torch.zeros(4), torch.zeros(2)), 1)[0][1][0].shape == (2,)
+
+
+def test_string_batches_split_into_lists_by_the_split_rule() -> None:
+    words = Strings(["a", "b", "c", "d", "e"])
+    first, second = replicas_of((torch.arange(5), words), 2)
+    assert first[1] == ["a", "b", "c"]
+    assert second[1] == ["d", "e"]
+    assert isinstance(second[1], Strings)
+    assert replicas_of(Strings(["a"]), 3) == [["a"], [], []]
+    assert replicas_of(words, 3, replica_offset=1, local_replicas=2) == [["c", "d"], ["e"]]
 
 
 def test_cpu_slices_are_views_of_the_batch() -> None:
     batch = torch.arange(12.0).reshape(6, 2).clone()
-    slices = split_batch(batch, 3)
+    slices = replicas_of(batch, 3)
     for i, piece in enumerate(slices):
         assert piece._base is batch
         assert piece.data_ptr() == batch.data_ptr() + i * 2 * 2 * batch.element_size()
@@ -94,7 +126,7 @@ def test_cpu_slices_are_views_of_the_batch() -> None:
 
 def test_numpy_leaves_become_tensors_sharing_memory() -> None:
     array = np.arange(6, dtype=np.float32).reshape(3, 2)
-    first, second = split_batch((array,), 2)
+    first, second = replicas_of((array,), 2)
     assert isinstance(first[0], torch.Tensor)
     assert first[0].data_ptr() == array.ctypes.data
     assert second[0].tolist() == [[4.0, 5.0]]
@@ -102,31 +134,39 @@ def test_numpy_leaves_become_tensors_sharing_memory() -> None:
 
 def test_numpy_with_negative_strides_is_copied_once() -> None:
     array = np.arange(4)[::-1]
-    assert [s.tolist() for s in split_batch(array, 2)] == [[3, 2], [1, 0]]
+    assert [s.tolist() for s in replicas_of(array, 2)] == [[3, 2], [1, 0]]
 
 
 def test_local_replica_range_keeps_only_its_slices() -> None:
     batch = torch.arange(7)
-    kept = split_batch(batch, 3, replica_offset=1, local_replicas=2)
+    kept = replicas_of(batch, 3, replica_offset=1, local_replicas=2)
     assert [s.tolist() for s in kept] == [[3, 4, 5], [6]]
-    assert [s.tolist() for s in split_batch(batch, 3, replica_offset=2)] == [[6]]
+    assert [s.tolist() for s in replicas_of(batch, 3, replica_offset=2)] == [[6]]
 
 
 def test_one_replica_keeps_the_batch_whole_even_a_scalar() -> None:
     batch = torch.tensor(3)
-    assert split_batch(batch, 1) == [batch]
-    assert split_batch(7, 1) == [7]
+    assert replicas_of(batch, 1) == [batch]
+    assert replicas_of(7, 1) == [7]
+    assert replicas_of("one", 1) == ["one"]
 
 
 @pytest.mark.parametrize("leaf", [torch.tensor(1.0), 5, np.float32(2.0), np.array(3)])
 def test_scalar_element_with_several_replicas_says_to_batch(leaf: object) -> None:
     with pytest.raises(ValueError, match=r"over 2 replicas.*Batch the dataset first"):
-        split_batch((torch.zeros(2), leaf), 2)
+        replicas_of((torch.zeros(2), leaf), 2)
+
+
+@pytest.mark.parametrize("leaf", ["abc", b"abc"])
+def test_a_single_string_is_a_scalar_that_says_to_batch(leaf: object) -> None:
+    message = r"Cannot split a scalar \((str|bytes)\) over 2 replicas in experimental_distribute"
+    with pytest.raises(ValueError, match=message):
+        split_leaves(leaf, 2)
 
 
 def test_leaf_that_is_no_tensor_raises_type_error() -> None:
-    with pytest.raises(TypeError, match=r"type str.*Received: 'abc'"):
-        split_batch(["abc"], 2)
+    with pytest.raises(TypeError, match=r"type object.*Received: <object"):
+        split_leaves(object(), 2)
 
 
 @pytest.mark.parametrize(
@@ -138,7 +178,7 @@ def test_bad_replica_counts_raise(replicas: int, offset: int, local: int | None)
 
 
 def test_split_of_a_structure_without_leaves_gives_one_per_replica() -> None:
-    assert split_batch((), 2) == [(), ()]
+    assert replicas_of((), 2) == [(), ()]
 
 
 @settings(max_examples=60, deadline=None)
@@ -158,7 +198,7 @@ def test_concatenated_slices_give_back_the_source_in_order(
         assert torch.equal(torch.cat(x), global_batch)
         assert torch.equal(torch.cat(y), global_batch * 2)
     kept = n - n % batch if drop else n
-    flat = [s for b in source for s in split_batch(b, replicas)]
+    flat = [s for b in source for s in replicas_of(b, replicas)]
     assert (torch.cat(flat).tolist() if flat else []) == list(range(kept))
 
 
@@ -168,12 +208,12 @@ def test_local_ranges_over_all_offsets_give_the_full_split(
     size: int, replicas: int, data: st.DataObject
 ) -> None:
     batch = torch.arange(size)
-    full = [s.tolist() for s in split_batch(batch, replicas)]
+    full = [s.tolist() for s in replicas_of(batch, replicas)]
     cuts = sorted(data.draw(st.sets(st.integers(1, replicas - 1))) if replicas > 1 else set())
     bounds = [0, *cuts, replicas]
     union = []
     for start, stop in itertools.pairwise(bounds):
-        local = split_batch(batch, replicas, replica_offset=start, local_replicas=stop - start)
+        local = replicas_of(batch, replicas, replica_offset=start, local_replicas=stop - start)
         union += [s.tolist() for s in local]
     assert union == full
 
@@ -205,6 +245,33 @@ def test_deal_of_scalars_drops_the_incomplete_step_with_a_count() -> None:
         assert dealt(list(Dataset.range(5)), 2) == [[0, 1], [2, 3]]
 
 
+def test_deal_pads_string_batches_with_empty_lists() -> None:
+    elements = [Strings(["a", "b"]), Strings(["c"]), Strings(["d"])]
+    (_, (last, _)) = list(deal_steps(elements, 2))
+    assert last[0] == [["d"], []]
+
+
+@settings(max_examples=60, deadline=None)
+@given(words=st.lists(st.text(max_size=2), max_size=20), replicas=st.integers(1, 4))
+def test_strings_through_the_split_rule_give_back_the_batch(
+    words: list[str], replicas: int
+) -> None:
+    columns, _ = split_leaves((Strings(words), torch.arange(len(words))), replicas)
+    strings, numbers = columns
+    assert [len(s) for s in strings] == [len(n) for n in numbers]
+    assert [w for piece in strings for w in piece] == words
+    if replicas > 1:
+        assert [len(s) for s in strings] == split_sizes(len(words), replicas)
+
+
 def test_deal_of_different_structures_in_one_step_raises() -> None:
     with pytest.raises(ValueError, match="same structure"):
         list(deal_steps([torch.zeros(2), (torch.zeros(2),)], 2))
+
+
+def test_a_dataloader_batch_of_strings_splits_like_a_tensor() -> None:
+    loader = torch.utils.data.DataLoader(
+        list(zip(torch.arange(5), ["a", "b", "c", "d", "e"], strict=True)), batch_size=5
+    )
+    columns, _ = split_leaves(next(iter(loader)), 2)
+    assert [list(part) for part in columns[1]] == [["a", "b", "c"], ["d", "e"]]

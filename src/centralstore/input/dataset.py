@@ -1,54 +1,51 @@
 """``Dataset``: the lazy, re-iterable subset of ``tf.data.Dataset`` that ported code needs.
 
-Built on ``torch.utils.data.IterableDataset`` so that it also feeds a ``DataLoader``. Each
-method checks its arguments, works out the cardinality, and wraps a module-level generator
-function from ``_stages.py`` (so that datasets pickle into DataLoader workers) in a
-``_Stage``. ``from_tensor_slices`` cuts whole batches as views, which ``batch`` uses instead
-of stacking rows one by one.
+Built on ``torch.utils.data.IterableDataset`` so that it also feeds a ``DataLoader``. The
+class is three layers, one concept each: reading (``_base.py``: cardinality, reductions,
+``element_spec``), transforming (``_transforms.py``) and, here, the sources and the one
+kind of dataset they all build: a ``_Stage``, a module-level generator function with its
+arguments (so that datasets pickle into DataLoader workers; a closure would not), which
+carries the ``Options`` of its inputs. ``from_tensor_slices`` is the one other kind: it
+cuts whole batches as views, which ``batch`` uses instead of stacking rows one by one.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
 from .. import _tree
-from . import _stages
+from . import _batching, _stages
+from ._arguments import check_datasets, seed_or_draw
+from ._base import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, DatasetBase
+from ._transforms import Generate, Transformations
+from .components import to_components
+from .data_options import AUTOTUNE, Options, merged
 from .options import as_int
-from .split import from_numpy
+from .spec import TensorSpec, as_shape
+from .strings import Strings, num_rows
 
-INFINITE_CARDINALITY = -1
-UNKNOWN_CARDINALITY = -2
-AUTOTUNE = -1
-_AUTOTUNE_BUFFER = 2
+__all__ = ["AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY", "Dataset"]
 
 
-class Dataset(IterableDataset[Any]):
-    """A lazy, re-iterable pipeline of elements: tensors or tuples/dicts/namedtuples of them.
+class Dataset(Transformations["Dataset"]):
+    """A lazy, re-iterable pipeline of elements: tensors, strings, or structures of them.
 
-    TensorFlow's names and conventions (``cardinality()`` is -1 for infinite, -2 for unknown);
-    ``tf.data`` examples run after renaming ``tf.data.Dataset`` to ``cs.Dataset``. As with every
-    ``IterableDataset``, each ``DataLoader`` worker iterates the whole dataset: ``shard`` it
-    by ``torch.utils.data.get_worker_info()`` when using ``num_workers > 0``.
+    TensorFlow's names and conventions (``cardinality()`` is -1 for infinite, -2 for
+    unknown); ``tf.data`` examples run after renaming ``tf.data.Dataset`` to ``cs.Dataset``.
+    As with every ``IterableDataset``, each ``DataLoader`` worker iterates the whole dataset:
+    ``shard`` it by ``torch.utils.data.get_worker_info()`` when using ``num_workers > 0``.
 
     >>> [b.tolist() for b in Dataset.range(5).batch(2)]
     [[0, 1], [2, 3], [4]]
     """
 
-    _cardinality: int = UNKNOWN_CARDINALITY
-
-    @abc.abstractmethod
-    def __iter__(self) -> Iterator[Any]:
-        """A fresh iterator over the elements: every pass starts from the beginning."""
-
-    def _batches(self, batch_size: int, drop_remainder: bool) -> Iterator[Any] | None:
-        """Whole batches cut straight from the source when it can (a fast path), else None."""
-        return None
+    def _stage(
+        self, generate: Generate, args: tuple[Any, ...], n: int, options: Options | None = None
+    ) -> Dataset:
+        return _Stage(generate, args, n, options)
 
     # Sources.
 
@@ -60,9 +57,36 @@ class Dataset(IterableDataset[Any]):
         [1, 4, 7]
         """
         if not 1 <= len(args) <= 3:
-            raise TypeError(f"Dataset.range takes 1 to 3 ints (start, stop, step); got {args}")
-        values = range(*(as_int("range argument", a) for a in args))
+            raise TypeError(
+                f"Dataset.range takes 1 to 3 ints (start, stop, step). Received: args={args}"
+            )
+        values = range(*(as_int("args", a, "Dataset.range") for a in args))
         return _Stage(_stages.ranged, (values, output_type), len(values))
+
+    @staticmethod
+    def counter(start: int = 0, step: int = 1, dtype: torch.dtype = torch.int64) -> Dataset:
+        """``start``, ``start + step``, ... forever, as scalar tensors.
+
+        >>> [int(x) for x in Dataset.counter(5, 2).take(3)]
+        [5, 7, 9]
+        """
+        start = as_int("start", start, "Dataset.counter")
+        step = as_int("step", step, "Dataset.counter")
+        return _Stage(_stages.counted, (start, step, dtype), INFINITE_CARDINALITY)
+
+    @staticmethod
+    def random(seed: int | None = None, rerandomize_each_iteration: bool | None = None) -> Dataset:
+        """Random non-negative int64 scalars forever (other values than TensorFlow's).
+
+        With a ``seed`` every pass repeats the sequence unless ``rerandomize_each_iteration``.
+
+        >>> a, b = (Dataset.random(seed=1).take(2) for _ in "ab")
+        >>> [int(x) for x in a] == [int(x) for x in b]
+        True
+        """
+        seed = seed_or_draw("Dataset.random", seed)
+        seeds = _stages.Seeds(seed, bool(rerandomize_each_iteration))
+        return _Stage(_stages.random_integers, (seeds,), INFINITE_CARDINALITY)
 
     @staticmethod
     def from_tensors(element: Any) -> Dataset:
@@ -71,27 +95,57 @@ class Dataset(IterableDataset[Any]):
         >>> [x.tolist() for x in Dataset.from_tensors([[1.0]]).repeat(2)]
         [[[1.0]], [[1.0]]]
         """
-        rows = _tree.map_leaves(lambda leaf: leaf.unsqueeze(0), _to_tensors(element))
-        return _Slices(rows, 1)
+        element = to_components(element, "Dataset.from_tensors")
+        return _Slices(_tree.map_leaves(_one_row, element), 1)
 
     @staticmethod
     def from_tensor_slices(element: Any) -> Dataset:
         """A dataset of the slices of ``element`` along its first dimension, leaf by leaf.
 
-        numpy arrays are wrapped with ``torch.from_numpy`` (no copy) and stay on the host.
+        numpy arrays are wrapped with ``torch.from_numpy`` (no copy) and stay on the host;
+        a list of strings gives ``str`` elements.
 
-        >>> [(int(x), int(y["a"])) for x, y in Dataset.from_tensor_slices(([1, 2], {"a": [3, 4]}))]
-        [(1, 3), (2, 4)]
+        >>> [(int(x), y["s"]) for x, y in Dataset.from_tensor_slices(([1, 2], {"s": ["a", "b"]}))]
+        [(1, 'a'), (2, 'b')]
         """
-        leaves, spec = _tree.flatten(_to_tensors(element))
-        sizes = [leaf.shape[0] if leaf.dim() > 0 else None for leaf in leaves]
+        leaves, spec = _tree.flatten(to_components(element, "Dataset.from_tensor_slices"))
+        sizes = [num_rows(leaf) for leaf in leaves]
         if not leaves or None in sizes or len(set(sizes)) > 1:
             raise ValueError(
-                "from_tensor_slices needs tensors that share their first dimension (the one "
-                f"sliced), but got the shapes {[list(leaf.shape) for leaf in leaves]}. Use "
-                "Dataset.from_tensors for a single element."
+                "Dataset.from_tensor_slices needs components that share their first dimension "
+                "(the one sliced); use Dataset.from_tensors for a single element. "
+                f"Received: sizes={sizes}"
             )
-        return _Slices(_tree.unflatten(leaves, spec), len(leaves[0]))
+        return _Slices(_tree.unflatten(leaves, spec), sizes[0] or 0)
+
+    @staticmethod
+    def from_generator(
+        generator: Callable[..., Any],
+        output_types: Any = None,
+        output_shapes: Any = None,
+        args: Sequence[Any] | None = None,
+        output_signature: Any = None,
+    ) -> Dataset:
+        """The elements that ``generator(*args)`` yields, calling it afresh for every pass.
+
+        ``output_signature`` (a structure of ``TensorSpec``), or TensorFlow's older
+        ``output_types`` and ``output_shapes``, converts and checks every component; without
+        them elements are read as ``from_tensors`` reads its argument.
+
+        >>> ds = Dataset.from_generator(lambda: iter([[1], [2, 3]]),
+        ...                             output_signature=TensorSpec([None], torch.int32))
+        >>> [x.tolist() for x in ds]
+        [[1], [2, 3]]
+        """
+        if not callable(generator):
+            raise TypeError(
+                "Dataset.from_generator(generator) must be a function that returns an iterator "
+                "(it is called once per pass); pass the generator function itself, not its "
+                f"result. Received: generator={generator!r}"
+            )
+        signature = _signature(output_types, output_shapes, output_signature)
+        arguments = () if args is None else tuple(args)
+        return _Stage(_stages.generated, (generator, arguments, signature), UNKNOWN_CARDINALITY)
 
     @staticmethod
     def zip(*args: Any, datasets: Any = None) -> Dataset:
@@ -109,185 +163,72 @@ class Dataset(IterableDataset[Any]):
             )
         if datasets is None:
             datasets = args[0] if len(args) == 1 else args
-        members = _tree.flatten(datasets)[0]
-        if not members or not all(isinstance(m, Dataset) for m in members):
-            raise TypeError(
-                f"Dataset.zip needs a non-empty structure of Datasets. Received: {datasets!r}"
-            )
+        members = check_datasets("Dataset.zip", "datasets", _tree.flatten(datasets)[0], datasets)
         counts = [m.cardinality() for m in members]
         finite = [n for n in counts if n >= 0]
         n = UNKNOWN_CARDINALITY if UNKNOWN_CARDINALITY in counts else INFINITE_CARDINALITY
         return _Stage(_stages.zipped, (datasets,), min(finite) if finite and n == -1 else n)
 
-    # Transformations.
+    @staticmethod
+    def choose_from_datasets(
+        datasets: Sequence[Dataset], choice_dataset: Dataset, stop_on_empty_dataset: bool = True
+    ) -> Dataset:
+        """The next element of ``datasets[i]`` for each index ``i`` of ``choice_dataset``.
 
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> Dataset:
-        """Consecutive elements stacked into batches; the container types are kept.
-
-        >>> [b.tolist() for b in Dataset.range(7).batch(3, drop_remainder=True)]
-        [[0, 1, 2], [3, 4, 5]]
+        >>> choices = Dataset.from_tensor_slices([0, 1, 0])
+        >>> ds = Dataset.choose_from_datasets([Dataset.range(3), Dataset.range(7, 9)], choices)
+        >>> [int(x) for x in ds]
+        [0, 7, 1]
         """
-        batch_size = _count("batch_size", batch_size, minimum=1)
-        n = self._cardinality
-        if n >= 0:
-            n = n // batch_size if drop_remainder else -(-n // batch_size)
-        return _Stage(_stages.batched, (self, batch_size, drop_remainder), n)
+        call = "Dataset.choose_from_datasets"
+        datasets = check_datasets(call, "datasets", datasets, datasets)
+        check_datasets(call, "choice_dataset", [choice_dataset], choice_dataset)
+        arguments = (datasets, choice_dataset, bool(stop_on_empty_dataset))
+        return _Stage(_stages.chosen, arguments, UNKNOWN_CARDINALITY)
 
-    def unbatch(self) -> Dataset:
-        """Each element split back into its rows along the first dimension.
+    @staticmethod
+    def sample_from_datasets(
+        datasets: Sequence[Dataset],
+        weights: Sequence[float] | None = None,
+        seed: int | None = None,
+        stop_on_empty_dataset: bool = False,
+        rerandomize_each_iteration: bool | None = None,
+    ) -> Dataset:
+        """Elements drawn at random from ``datasets``, dataset i with probability ``weights[i]``.
 
-        >>> [int(x) for x in Dataset.range(5).batch(2).unbatch()]
+        >>> ds = Dataset.sample_from_datasets([Dataset.range(3), Dataset.range(3, 5)], seed=0)
+        >>> sorted(int(x) for x in ds)
         [0, 1, 2, 3, 4]
         """
-        return _Stage(_stages.unbatched, (self,), UNKNOWN_CARDINALITY)
-
-    def map(
-        self,
-        map_func: Callable[..., Any],
-        num_parallel_calls: int | None = None,
-        deterministic: bool | None = None,
-    ) -> Dataset:
-        """``map_func`` applied to each element; tuple elements are passed as arguments.
-
-        ``num_parallel_calls`` and ``deterministic`` are accepted for porting: ``map_func``
-        runs on the iterating thread, in order (DataLoader workers give parallelism).
-
-        >>> [int(y) for y in Dataset.range(3).map(lambda x: x * 2)]
-        [0, 2, 4]
-        """
-        return _Stage(_stages.mapped, (self, map_func), self._cardinality)
-
-    def filter(self, predicate: Callable[..., Any]) -> Dataset:
-        """The elements for which ``predicate`` (a bool or scalar tensor) is true.
-
-        >>> [int(x) for x in Dataset.range(6).filter(lambda x: x % 2 == 0)]
-        [0, 2, 4]
-        """
-        return _Stage(_stages.filtered, (self, predicate), UNKNOWN_CARDINALITY)
-
-    def shuffle(
-        self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True
-    ) -> Dataset:
-        """Elements drawn at random from a buffer of ``buffer_size`` (TensorFlow's algorithm).
-
-        With a ``seed`` the orders are reproducible; each pass (epoch) draws a new order unless
-        ``reshuffle_each_iteration=False``. Without one, the seed comes from torch's global
-        generator, so ``torch.manual_seed`` makes runs reproducible.
-
-        >>> sorted(int(x) for x in Dataset.range(5).shuffle(5, seed=1))
-        [0, 1, 2, 3, 4]
-        """
-        buffer_size = _count("buffer_size", buffer_size, minimum=1)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        seeds = _stages.Seeds(as_int("seed", seed), reshuffle_each_iteration)
-        return _Stage(_stages.shuffled, (self, buffer_size, seeds), self._cardinality)
-
-    def repeat(self, count: int | None = None) -> Dataset:
-        """The dataset ``count`` times over; forever when ``count`` is None or -1.
-
-        >>> [int(x) for x in Dataset.range(2).repeat(2)]
-        [0, 1, 0, 1]
-        """
-        count = -1 if count is None else _count("count", count, minimum=-1)
-        n = self._cardinality
-        if count == 0 or n == 0:
-            n = 0
-        elif count == -1:
-            n = INFINITE_CARDINALITY if n != UNKNOWN_CARDINALITY else n
-        elif n > 0:
-            n *= count
-        return _Stage(_stages.repeated, (self, count), n)
-
-    def shard(self, num_shards: int, index: int) -> Dataset:
-        """Every ``num_shards``-th element, starting at ``index``.
-
-        >>> [int(x) for x in Dataset.range(7).shard(3, 1)]
-        [1, 4]
-        """
-        num_shards = _count("num_shards", num_shards, minimum=1)
-        index = as_int("index", index)
-        if not 0 <= index < num_shards:
+        datasets = check_datasets("Dataset.sample_from_datasets", "datasets", datasets, datasets)
+        weights = [1.0] * len(datasets) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(datasets) or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError(
-                f"shard needs 0 <= index < num_shards, but got index == {index} and "
-                f"num_shards == {num_shards}."
+                "Dataset.sample_from_datasets(weights) needs one non-negative weight per dataset, "
+                f"not all zero ({len(datasets)} datasets). Received: weights={weights}"
             )
-        n = self._cardinality
-        n = max(0, -(-(n - index) // num_shards)) if n >= 0 else n
-        return _Stage(_stages.sliced, (self, index, None, num_shards), n)
+        call = "Dataset.sample_from_datasets"
+        seeds = _stages.Seeds(seed_or_draw(call, seed), bool(rerandomize_each_iteration))
+        arguments = (datasets, weights, seeds, bool(stop_on_empty_dataset))
+        return _Stage(_stages.sampled, arguments, UNKNOWN_CARDINALITY)
 
-    def take(self, count: int) -> Dataset:
-        """The first ``count`` elements (all of them for -1).
-
-        >>> [int(x) for x in Dataset.range(5).take(2)]
-        [0, 1]
-        """
-        count = _count("count", count, minimum=-1)
-        if count == -1:
-            return self
-        n = self._cardinality
-        n = count if n == INFINITE_CARDINALITY else (min(n, count) if n >= 0 else n)
-        return _Stage(_stages.sliced, (self, 0, count, 1), n)
-
-    def skip(self, count: int) -> Dataset:
-        """All but the first ``count`` elements (none of them for -1).
-
-        >>> [int(x) for x in Dataset.range(5).skip(3)]
-        [3, 4]
-        """
-        count = _count("count", count, minimum=-1)
-        if count == -1:
-            return _Stage(_stages.sliced, (self, 0, 0, 1), 0)
-        n = self._cardinality
-        return _Stage(_stages.sliced, (self, count, None, 1), max(n - count, 0) if n >= 0 else n)
-
-    def prefetch(self, buffer_size: int) -> Dataset:
-        """Elements produced ahead by a background thread, up to ``buffer_size`` of them.
-
-        ``AUTOTUNE`` (-1) picks a small buffer; 0 returns the dataset unchanged.
-
-        >>> [int(x) for x in Dataset.range(3).prefetch(AUTOTUNE)]
-        [0, 1, 2]
-        """
-        buffer_size = _count("buffer_size", buffer_size, minimum=-1)
-        if buffer_size == 0:
-            return self
-        size = _AUTOTUNE_BUFFER if buffer_size == AUTOTUNE else buffer_size
-        return _Stage(_stages.prefetched, (self, size), self._cardinality)
-
-    # Inspection.
-
-    def cardinality(self) -> int:
-        """The number of elements; -1 (``INFINITE_CARDINALITY``), or -2 when unknown.
-
-        >>> Dataset.range(5).batch(2).cardinality(), Dataset.range(1).repeat().cardinality()
-        (3, -1)
-        """
-        return self._cardinality
-
-    def __len__(self) -> int:
-        n = self._cardinality
-        if n < 0:
-            why = "is infinite" if n == INFINITE_CARDINALITY else "is unknown (filter, unbatch)"
-            raise TypeError(f"The dataset's length {why}, so it has no len(); see cardinality().")
-        return n
-
-    def as_numpy_iterator(self) -> Iterator[Any]:
-        """The elements with every tensor as a numpy array (0-d tensors as numpy scalars).
-
-        >>> [int(x) for x in Dataset.range(2).as_numpy_iterator()]
-        [0, 1]
-        """
-        return (_tree.map_leaves(_to_numpy, element) for element in self)
 
 
 class _Stage(Dataset):
     """A source or transformation: ``generate(*args)`` makes a fresh iterator per pass."""
 
-    def __init__(self, generate: Callable[..., Iterator[Any]], args: tuple[Any, ...], n: int):
+    def __init__(
+        self,
+        generate: Callable[..., Iterator[Any]],
+        args: tuple[Any, ...],
+        n: int,
+        options: Options | None = None,
+    ) -> None:
         self._generate = generate
         self._args = args
         self._cardinality = n
+        inputs = [a for a in _tree.flatten(args)[0] if isinstance(a, DatasetBase)]
+        self._options = merged(*(d._options for d in inputs), options)
 
     def __iter__(self) -> Iterator[Any]:
         return self._generate(*self._args)
@@ -308,47 +249,56 @@ class _Slices(Dataset):
         for row in range(self._cardinality):
             yield _tree.unflatten([leaf[row] for leaf in leaves], spec)
 
-    def _batches(self, batch_size: int, drop_remainder: bool) -> Iterator[Any] | None:
-        leaves, spec, n = self._leaves, self._spec, self._cardinality
-        stop = n - n % batch_size if drop_remainder else n
-        return (
-            _tree.unflatten([leaf[start : start + batch_size] for leaf in leaves], spec)
-            for start in range(0, stop, batch_size)
+    def _batcher(self, batch_size: int, drop_remainder: bool) -> tuple[Generate, tuple[Any, ...]]:
+        n = self._cardinality
+        return _batching.batched_slices, (self._leaves, self._spec, n, batch_size, drop_remainder)
+
+
+# What the sources share.
+
+
+def _one_row(leaf: Any) -> Any:
+    """A batch of one row holding ``leaf``: a view for tensors."""
+    return leaf.unsqueeze(0) if isinstance(leaf, torch.Tensor) else Strings([leaf])
+
+
+def _signature(output_types: Any, output_shapes: Any, output_signature: Any) -> Any:
+    """``from_generator``'s signature: ``output_signature``, or built from types and shapes."""
+    call = "Dataset.from_generator"
+    if output_signature is not None:
+        if output_types is not None or output_shapes is not None:
+            raise TypeError(
+                f"{call} takes output_signature or the older output_types and output_shapes, "
+                f"not both. Received: output_types={output_types!r}"
+            )
+        specs = _tree.flatten(output_signature)[0]
+        if not specs or not all(isinstance(s, TensorSpec) for s in specs):
+            raise TypeError(
+                f"{call}(output_signature) must be a structure of cs.data.TensorSpec. "
+                f"Received: output_signature={output_signature!r}"
+            )
+        return output_signature
+    if output_types is None:
+        if output_shapes is not None:
+            raise TypeError(
+                f"{call}(output_shapes) needs output_types too. "
+                f"Received: output_shapes={output_shapes!r}"
+            )
+        return None
+    dtypes, structure = _tree.flatten(output_types)
+    try:
+        shapes = [None] * len(dtypes) if output_shapes is None else structure.flatten_up_to(
+            output_shapes
         )
-
-
-# Conversions and checks.
-
-
-def _to_tensors(value: Any) -> Any:
-    """TensorFlow's reading of a structure: tuples and dicts nest, lists become tensors."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        return from_numpy(value)
-    if isinstance(value, dict):
-        return type(value)((key, _to_tensors(item)) for key, item in value.items())
-    if isinstance(value, tuple):
-        items = [_to_tensors(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    if isinstance(value, list) and any(isinstance(v, (torch.Tensor, np.ndarray)) for v in value):
-        return torch.stack([_to_tensors(item) for item in value])
-    if isinstance(value, (list, bool, int, float, complex, np.generic)):
-        return torch.tensor(value)
-    raise TypeError(
-        "Dataset components must be tensors, numpy arrays, Python numbers or lists of them, "
-        f"nested in tuples, dicts or namedtuples. Received: a {type(value).__name__}, {value!r}"
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{call}(output_shapes) must have the structure of output_types, {structure}, with "
+            f"a shape for each component. Received: output_shapes={output_shapes!r}"
+        ) from None
+    return _tree.unflatten(
+        [
+            TensorSpec(None if s is None else as_shape(call, "output_shapes", s), d)
+            for d, s in zip(dtypes, shapes, strict=True)
+        ],
+        structure,
     )
-
-
-def _to_numpy(leaf: Any) -> Any:
-    if not isinstance(leaf, torch.Tensor):
-        return leaf
-    array = leaf.numpy(force=True)
-    return array[()] if array.ndim == 0 else array
-
-
-def _count(name: str, value: Any, minimum: int) -> int:
-    number = as_int(name, value)
-    if number < minimum:
-        meaning = "a positive int" if minimum == 1 else ">= 0, or -1 for all"
-        raise ValueError(f"{name} must be {meaning}. Received: {name}={number}")
-    return number

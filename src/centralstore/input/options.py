@@ -170,16 +170,19 @@ class InputContext:
         )
 
 
-def as_int(name: str, value: Any) -> int:
-    """Argument ``name`` as an int (numpy and 0-d integer tensors too); bools and floats raise.
+def as_int(name: str, value: Any, call: str = "") -> int:
+    """Argument ``name`` (of the public ``call``) as an int; bools and floats raise.
+
+    numpy and 0-d integer tensors are ints too.
 
     >>> import numpy as np
     >>> as_int("batch_size", np.int64(4))
     4
     """
+    where = f"{call}({name})" if call else name
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, not a bool. Received: {name}={value!r}")
+        raise TypeError(f"{where} must be an int, not a bool. Received: {name}={value!r}")
     try:
         return int(operator.index(value))
     except TypeError:
-        raise TypeError(f"{name} must be an int. Received: {name}={value!r}") from None
+        raise TypeError(f"{where} must be an int. Received: {name}={value!r}") from None

@@ -1,11 +1,12 @@
-"""How input becomes per-replica slices: the split rule and the deal rule (DESIGN 3.7).
+"""How input becomes per-replica slices: the split rule and the deal rule (docs/design.md 3.7).
 
 TensorFlow's rule, measured: a global batch of actual size ``g`` over ``R`` replicas is cut
 into consecutive slices of ``c = ceil(g / R)`` rows; replica ``i`` gets rows
-``[min(i*c, g), min((i+1)*c, g))``. Slices may be short or empty, and every leaf of a nested
-batch is split on its own first dimension. These are pure functions (no devices, no threads)
-so that the rule is tested on literal tables; every slice is a view (``split_with_sizes``),
-never a copy.
+``[min(i*c, g), min((i+1)*c, g))``. Slices may be short or empty. Every leaf of a nested
+batch is cut at the same rows, so all leaves must share the first dimension (else examples
+would be mispaired). These are pure functions (no devices, no threads) so that the rule is
+tested on literal tables; every tensor slice is a view (``split_with_sizes``), never a copy,
+and a batch of strings (``Strings``) is cut into lists.
 
 Several processes can share one global batch: each keeps only its contiguous range of
 replicas ``[replica_offset, replica_offset + local_replicas)`` of the ``num_replicas`` in sync.
@@ -16,6 +17,7 @@ instead, padding the last incomplete step with empty batches.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -24,33 +26,24 @@ import numpy as np
 import torch
 
 from .. import _tree
+from .strings import Strings, num_rows
 
 Columns = list[list[Any]]  # columns[k][i]: leaf k of local replica i
-
-
-def slice_bounds(size: int, num_replicas: int) -> list[tuple[int, int]]:
-    """The ``[start, stop)`` rows of every replica for a global batch of ``size`` rows.
-
-    >>> slice_bounds(5, 3)
-    [(0, 2), (2, 4), (4, 5)]
-    >>> slice_bounds(4, 3)
-    [(0, 2), (2, 4), (4, 4)]
-    """
-    _check_counts(num_replicas, 0, num_replicas)
-    per_replica = -(-size // num_replicas)
-    return [
-        (min(i * per_replica, size), min((i + 1) * per_replica, size))
-        for i in range(num_replicas)
-    ]
 
 
 def split_sizes(size: int, num_replicas: int) -> list[int]:
     """How many rows each replica gets from a global batch of ``size`` rows.
 
+    The one place of the rule's arithmetic: slices of ``c = ceil(size / num_replicas)`` rows,
+    replica ``i`` taking rows ``[min(i*c, size), min((i+1)*c, size))``.
+
     >>> split_sizes(6, 2), split_sizes(5, 3), split_sizes(4, 3), split_sizes(1, 2)
     ([3, 3], [2, 2, 1], [2, 2, 0], [1, 0])
     """
-    return [stop - start for start, stop in slice_bounds(size, num_replicas)]
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be at least 1. Received: num_replicas={num_replicas}")
+    per_replica = -(-size // num_replicas)
+    return [min(per_replica, max(size - i * per_replica, 0)) for i in range(num_replicas)]
 
 
 def from_numpy(leaf: Any) -> Any:
@@ -93,37 +86,25 @@ def split_leaves(
     if local_replicas is None:
         local_replicas = num_replicas - replica_offset
     _check_counts(num_replicas, replica_offset, local_replicas)
-    leaves, spec = _tree.flatten(batch)
-    stop = replica_offset + local_replicas
+    leaves, spec = _tree.flatten(batch, is_leaf=_is_string_batch)
+    leaves = [Strings(leaf) if _is_string_batch(leaf) else from_numpy(leaf) for leaf in leaves]
     if num_replicas == 1:
-        return [[from_numpy(leaf)] for leaf in leaves], spec
-    columns = [
-        _split_leaf(from_numpy(leaf), num_replicas, replica_offset, stop) for leaf in leaves
-    ]
+        return [[leaf] for leaf in leaves], spec
+    sizes = split_sizes(_batch_size(leaves, num_replicas), num_replicas)
+    first, stop = replica_offset, replica_offset + local_replicas
+    whole = local_replicas == num_replicas
+    columns = [_split_leaf(leaf, sizes, first, stop, whole) for leaf in leaves]
     return columns, spec
 
 
-def split_batch(
-    batch: Any,
-    num_replicas: int,
-    *,
-    replica_offset: int = 0,
-    local_replicas: int | None = None,
-) -> list[Any]:
-    """One copy of ``batch``'s structure per local replica, holding that replica's slices.
-
-    >>> [s.tolist() for s in split_batch(torch.arange(5), 3)]
-    [[0, 1], [2, 3], [4]]
-    >>> [s["x"].tolist() for s in split_batch({"x": torch.arange(4)}, 3, replica_offset=1)]
-    [[2, 3], []]
-    """
-    columns, spec = split_leaves(
-        batch, num_replicas, replica_offset=replica_offset, local_replicas=local_replicas
+def _is_string_batch(node: Any) -> bool:
+    """A plain list or tuple of strings (``default_collate``'s batch of strings) is one leaf:
+    a scalar string could not be split anyway."""
+    return (
+        type(node) in (list, tuple)
+        and bool(node)
+        and all(isinstance(s, (str, bytes)) for s in node)
     )
-    if not columns:
-        count = local_replicas if local_replicas is not None else num_replicas - replica_offset
-        return [_tree.unflatten([], spec) for _ in range(count)]
-    return [_tree.unflatten(list(row), spec) for row in zip(*columns, strict=True)]
 
 
 def split_steps(
@@ -189,41 +170,58 @@ def _empty_like(element: Any) -> Any:
     """A 0-row batch shaped like ``element`` (a view), or None when a leaf has no rows."""
     leaves, spec = _tree.flatten(element)
     leaves = [from_numpy(leaf) for leaf in leaves]
-    if not all(isinstance(leaf, torch.Tensor) and leaf.dim() > 0 for leaf in leaves):
+    if any(num_rows(leaf) is None for leaf in leaves):
         return None
-    return _tree.unflatten([leaf.narrow(0, 0, 0) for leaf in leaves], spec)
+    return _tree.unflatten([leaf[:0] for leaf in leaves], spec)
 
 
-def _split_leaf(leaf: Any, num_replicas: int, first: int, stop: int) -> list[Any]:
-    """Slices ``first .. stop - 1`` of one leaf: views along its first dimension.
-
-    One ``split_with_sizes`` call makes every view (half the cost of a ``narrow`` each).
-    """
-    if not isinstance(leaf, torch.Tensor):
-        if isinstance(leaf, (bool, int, float, complex, np.generic)):
-            _raise_scalar(f"a scalar ({type(leaf).__name__})", num_replicas)
+def _batch_size(leaves: list[Any], num_replicas: int) -> int:
+    """The first dimension that every leaf of a global batch shares; else a ValueError."""
+    sizes = [num_rows(leaf) for leaf in leaves]
+    if None in sizes:
+        leaf = leaves[sizes.index(None)]
+        if isinstance(leaf, (torch.Tensor, bool, int, float, complex, np.generic, str, bytes)):
+            _raise_scalar(leaf, num_replicas)
         raise TypeError(
-            f"Cannot split a leaf of type {type(leaf).__name__} over {num_replicas} replicas: "
-            "the leaves of a global batch must be tensors or numpy arrays with a batch "
-            f"dimension. Received: {leaf!r}"
+            f"experimental_distribute_dataset(dataset) cannot split a leaf of type "
+            f"{type(leaf).__name__} over {num_replicas} replicas: the leaves of a global batch "
+            "must be tensors, numpy arrays or lists of strings with a batch dimension. "
+            f"Received: {leaf!r}"
         )
-    if leaf.dim() == 0:
-        _raise_scalar("a scalar tensor (shape [])", num_replicas)
-    pieces = leaf.split_with_sizes(_sizes(leaf.shape[0], num_replicas))
-    return list(pieces if stop - first == num_replicas else pieces[first:stop])
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            "experimental_distribute_dataset(dataset) needs every leaf of a global batch to "
+            "have the same batch (first) dimension: the split rule cuts all of them at the "
+            "same rows, so leaves of different sizes would pair the wrong examples. Batch "
+            "components of one length together (e.g. from_tensor_slices((x, y)).batch(n)). "
+            f"Received: leaf sizes={sizes}"
+        )
+    return sizes[0] or 0 if sizes else 0
 
 
-def _sizes(size: int, num_replicas: int) -> list[int]:
-    """``split_sizes`` without the checks, for the hot path."""
-    per_replica = -(-size // num_replicas)
-    return [min(per_replica, max(size - i * per_replica, 0)) for i in range(num_replicas)]
+def _split_leaf(
+    leaf: torch.Tensor | Strings, sizes: list[int], first: int, stop: int, whole: bool
+) -> list[Any]:
+    """Slices ``first .. stop - 1`` of one leaf along its first dimension.
+
+    One ``split_with_sizes`` call makes every tensor view (half the cost of a ``narrow``
+    each); strings are sliced into lists.
+    """
+    if isinstance(leaf, torch.Tensor):
+        pieces = leaf.split_with_sizes(sizes)
+        return list(pieces if whole else pieces[first:stop])
+    starts = itertools.accumulate(sizes, initial=0)
+    bounds = list(zip(starts, sizes, strict=False))[first:stop]
+    return [leaf[start : start + size] for start, size in bounds]
 
 
-def _raise_scalar(what: str, num_replicas: int) -> None:
+def _raise_scalar(leaf: Any, num_replicas: int) -> None:
+    what = "tensor (shape [])" if isinstance(leaf, torch.Tensor) else f"({type(leaf).__name__})"
     raise ValueError(
-        f"Cannot split {what} over {num_replicas} replicas: an element of a distributed "
-        "dataset is a global batch and needs a batch (first) dimension to split. Batch the "
-        "dataset first, e.g. dataset.batch(global_batch_size)."
+        f"Cannot split a scalar {what} over {num_replicas} replicas in "
+        "experimental_distribute_dataset(dataset): an element of a distributed dataset is a "
+        "global batch and needs a batch (first) dimension to split. Batch the dataset first, "
+        f"e.g. dataset.batch(global_batch_size). Received: {leaf!r}"
     )
 
 
