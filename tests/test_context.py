@@ -1,4 +1,5 @@
-"""The context functions (docs/design.md §3.2): the table for all four places, scopes, and threads."""
+"""The context functions (docs/design.md §3.2): the table for all four places, scopes,
+threads."""
 
 from __future__ import annotations
 

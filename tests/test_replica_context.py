@@ -1,4 +1,5 @@
-"""ReplicaContext (docs/design.md §3.5, §3.8.1-3): properties, all_reduce, all_gather and merge_call."""
+"""ReplicaContext (docs/design.md §3.5, §3.8.1-3): properties, all_reduce, all_gather and
+merge_call."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``strategy.run`` (docs/design.md §3.3): arguments, regrouping, dispatch, inherited state, faults."""
+"""``strategy.run`` (docs/design.md §3.3): arguments, regrouping, dispatch, inherited
+state, faults."""
 
 from __future__ import annotations
 

@@ -11,9 +11,12 @@ from ._reduce import ReduceOp as ReduceOp
 from ._replica_context import ReplicaContext as ReplicaContext
 from ._values import PerReplica as PerReplica
 from ._values import ValueContext as ValueContext
+from .input import data as data
+from .input import errors as errors
 from .input.dataset import Dataset as Dataset
 from .input.options import InputContext as InputContext
 from .input.options import InputOptions as InputOptions
+from .input.spec import TensorSpec as TensorSpec
 from .strategies.base import Strategy as Strategy
 from .strategies.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from .strategies.context import get_replica_context as get_replica_context
@@ -42,10 +45,13 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "StrategyExtended",
+    "TensorSpec",
     "ValueContext",
     "Variable",
     "VariableAggregation",
     "compute_average_loss",
+    "data",
+    "errors",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

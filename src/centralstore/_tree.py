@@ -17,9 +17,12 @@ TreeSpec = _pytree.TreeSpec
 _is_leaf: Callable[[Any], bool] = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
 
 
-def flatten(tree: Any) -> tuple[list[Any], TreeSpec]:
-    """The leaves of ``tree`` in order and the structure to rebuild it."""
-    return _pytree.tree_flatten(tree)
+def flatten(
+    tree: Any, is_leaf: Callable[[Any], bool] | None = None
+) -> tuple[list[Any], TreeSpec]:
+    """The leaves of ``tree`` in order and the structure to rebuild it; ``is_leaf`` stops the
+    walk at the nodes it accepts (a batch of strings, say)."""
+    return _pytree.tree_flatten(tree, is_leaf=is_leaf)
 
 
 def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:

@@ -400,7 +400,10 @@ class Strategy(abc.ABC):
         of ceil(g/R), the last ones short or empty) and place each slice on its device.
 
         With several workers, every worker iterates the same global batches (give shuffling
-        a seed) and keeps the slices of its own replicas.
+        a seed) and keeps the slices of its own replicas (``AutoShardPolicy`` AUTO or DATA);
+        with ``Options().experimental_distribute.auto_shard_policy = AutoShardPolicy.OFF``
+        (``dataset.with_options``) each worker splits every global batch over its own
+        replicas.
 
         ``dataset`` is a ``cs.Dataset``, a ``DataLoader`` or any re-iterable of batches.
 

@@ -119,11 +119,14 @@ class MultiWorkerCentralStorageStrategy(Strategy):
       returns this worker's components. With one local replica, the plain values ``run``
       returns are this worker's component in ``reduce`` and ``gather``.
     * ``experimental_distribute_dataset`` gives each worker its replicas' slices of every
-      global batch (every worker iterates the same batches); ``dataset_fn`` receives
+      global batch (every worker iterates the same batches; ``AutoShardPolicy`` AUTO/DATA;
+      with ``OFF`` each worker splits every global batch over its own replicas);
+      ``dataset_fn`` receives
       ``InputContext(num_input_pipelines=num_workers, input_pipeline_id=worker_index, R)``.
-    * A worker whose step raises makes the others raise at the same sync point; a worker
-      that dies or hangs makes them raise after ``timeout`` (seconds or a ``timedelta``).
-      Never forever.
+    * A worker whose step raises makes the others raise at the same sync point, and the run
+      is discarded on every worker; a worker that dies or hangs makes them raise after
+      ``timeout`` (seconds or a ``timedelta``), never forever, and a process that then ends
+      on that error exits with status 1.
 
     Without an initialized process group it calls ``torch.distributed.init_process_group``
     (gloo, or NCCL when the parameter device is a GPU) with torchrun's ``RANK``,
