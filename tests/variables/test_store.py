@@ -637,3 +637,17 @@ def test_memory_stays_flat_over_many_dropped_models() -> None:
     gc.collect()
     weights = 40 * (1024 * 1024 + 1024) * 4
     assert _rss_bytes() - start < 0.1 * weights
+
+
+def test_a_variable_created_inside_run_is_replica_local() -> None:
+    strategy = strategy_of(2)
+
+    def step() -> torch.Tensor:
+        v = cs.Variable(1.0, aggregation="SUM")
+        assert not strategy.extended.variable_created_in_scope(v)
+        return v
+
+    out = strategy.run(step)
+    assert all(not strategy.extended.variable_created_in_scope(v) for v in out.values)
+    assert strategy._store.records == {}
+    assert [v.item() for v in out.values] == [1.0, 1.0]
