@@ -527,7 +527,7 @@ def test_mean_dtype_and_mean_of(dtype: torch.dtype, expected: torch.dtype) -> No
 def test_gather_of_a_perreplica_with_the_wrong_number_of_components_raises() -> None:
     strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
     three = cs.PerReplica([torch.tensor([1]), torch.tensor([2]), torch.tensor([3])])
-    with pytest.raises(ValueError, match="PerReplica of 3 components.*2 local replicas"):
+    with pytest.raises(ValueError, match=r"PerReplica of 3 components.*2 local replicas"):
         strategy.gather(three, axis=0)
     with pytest.raises(ValueError, match="PerReplica of 3 components"):
         strategy.gather({"x": three}, axis=0)
