@@ -69,5 +69,8 @@ def default() -> Entry:
 def in_replica_of_strategy() -> bool:
     """Whether this thread runs a replica of a non-default strategy (cross-replica calls such
     as ``run``, ``reduce`` and ``scope`` are errors there)."""
-    entry = current()
-    return entry.replica_context is not None and entry.strategy is not default().strategy
+    stack = _local.stack
+    if not stack:  # the default replica context
+        return False
+    entry = stack[-1]
+    return entry.replica_context is not None and entry.strategy is not _default_entry().strategy

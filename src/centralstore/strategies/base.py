@@ -177,7 +177,8 @@ class Strategy(abc.ABC):
             self._run_replica(state, replica, fn, *inputs[replica], environment)
 
         store = self._store
-        with store.in_use("strategy.run()"):
+        store.claim("strategy.run()")
+        try:
             self._workers.begin_run(store)
             store.begin_run()
             try:
@@ -187,6 +188,8 @@ class Strategy(abc.ABC):
                 raise
             error = next((e for e in state.errors if e is not None), None)
             self._end_run(error)
+        finally:
+            store.release()
         if error is not None:
             replica = state.errors.index(error)
             note = (
@@ -215,12 +218,10 @@ class Strategy(abc.ABC):
                     f"Received: {leaf!r}"
                 )
 
-    def _replica_entry(self, replica: int, state: _replicas.RunState | None) -> _context.Entry:
-        """The context entry of replica ``replica`` of a run (``state``), or of the default
-        replica context (``state`` None)."""
-        context = ReplicaContext(
-            self, self._placement, self._workers, self._merge, replica, state
-        )
+    def _default_entry(self) -> _context.Entry:
+        """The context entry of this strategy as the default one: cross-replica calls work,
+        and its default replica context is replica 0 of no run."""
+        context = ReplicaContext(self, self._placement, self._workers, self._merge, 0)
         return _context.Entry(self, context, self._store)
 
     def _run_replica(
@@ -234,7 +235,10 @@ class Strategy(abc.ABC):
     ) -> None:
         """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context."""
         on_thread = replica > 0 and state.threaded
-        _context.push(self._replica_entry(replica, state))
+        context = ReplicaContext(
+            self, self._placement, self._workers, self._merge, replica, state
+        )
+        _context.push(_context.Entry(self, context, self._store))
         try:
             with (
                 environment.applied() if on_thread else contextlib.nullcontext(),

@@ -29,7 +29,7 @@ class OneDeviceStrategy(Strategy):
 def _default_entry() -> _context.Entry:
     """The bottom of every thread's context stack: a ``OneDeviceStrategy`` on ``cpu:0`` with
     its default replica context."""
-    return OneDeviceStrategy("cpu:0")._replica_entry(0, None)
+    return OneDeviceStrategy("cpu:0")._default_entry()
 
 
 _context.install_default(_default_entry)

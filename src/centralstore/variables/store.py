@@ -49,7 +49,7 @@ class VariableStore:
     """The central variables of one strategy, its replicas' views of them, and its sync
     points.
 
-    One thread at a time: ``in_use`` makes a second thread that runs or syncs while another
+    One thread at a time: ``claim`` makes a second thread that runs or syncs while another
     is inside a run fail loudly instead of folding half a run.
     """
 
@@ -145,29 +145,29 @@ class VariableStore:
 
     # -- run ---------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def in_use(self, doing: str) -> Iterator[None]:
-        """Hold the store for this thread while it ``doing`` (a run or a sync point); the same
-        thread may nest (``run`` inside ``merge_call``), another one raises."""
+    def claim(self, doing: str) -> None:
+        """Hold the store for this thread while it is ``doing`` (a run or a sync point) until
+        ``release``; the same thread may nest (``run`` inside ``merge_call``), another one
+        raises."""
         me = threading.current_thread()
         with self._lock:
-            if self._user is not None and self._user is not me:
+            user = self._user
+            if user is not None and user is not me:
                 raise RuntimeError(
-                    f"Thread {me.name!r} called {doing} while thread {self._user.name!r} is "
-                    f"inside {self._doing} of the same strategy. A strategy serves one thread at "
-                    "a time: its sync points would mix the two threads' gradients. Give each "
+                    f"Thread {me.name!r} called {doing} while thread {user.name!r} is inside "
+                    f"{self._doing} of the same strategy. A strategy serves one thread at a "
+                    "time: its sync points would mix the two threads' gradients. Give each "
                     "thread its own strategy and model, or wait for the other thread."
                 )
-            if self._user is None:
+            if user is None:
                 self._user, self._doing = me, doing
             self._depth += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._depth -= 1
-                if not self._depth:
-                    self._user = None
+
+    def release(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if not self._depth:
+                self._user = None
 
     def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
         """The resolution mode for ``replica`` (a no-op while there is nothing to resolve).
@@ -187,7 +187,8 @@ class VariableStore:
 
     def begin_run(self) -> None:
         self.in_run = True
-        self._next_epoch()
+        if self.records:
+            self._next_epoch()
 
     def end_run(self, error: BaseException | None) -> None:
         """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
@@ -280,8 +281,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         return
     for store in list(_stores):
         if store.owns_any(params):
-            with store.in_use("optimizer.step()"):
+            store.claim("optimizer.step()")
+            try:
                 store.sync()
+            finally:
+                store.release()
 
 
 class _RegistrationMode(TorchFunctionMode):
