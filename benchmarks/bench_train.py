@@ -6,6 +6,8 @@ Compares, in one run and interleaved round by round (this machine is shared and 
                (the floor for R = 2: the same arithmetic as two replicas)
   cs R=1       CentralStorageStrategy on one device
   cs R=2       CentralStorageStrategy on cpu:0 and cpu:1
+on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time).
+The order of the configurations alternates between rounds.
 Peak memory is measured per configuration in a fresh subprocess: the highest resident set
 size sampled every millisecond during 5 training steps, above what the process held after
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
@@ -46,39 +48,67 @@ def cnn() -> nn.Module:
     )
 
 
-MODELS = {"mlp": mlp, "cnn": cnn}
+class Transformer(nn.Module):
+    """An op-heavy small model: 2 encoder layers (d=64, 4 heads, feed-forward 128, no
+    dropout) over sequences of 16, mean-pooled into 10 classes. Framework cost, not matrix
+    products, decides its step time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(dim=1))
+
+
+# name -> (model, global batch, one example's shape, optimizer)
+MODELS: dict[str, tuple[Callable[[], nn.Module], int, tuple[int, ...], type]] = {
+    "mlp": (mlp, BATCH, (784,), torch.optim.SGD),
+    "cnn": (cnn, BATCH, (784,), torch.optim.SGD),
+    "transformer": (Transformer, 32, (16, 64), torch.optim.Adam),
+}
+
+
+def make_optimizer(kind: type, model: nn.Module) -> torch.optim.Optimizer:
+    if kind is torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
 def make_step(config: str, model_name: str) -> Callable[[], None]:
     """One training step of ``config`` on ``model_name``, ready to time."""
     torch.manual_seed(0)
-    x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
+    build, batch, shape, optimizer_kind = MODELS[model_name]
+    half = batch // 2
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     loss_fn = nn.functional.cross_entropy
     if config in ("plain", "halves"):
-        model = MODELS[model_name]()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        parts = [(x, y)] if config == "plain" else [(x[:256], y[:256]), (x[256:], y[256:])]
+        model = build()
+        optimizer = make_optimizer(optimizer_kind, model)
+        parts = [(x, y)] if config == "plain" else [(x[:half], y[:half]), (x[half:], y[half:])]
 
         def plain_step() -> None:
             optimizer.zero_grad()
             for xs, ys in parts:
-                (loss_fn(model(xs), ys, reduction="sum") / BATCH).backward()
+                (loss_fn(model(xs), ys, reduction="sum") / batch).backward()
             optimizer.step()
 
         return plain_step
     replicas = int(config[-1])
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
-        model = MODELS[model_name]()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        model = build()
+        optimizer = make_optimizer(optimizer_kind, model)
     if replicas == 1:
         args: tuple[object, ...] = (x, y)
     else:
-        args = (cs.PerReplica([x[:256], x[256:]]), cs.PerReplica([y[:256], y[256:]]))
+        args = (cs.PerReplica([x[:half], x[half:]]), cs.PerReplica([y[:half], y[half:]]))
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
         per_example = loss_fn(model(xs), ys, reduction="none")
-        cs.compute_average_loss(per_example, global_batch_size=BATCH).backward()
+        cs.compute_average_loss(per_example, global_batch_size=batch).backward()
 
     def cs_step() -> None:
         optimizer.zero_grad()
@@ -137,20 +167,22 @@ def main() -> None:
     parser.add_argument("--no-memory", action="store_true")
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"batch {BATCH}, {options.steps} steps x {options.rounds} rounds, medians\n")
-    print(f"{'model':<5} {'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}")
+          f"batch {BATCH} (transformer: 32), {options.steps} steps x {options.rounds} rounds, "
+          "medians\n")
+    header = f"{'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}"
+    print(f"{'model':<11} {header}")
     for model_name in MODELS:
         steps = {config: make_step(config, model_name) for config in CONFIGS}
         for step in steps.values():  # warm up
             time_steps(step, 3)
         samples: dict[str, list[float]] = {config: [] for config in CONFIGS}
-        for _ in range(options.rounds):
-            for config in CONFIGS:
+        for round_ in range(options.rounds):  # the order alternates between rounds
+            for config in CONFIGS if round_ % 2 == 0 else reversed(CONFIGS):
                 samples[config].append(time_steps(steps[config], options.steps))
         medians = {config: statistics.median(v) for config, v in samples.items()}
         for config in CONFIGS:
             memory = "" if options.no_memory else f"{peak_rss_mb(config, model_name, 5):8.0f}"
-            print(f"{model_name:<5} {config:<8} {medians[config]:8.2f} "
+            print(f"{model_name:<11} {config:<8} {medians[config]:8.2f} "
                   f"{medians[config] / medians['plain']:7.3f} "
                   f"{medians[config] / medians['halves']:8.3f} {memory}")
 

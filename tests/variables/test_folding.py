@@ -158,3 +158,24 @@ def test_an_interrupted_run_returns_after_every_replica_thread_left_and_lands_no
     strategy.run(lambda: (w * 2).sum().backward())
     assert w.grad is not None
     assert w.grad.tolist() == [4.0]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_merge_call_commits_what_came_before_and_a_later_failure_drops_only_the_rest(
+    replicas: int,
+) -> None:
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        w = torch.ones(2, requires_grad=True)
+        optimizer = torch.optim.SGD([w], lr=1.0)
+
+    def step() -> None:
+        w.sum().backward()
+        context().merge_call(lambda s: optimizer.step())  # a sync point: committed
+        (w * 10).sum().backward()
+        raise Failure()
+
+    with pytest.raises(Failure):
+        strategy.run(step)
+    assert w.tolist() == [1.0 - replicas, 1.0 - replicas]
+    assert w.grad is not None and w.grad.tolist() == [replicas, replicas]  # not the 10s

@@ -29,6 +29,7 @@ from .. import _context
 from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding
+from .direct import Undo
 from .records import Central, check_aggregation, default_buffer_aggregation
 from .views import GradientReceiver, ReplicaViews, ResolutionMode, View
 
@@ -65,6 +66,8 @@ class VariableStore:
         self.modes = [ResolutionMode(views) for views in self.replicas]
         self.in_run = False
         self.pending: list[View] = []  # views with gradients that arrived outside run
+        self._foreign: set[int] = set()  # keys of variables off the first compute device
+        self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.Lock()
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
         self._doing = ""
@@ -85,6 +88,8 @@ class VariableStore:
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
         placement = self.placement
+        if tensor.device != placement.storage_devices[0]:
+            self._foreign.add(key)
         if placement.parameter_storage.type == "cpu" and any(
             d.type == "cuda" for d in placement.storage_devices
         ):
@@ -94,6 +99,7 @@ class VariableStore:
 
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
+        self._foreign.discard(key)
         for views in self.replicas:
             views.forget(key)
 
@@ -169,14 +175,24 @@ class VariableStore:
             if not self._depth:
                 self._user = None
 
+    @property
+    def direct(self) -> bool:
+        """Whether runs use the variables themselves, without views: one replica, computing
+        where every variable lives (``direct.py``)."""
+        return self.placement.num_replicas == 1 and not self._foreign
+
     def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
-        """The resolution mode for ``replica`` (a no-op while there is nothing to resolve).
-        It is on for one replica too, so that a failed run can be discarded."""
-        return self.modes[replica] if self.records else contextlib.nullcontext()
+        """The resolution mode for ``replica``, or a no-op when there is nothing to resolve
+        or the run is direct."""
+        if not self.records or self.direct:
+            return contextlib.nullcontext()
+        return self.modes[replica]
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
-        """Central variables as themselves, for ``merge_call`` on a replica's thread."""
+        """Central variables as themselves, for ``merge_call`` on a replica's thread. Back in
+        the replicas, a direct run's transaction starts afresh (the merge's sync point
+        committed what came before)."""
         for mode in self.modes:
             mode.suspended = True
         try:
@@ -184,10 +200,16 @@ class VariableStore:
         finally:
             for mode in self.modes:
                 mode.suspended = False
+            if self.in_run and self.direct and self.records:
+                self._undo = Undo(list(self.records.values()))
 
     def begin_run(self) -> None:
         self.in_run = True
-        if self.records:
+        if not self.records:
+            return
+        if self.direct:
+            self._undo = Undo(list(self.records.values()))
+        else:
             self._next_epoch()
 
     def end_run(self, error: BaseException | None) -> None:
@@ -207,6 +229,9 @@ class VariableStore:
             with torch.no_grad():
                 folding.fold_gradients(self.pending)
             self.pending.clear()
+        if self._undo is not None:  # a direct run: its sync point commits or rolls back
+            undo, self._undo = self._undo, None
+            undo.rollback() if discard else undo.commit()
         touched = [replica.touched for replica in self.replicas]
         if not any(touched):
             return
