@@ -13,7 +13,7 @@ size sampled every millisecond during 5 training steps, above what the process h
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
 die, so the RSS follows the live tensors).
 
-    python benchmarks/bench_train.py [--steps 20] [--rounds 7]
+    python benchmarks/bench_train.py [--steps 20] [--rounds 7] [--models mlp cnn transformer]
 """
 
 from __future__ import annotations
@@ -165,13 +165,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"batch {BATCH} (transformer: 32), {options.steps} steps x {options.rounds} rounds, "
           "medians\n")
     header = f"{'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}"
     print(f"{'model':<11} {header}")
-    for model_name in MODELS:
+    for model_name in options.models:
         steps = {config: make_step(config, model_name) for config in CONFIGS}
         for step in steps.values():  # warm up
             time_steps(step, 3)

@@ -31,7 +31,7 @@ from .._placement import Placement
 from . import folding
 from .direct import Undo
 from .records import Central, check_aggregation, default_buffer_aggregation
-from .views import GradientReceiver, ReplicaViews, ResolutionMode, View
+from .views import GradientReceiver, ReplicaViews, View, make_central, resolving
 
 
 class Exchange(Protocol):
@@ -63,10 +63,10 @@ class VariableStore:
             ReplicaViews(self.records, r, device, placement.num_replicas, receiver)
             for r, device in enumerate(placement.storage_devices)
         ]
-        self.modes = [ResolutionMode(views) for views in self.replicas]
         self.in_run = False
         self.pending: list[View] = []  # views with gradients that arrived outside run
         self._foreign: set[int] = set()  # keys of variables off the first compute device
+        self._unresolved: set[int] = set()  # keys of variables without the central class
         self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.Lock()
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
@@ -87,6 +87,8 @@ class VariableStore:
             return
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
+        if not make_central(tensor):
+            self._unresolved.add(key)
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
@@ -100,6 +102,7 @@ class VariableStore:
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
         self._foreign.discard(key)
+        self._unresolved.discard(key)
         for views in self.replicas:
             views.forget(key)
 
@@ -186,20 +189,17 @@ class VariableStore:
         or the run is direct."""
         if not self.records or self.direct:
             return contextlib.nullcontext()
-        return self.modes[replica]
+        return resolving(self.replicas[replica])
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
         """Central variables as themselves, for ``merge_call`` on a replica's thread. Back in
         the replicas, a direct run's transaction starts afresh (the merge's sync point
         committed what came before)."""
-        for mode in self.modes:
-            mode.suspended = True
         try:
-            yield
+            with resolving(None):
+                yield
         finally:
-            for mode in self.modes:
-                mode.suspended = False
             if self.in_run and self.direct and self.records:
                 self._undo = Undo(list(self.records.values()))
 
@@ -209,8 +209,10 @@ class VariableStore:
             return
         if self.direct:
             self._undo = Undo(list(self.records.values()))
-        else:
-            self._next_epoch()
+            return
+        if self._unresolved:
+            self._make_central()
+        self._next_epoch()
 
     def end_run(self, error: BaseException | None) -> None:
         """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
@@ -244,6 +246,23 @@ class VariableStore:
                 folding.apply_writes(touched, self.placement.num_replicas)
             folding.finish(touched)
         self._next_epoch()
+
+    def _make_central(self) -> None:
+        """Give the central class to variables that could not take it when registered (a
+        lazy module's parameters, materialized since); others are an error."""
+        for key in list(self._unresolved):
+            tensor = self.records[key].ref()
+            if tensor is None or make_central(tensor):
+                self._unresolved.discard(key)
+                continue
+            self.in_run = False
+            raise TypeError(
+                f"A central variable of class {type(tensor).__name__} (shape "
+                f"{tuple(tensor.shape)}) cannot be resolved to replica views: only plain "
+                "tensors and nn.Parameter can become central variables. Materialize lazy "
+                "modules before the first run (one forward inside strategy.scope()), or keep "
+                "tensor subclasses out of the scope."
+            )
 
     def _next_epoch(self) -> None:
         for views in self.replicas:

@@ -1,8 +1,10 @@
 """Replica views: what a replica sees when its code touches a central variable.
 
-Inside ``run`` a thread-local ``ResolutionMode`` swaps central variables for the replica's
-views in the arguments of every torch call (top level and one level of lists/tuples, which
-covers ``torch.cat``, RNN flat weights and ``_foreach`` calls). A parameter's view shares
+Central variables have a class of their own (``CentralParameter``, ``CentralTensor``) whose
+``__torch_function__`` swaps them for the running replica's views in the arguments of the
+torch call (top level and one level of lists/tuples, which covers ``torch.cat``, RNN flat
+weights and ``_foreach`` calls). Torch's dispatcher calls it only for calls that receive a
+central variable: every other call costs what it costs in plain PyTorch. A parameter's view shares
 storage with it when the replica computes where it lives (no copy) and is a cached copy
 otherwise, refreshed only when the central value changed. Buffers get a private copy per
 replica, since kernels such as batch norm write them in place. An in-place call on a shared
@@ -17,12 +19,15 @@ would keep the view, its tensor and the model's weights alive forever.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch._C import DisableTorchFunctionSubclass
+from torch.optim import optimizer as _optimizer
+from torch.utils import _foreach_utils
 
 from .._aggregation import VariableAggregation
 from .records import Central
@@ -278,34 +283,90 @@ class ReplicaViews:
         return view.tensor
 
 
-def _has_central(values: Any, records: dict[int, Any]) -> bool:
-    for value in values:
-        if id(value) in records:
-            return True
-        if type(value) is list or type(value) is tuple:
-            for item in value:
-                if id(item) in records:
-                    return True
-    return False
+class _Resolution(threading.local):
+    """The views the code on this thread sees: its replica's while it runs in ``run``."""
+
+    views: ReplicaViews | None = None
 
 
-class ResolutionMode(TorchFunctionMode):
-    """Active on a replica's thread while it runs: torch calls see views, not variables."""
+_resolution = _Resolution()
 
-    def __init__(self, views: ReplicaViews) -> None:
-        super().__init__()
-        self._views = views
-        self._records = views.records
-        self.suspended = False  # while merge_call runs cross-replica code on this thread
 
-    def __torch_function__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        records = self._records
-        if self.suspended:
+def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
+    """``__torch_function__`` of central variables: a torch call that receives one runs on
+    the views of the replica running on this thread, or on the variables themselves."""
+    if kwargs is None:
+        kwargs = {}
+    views = _resolution.views
+    with DisableTorchFunctionSubclass():
+        if views is None:
             return func(*args, **kwargs)
-        if _has_central(args, records) or (kwargs and _has_central(kwargs.values(), records)):
-            return self._views.call(func, args, kwargs)
-        return func(*args, **kwargs)
+        return views.call(func, args, kwargs)
+
+
+class CentralParameter(torch.nn.Parameter):
+    """The class a parameter takes when it becomes a central variable. It is an
+    ``nn.Parameter`` in every respect (``state_dict`` and ``torch.save`` see plain tensors and
+    parameters); only torch calls that receive it look for the running replica's view, so
+    calls that touch no central variable cost what they cost in plain PyTorch."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return _resolve(func, args, kwargs)
+
+
+class CentralTensor(torch.Tensor):
+    """``CentralParameter`` for central variables that are plain tensors (buffers,
+    ``cs.Variable``); pickled as a plain tensor."""
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return _resolve(func, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        with DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)  # type: ignore[no-untyped-call]
+
+
+_CENTRAL_CLASS: dict[type, type] = {
+    torch.nn.Parameter: CentralParameter, torch.Tensor: CentralTensor,
+}
+
+# Optimizers take their multi-tensor (foreach) path only for the tensor classes they list;
+# central variables are plain dense tensors underneath.
+_FOREACH_LISTS: tuple[list[Any], ...] = (
+    _optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types,
+)
+for _listed in _FOREACH_LISTS:
+    _listed.extend(c for c in (CentralParameter, CentralTensor) if c not in _listed)
+
+
+def make_central(tensor: torch.Tensor) -> bool:
+    """Give ``tensor`` the class of central variables; False when it has a class of its own
+    (a lazy module's ``UninitializedParameter``, another tensor subclass) that cannot take it
+    yet."""
+    cls = _CENTRAL_CLASS.get(type(tensor))
+    if cls is not None:
+        tensor.__class__ = cls
+    return isinstance(tensor, (CentralParameter, CentralTensor))
+
+
+class resolving:
+    """While active on a thread, central variables resolve to ``views`` (None: to
+    themselves, for cross-replica code such as ``merge_call``)."""
+
+    __slots__ = ("_previous", "_views")
+
+    def __init__(self, views: ReplicaViews | None) -> None:
+        self._views = views
+        self._previous: ReplicaViews | None = None
+
+    def __enter__(self) -> None:
+        self._previous, _resolution.views = _resolution.views, self._views
+
+    def __exit__(self, *exc: object) -> None:
+        _resolution.views = self._previous
