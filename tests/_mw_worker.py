@@ -327,6 +327,60 @@ def survivor_scenario(peer: str) -> None:
         optimizer.step()
 
 
+RESTART_STEPS = 8  # training steps of the restart scenario
+RESTART_KILL_AFTER = 4  # worker 1 dies after this step of the first attempt (last save: 3)
+
+
+def restart_data() -> cs.Dataset:
+    """Global batches of 8 for the restart scenario: seeded shuffle, repeated."""
+    generator = torch.Generator().manual_seed(11)
+    x, y = torch.randn(24, 6, generator=generator), torch.randint(0, 3, (24,), generator=generator)
+    return cs.Dataset.from_tensor_slices((x, y)).shuffle(10, seed=4).repeat().batch(8)
+
+
+def restart_scenario(out_dir: str) -> dict[str, Any]:
+    """Train ``RESTART_STEPS`` steps, checkpointing every 2 into ``out_dir/ckpts``; in the
+    first attempt worker 1 SIGKILLs itself after step ``RESTART_KILL_AFTER``, torchrun
+    restarts both workers, and they resume from the latest checkpoint."""
+    import signal
+
+    from centralstore.checkpoint import Checkpoint, CheckpointManager
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=30)
+    rank = strategy.worker_index
+    torch.manual_seed(3)
+    with strategy.scope():
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = torch.zeros((), dtype=torch.int64)
+    iterator = iter(strategy.experimental_distribute_dataset(restart_data()))
+    checkpoint = Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
+    manager = CheckpointManager(
+        checkpoint, os.path.join(out_dir, "ckpts"), max_to_keep=2, step_counter=step,
+        checkpoint_interval=2,
+    )
+    restored = manager.restore_or_initialize()
+    if restored is None and rank == 0:
+        torch.save(model.state_dict(), os.path.join(out_dir, "initial.pt"))
+
+    def replica_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(x), y, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=8).backward()
+
+    while int(step) < RESTART_STEPS:
+        x, y = next(iterator)
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=(x, y))
+        optimizer.step()
+        step += 1
+        manager.save()
+        if attempt == 0 and rank == 1 and int(step) == RESTART_KILL_AFTER:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return {"final": model.state_dict(), "attempt": attempt, "restored": restored}
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     if scenario == "survivor":
@@ -339,6 +393,8 @@ def main() -> None:
         results = errors_scenario()
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
+    elif scenario == "restart":
+        results = restart_scenario(out_dir)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

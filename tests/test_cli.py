@@ -106,19 +106,21 @@ def test_more_bad_command_lines(
     assert len(lines) == 1 and complaint in lines[0], lines
 
 
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir"])
 @pytest.mark.parametrize(
     ("out", "complaint"),
     [("a-file", "exists and is not a directory"), ("a-file/results", "cannot create")],
 )
-def test_out_must_be_a_usable_directory(
-    out: str, complaint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_out_and_checkpoint_dir_must_be_usable_directories(
+    flag: str, out: str, complaint: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["demo", "--epochs", "1", "--out", str(tmp_path / out)])
+        cli.main(["demo", "--epochs", "1", "--out", str(tmp_path / "results"), flag,
+                  str(tmp_path / out)])
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and complaint in lines[0], lines
+    assert len(lines) == 1 and complaint in lines[0] and f"argument {flag}" in lines[0], lines
 
 
 def test_devices_lists_the_devices_and_the_default_placement(tmp_path: Path) -> None:

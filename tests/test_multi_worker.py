@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import centralstore as cs
 from centralstore.strategies import multi_worker
@@ -39,14 +40,16 @@ def free_port() -> int:
 
 
 def launch(
-    tmp_path: Path, world: int, *args: str, torchrun: bool = False, timeout: float = 100
+    tmp_path: Path, world: int, *args: str, torchrun: bool = False, timeout: float = 100,
+    max_restarts: int = 0,
 ) -> list[dict[str, Any]]:
     """Run the worker script in ``world`` processes; every rank's results."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     if torchrun:
         commands = [[
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={world}", str(WORKER), *args,
+            f"--nproc-per-node={world}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1", str(WORKER), *args,
         ]]
         envs = [env]
     else:
@@ -235,6 +238,30 @@ def test_the_survivor_of_a_dead_or_hung_peer_exits_with_its_python_error(
     assert processes[0].returncode == 1, output  # not 134 (SIGABRT in torch's teardown)
     assert "RuntimeError: The cross-worker" in output
     assert "terminate called" not in output
+
+
+def test_a_worker_killed_mid_training_is_restarted_by_torchrun_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """torchrun --max-restarts 1: worker 1 SIGKILLs itself after step 4 (the last checkpoint
+    is from step 3); torchrun restarts both workers, whose new process group meets in the
+    same store as the dead attempt's, and they resume from the latest checkpoint: the weights
+    end as an uninterrupted run's, one device on the same global batches."""
+    results = launch(tmp_path, 2, "restart", str(tmp_path), torchrun=True, max_restarts=1,
+                     timeout=150)
+    assert [r["attempt"] for r in results] == [1, 1]
+    assert [Path(r["restored"]).name for r in results] == ["ckpt-2", "ckpt-2"]  # steps 1, 3
+    oracle = helper.mlp()
+    oracle.load_state_dict(torch.load(tmp_path / "initial.pt", weights_only=True))
+    optimizer = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    batches = iter(helper.restart_data())
+    for _ in range(helper.RESTART_STEPS):
+        x, y = next(batches)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(oracle(x), y).backward()
+        optimizer.step()
+    for result in results:
+        assert_state_close(result["final"], oracle.state_dict(), "resumed under torchrun")
 
 
 # -- in this process: construction errors and defaults ----------------------------------------

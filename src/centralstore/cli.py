@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for curves.png and summary.json (default: demo-out)",
     )
     demo_command.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="save checkpoints into DIR (every 10 steps and every epoch); run again with the "
+        "same DIR to resume an interrupted demo where it stopped (default: no checkpoints)",
+    )
+    demo_command.add_argument(
         "--no-compare",
         dest="compare",
         action="store_false",
@@ -172,23 +179,28 @@ def _devices_command(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
-    if args.out.exists() and not args.out.is_dir():
-        parser.error(f"argument --out: {str(args.out)!r} exists and is not a directory")
+    directories = [("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)]
+    directories = [(flag, path) for flag, path in directories if path is not None]
+    for flag, directory in directories:
+        if directory.exists() and not directory.is_dir():
+            parser.error(f"argument {flag}: {str(directory)!r} exists and is not a directory")
     try:
         strategy = demo.make_strategy(args.compute_devices, args.parameter_device)
     except (ValueError, TypeError) as error:
         parser.error(str(error))
-    try:  # now, rather than after training; by the one worker that writes there
-        if strategy.extended.should_checkpoint:
-            args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        parser.error(f"argument --out: cannot create {str(args.out)!r}: {error.strerror}")
+    for flag, directory in directories:
+        try:  # now, rather than after training; by the one worker that writes there
+            if strategy.extended.should_checkpoint:
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"argument {flag}: cannot create {str(directory)!r}: {error.strerror}")
     settings = demo.Settings(
         epochs=args.epochs,
         batch_size=args.batch_size,
         seed=args.seed,
         out=args.out,
         compare=args.compare,
+        checkpoint_dir=args.checkpoint_dir,
     )
     demo.run(strategy, settings)
     if torch.distributed.is_initialized():  # a torchrun worker

@@ -34,6 +34,7 @@ SUMMARY_KEYS = {
     "samples_per_second",
     "one_device",
     "max_abs_weight_difference",
+    "resumed_from",
     "wall_seconds",
 }
 

@@ -212,3 +212,76 @@ def test_full_default_demo_reaches_95_percent(tmp_path: Path) -> None:
     assert summary["test_accuracy"] >= 0.95
     assert summary["one_device"]["test_accuracy"] >= 0.95
     assert len(finished.stderr.splitlines()) == 12  # one progress line per epoch
+
+
+class Interrupt(Exception):
+    """Raised by the progress display to stop a run in the middle of an epoch."""
+
+
+class _StopAt:
+    """A progress display that interrupts the run at ``step`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, step: int, this_epoch: int) -> None:
+        self._stop, self._epoch, self._steps = (epoch, step), this_epoch, 0
+
+    def step(self, loss: float, accuracy: float) -> None:
+        self._steps += 1
+        if (self._epoch, self._steps) == self._stop:
+            raise Interrupt
+
+    def close(self, test_accuracy: float) -> None:
+        pass
+
+
+def test_an_interrupted_demo_resumes_with_the_weights_of_an_uninterrupted_one(
+    tmp_path: Path,
+) -> None:
+    """13 steps per epoch (100 examples, batches of 8), a checkpoint at step 10 and at the end
+    of each epoch; interrupted at step 12 of the second epoch, the run resumes from step 10
+    of that epoch (the iterator's position included) and ends as the uninterrupted run."""
+    data = small_digits(train=100, test=8)
+    settings = job.Settings(epochs=3, batch_size=8, checkpoint_dir=tmp_path / "ckpts")
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+
+    def quiet(epoch: int, steps: int) -> report.Progress:
+        return report.progress(epoch, settings.epochs, steps, io.StringIO())
+
+    with pytest.raises(Interrupt):
+        train.train_distributed(strategy, data, settings, lambda e, s: _StopAt(1, 12, e))
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        "checkpoint", "ckpt-2", "ckpt-3",
+    ]  # epoch 1 at step 10, end of epoch 1, epoch 2 at step 10: the last two kept
+    resumed, initial = train.train_distributed(strategy, data, settings, quiet)
+    assert resumed.resumed_from == str(tmp_path / "ckpts" / "ckpt-3")
+    uninterrupted, initial_too = train.train_distributed(
+        strategy, data, job.Settings(epochs=3, batch_size=8), quiet
+    )
+    for key, value in uninterrupted.model.state_dict().items():
+        assert torch.equal(resumed.model.state_dict()[key], value), key
+        assert torch.equal(initial[key], initial_too[key]), key
+    assert resumed.history == uninterrupted.history
+    assert resumed.resumed_from is not None and uninterrupted.resumed_from is None
+
+
+def test_centralstore_demo_resumes_from_its_checkpoint_dir(tmp_path: Path) -> None:
+    """A first run leaves its checkpoints; ``centralstore demo --checkpoint-dir`` run again
+    resumes from the latest (here at the end of training: nothing left to train) and says so."""
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    settings = job.Settings(
+        epochs=1, batch_size=256, compare=False, out=tmp_path / "first",
+        checkpoint_dir=tmp_path / "ckpts",
+    )
+    first = run_demo(strategy, settings)
+    assert "resumed from" not in first.stdout
+    result = subprocess.run(
+        [sys.executable, "-m", "centralstore", "demo", "--epochs", "1", "--batch-size", "256",
+         "--no-compare", "--out", "second", "--checkpoint-dir", str(tmp_path / "ckpts")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False, env=ENV,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert field(result.stdout, "resumed from") == str(tmp_path / "ckpts" / "ckpt-1")
+    assert field(result.stdout, "test accuracy") == field(first.stdout, "test accuracy")
+    summary = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert summary["resumed_from"] == str(tmp_path / "ckpts" / "ckpt-1")
+    assert first.summary["resumed_from"] is None
+    assert "Warning" not in result.stderr

@@ -116,9 +116,9 @@ def test_iterator_element_spec_of_an_exhausted_iterator_raises() -> None:
 
 
 def test_element_spec_through_a_prefetch_thread_skips_nothing() -> None:
-    def steps() -> Iterator[tuple[Any, tuple[()]]]:
+    def steps() -> Iterator[tuple[Any, tuple[()], None]]:
         for i in range(3):
-            yield torch.full((2, 3), i), ()
+            yield torch.full((2, 3), i), (), None
 
     iterator = DistributedIterator(PrefetchIterator(steps(), 1))
     assert iterator.element_spec == TensorSpec((None, 3), torch.int64)

@@ -33,6 +33,7 @@ class Settings:
     seed: int = 0
     out: Path = Path("demo-out")
     compare: bool = True
+    checkpoint_dir: Path | None = None  # where checkpoints go, and an interrupted run resumes
 
 
 class Digits(NamedTuple):
@@ -62,6 +63,7 @@ class Run:
     history: History
     train_seconds: float
     samples: int  # training examples processed (epochs x training set)
+    resumed_from: str | None = None  # the checkpoint the training resumed from, if any
 
     @property
     def samples_per_second(self) -> float:

@@ -121,6 +121,8 @@ class Report:
         )
 
     def results(self, run: Run) -> None:
+        if run.resumed_from is not None:
+            self.line("resumed from", run.resumed_from)
         self.line("test accuracy", f"{run.history.test_accuracy[-1]:.4f}")
         self.line(
             "samples per second", f"{run.samples_per_second:,.0f} ({run.train_seconds:.1f} s)"
@@ -222,6 +224,7 @@ def summary(
         "samples_per_second": distributed.samples_per_second,
         "one_device": one_device,
         "max_abs_weight_difference": difference,
+        "resumed_from": distributed.resumed_from,
     }
 
 

@@ -26,10 +26,9 @@ from torch import nn
 
 import centralstore as cs
 
-from . import report
+from . import backup, report
 from .job import (
     Digits,
-    History,
     Run,
     Settings,
     global_size,
@@ -58,7 +57,11 @@ def train_distributed(
     with strategy.scope():  # the variables live once, on the parameter device
         model = make_model()
         optimizer, schedule = make_optimizer(model, settings.epochs * len(loader))
-    initial = copy.deepcopy(model.state_dict())
+    state = backup.TrainingState(copy.deepcopy(model.state_dict()))
+    checkpoints, resumed = None, None
+    if settings.checkpoint_dir is not None:  # resume where an interrupted run stopped
+        checkpoints = backup.manager(settings.checkpoint_dir, model, optimizer, schedule, state)
+        resumed = checkpoints.restore_or_initialize()
     dataset = strategy.experimental_distribute_dataset(loader)
     test_dataset = strategy.experimental_distribute_dataset(
         held_out_batches(data, settings.batch_size)
@@ -76,29 +79,31 @@ def train_distributed(
         loss.backward()  # type: ignore[no-untyped-call]
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
-    history = History()
-    seconds = 0.0
-    for epoch in range(settings.epochs):
+    for epoch in range(state.epoch, settings.epochs):
         bar = progress(epoch, len(dataset))
-        loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
-        for images, labels in dataset:
+        for images, labels in state.begin_epoch(dataset):
             batch = global_size(strategy, labels)
             optimizer.zero_grad()
             loss, hits = strategy.run(train_step, args=(images, labels, batch))
             optimizer.step()  # once, on the central variables, with the summed gradients
             schedule.step()
-            loss_sum += float(strategy.reduce(cs.ReduceOp.SUM, loss, axis=None)) * batch
-            correct += int(strategy.reduce(cs.ReduceOp.SUM, hits, axis=None))
-            seen += batch
-            bar.step(loss_sum / seen, correct / seen)
-        seconds += time.perf_counter() - start
-        history.loss.append(loss_sum / seen)
-        history.accuracy.append(correct / seen)
-        history.test_accuracy.append(evaluate(strategy, model, test_dataset))
-        bar.close(history.test_accuracy[-1])
+            state.loss_sum += float(strategy.reduce(cs.ReduceOp.SUM, loss, axis=None)) * batch
+            state.correct += int(strategy.reduce(cs.ReduceOp.SUM, hits, axis=None))
+            state.seen += batch
+            state.steps += 1
+            bar.step(state.loss_sum / state.seen, state.correct / state.seen)
+            if checkpoints is not None and state.steps % backup.CHECKPOINT_EVERY == 0:
+                now = time.perf_counter()
+                state.seconds, start = state.seconds + now - start, now
+                checkpoints.save()  # every worker calls it; the chief writes
+        state.seconds += time.perf_counter() - start
+        state.end_epoch(evaluate(strategy, model, test_dataset))
+        bar.close(state.history.test_accuracy[-1])
+        if checkpoints is not None:
+            checkpoints.save()
     samples = settings.epochs * len(data.train_labels)
-    return Run(model, history, seconds, samples), initial
+    return Run(model, state.history, state.seconds, samples, resumed), state.initial
 
 
 def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:

@@ -55,6 +55,11 @@ class DatasetBase(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         """A fresh iterator over the elements: every pass starts from the beginning."""
 
+    def _random_stages(self) -> list[Any]:
+        """The ``Seeds`` of every random stage of the pipeline, each once, in a fixed order
+        (what a distributed iterator saves and restores)."""
+        return []
+
     def cardinality(self) -> int:
         """The number of elements; -1 (``INFINITE_CARDINALITY``), or -2 when unknown.
 

@@ -25,12 +25,23 @@ from .strings import is_text
 
 
 class Seeds:
-    """The seed of each pass of a random stage: a new one per pass unless told otherwise."""
+    """The seed of each pass of a random stage: a new one per pass unless told otherwise.
+
+    ``state()`` and ``set_state()`` are what a distributed iterator saves and restores (the
+    seed, drawn from torch's generator when none was given, and the passes made), so that a
+    resumed pipeline draws the orders of the run it resumes.
+    """
 
     def __init__(self, seed: int, reshuffle: bool) -> None:
         self._seed = seed
         self._reshuffle = reshuffle
         self._passes = 0
+
+    def state(self) -> list[int]:
+        return [self._seed, self._passes]
+
+    def set_state(self, state: list[int]) -> None:
+        self._seed, self._passes = int(state[0]), int(state[1])
 
     def next(self) -> int:
         passes = self._passes

@@ -233,6 +233,13 @@ class _Stage(Dataset):
     def __iter__(self) -> Iterator[Any]:
         return self._generate(*self._args)
 
+    def _random_stages(self) -> list[Any]:
+        found: dict[int, Any] = {}
+        for leaf in _tree.flatten(self._args)[0]:
+            inner = leaf._random_stages() if isinstance(leaf, DatasetBase) else [leaf]
+            found.update((id(s), s) for s in inner if isinstance(s, _stages.Seeds))
+        return list(found.values())
+
 
 class _Slices(Dataset):
     """``from_tensor_slices`` (and ``from_tensors``): the rows of the leaves, as views."""

@@ -1,4 +1,5 @@
-"""The input pipeline's own exception: ``OutOfRangeError`` (``tf.errors.OutOfRangeError``)."""
+"""The exceptions of TensorFlow's ``tf.errors`` that centralstore raises: ``OutOfRangeError``
+and ``DataLossError``."""
 
 from __future__ import annotations
 
@@ -14,4 +15,18 @@ class OutOfRangeError(Exception):
     Traceback (most recent call last):
     ...
     centralstore.input.errors.OutOfRangeError: End of sequence
+    """
+
+
+class DataLossError(Exception):
+    """A checkpoint file that cannot be read back: truncated, corrupt, or not a checkpoint.
+
+    TensorFlow's ``tf.errors.DataLossError``. The message names the file; a checkpoint
+    manager's earlier checkpoints are untouched, so deleting the damaged file makes the
+    previous one the latest.
+
+    >>> raise DataLossError("ckpt-3 is truncated")
+    Traceback (most recent call last):
+    ...
+    centralstore.input.errors.DataLossError: ckpt-3 is truncated
     """

@@ -11,6 +11,7 @@ from typing import Any, final
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore  # dist's, untyped there
 
 from .. import _devices
 from .._devices import DeviceLike
@@ -71,11 +72,42 @@ def _process_group(group: Any, parameter_device: str, timeout: timedelta) -> Any
         if parameter_device.startswith("cuda") and dist.is_nccl_available():
             torch.cuda.set_device(_devices.storage_device(parameter_device))
             backend = "nccl"
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(
+            backend,
+            store=_attempt_store(timeout),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
         # The group this strategy created is destroyed at exit (unless the script does it
         # first): a process that exits with a live group can abort in torch's teardown.
         atexit.register(_destroy_process_group)
     return None
+
+
+def _attempt_store(timeout: timedelta) -> Store:
+    """The rendezvous store of this attempt of the job: torchrun's store (or one hosted by
+    rank 0 when the variables were set by hand), under a prefix naming the attempt.
+
+    torchrun (``--max-restarts``) restarts every worker after one failed, and the restarted
+    workers meet in the same store as the failed attempt. Keyed as torch keys it, a new
+    group finds the dead attempt's keys there: with plain ``init_process_group("gloo")``,
+    3 restarts of 3 failed (``Gloo connectFullMesh failed ... Connection refused`` twice, a
+    hang until the timeout once). Under a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``)
+    3 of 3 succeeded.
+    """
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return PrefixStore(f"centralstore/attempt{attempt}/", store)
 
 
 def _destroy_process_group() -> None:
@@ -130,7 +162,10 @@ class MultiWorkerCentralStorageStrategy(Strategy):
 
     Without an initialized process group it calls ``torch.distributed.init_process_group``
     (gloo, or NCCL when the parameter device is a GPU) with torchrun's ``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, and destroys that group at exit;
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``, in the rendezvous store under a
+    prefix per attempt (``TORCHELASTIC_RESTART_COUNT``), so that workers torchrun restarts
+    (``--max-restarts``) meet cleanly and resume from a ``cs.CheckpointManager``'s latest
+    checkpoint; it destroys that group at exit;
     otherwise it uses the default group, or ``process_group`` (one from
     ``torch.distributed.new_group``). ``timeout`` defaults to 10 minutes: set it above the
     slowest step. Only the chief (``is_chief``, worker 0) should write checkpoints and logs;
