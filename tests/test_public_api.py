@@ -12,12 +12,15 @@ import centralstore as cs
 
 PUBLIC = [
     "CentralStorageStrategy",
+    "Checkpoint",
+    "CheckpointManager",
     "Dataset",
     "InputContext",
     "InputOptions",
     "MultiWorkerCentralStorageStrategy",
     "OneDeviceStrategy",
     "PerReplica",
+    "RNGState",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",

@@ -11,6 +11,9 @@ from ._reduce import ReduceOp as ReduceOp
 from ._replica_context import ReplicaContext as ReplicaContext
 from ._values import PerReplica as PerReplica
 from ._values import ValueContext as ValueContext
+from .checkpoint import Checkpoint as Checkpoint
+from .checkpoint import CheckpointManager as CheckpointManager
+from .checkpoint import RNGState as RNGState
 from .input import data as data
 from .input import errors as errors
 from .input.dataset import Dataset as Dataset
@@ -35,12 +38,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CentralStorageStrategy",
+    "Checkpoint",
+    "CheckpointManager",
     "Dataset",
     "InputContext",
     "InputOptions",
     "MultiWorkerCentralStorageStrategy",
     "OneDeviceStrategy",
     "PerReplica",
+    "RNGState",
     "ReduceOp",
     "ReplicaContext",
     "Strategy",
