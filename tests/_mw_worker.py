@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -278,8 +279,9 @@ def errors_scenario() -> dict[str, Any]:
     return out
 
 
-def fault_scenario(timeout: float) -> dict[str, Any]:
-    """Worker 1 exits in the middle of its third step; the others must raise in time."""
+def faulty_training(timeout: float, peer: str) -> Iterator[None]:
+    """Train a small model for 5 steps, yielding after each; worker 1 dies (``peer`` "dead")
+    or hangs ("hung") in the middle of its third step."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=timeout)
@@ -290,14 +292,22 @@ def fault_scenario(timeout: float) -> dict[str, Any]:
 
     def step(x: torch.Tensor, i: int) -> None:
         if rank == 1 and i == 2:
-            os._exit(3)  # dies without a word, mid-step
+            if peer == "dead":
+                os._exit(3)  # dies without a word, mid-step
+            time.sleep(60)
         model(x).sum().backward()
 
+    for i in range(5):
+        strategy.run(step, args=(torch.ones(3, 2), i))
+        optimizer.step()
+        yield
+
+
+def fault_scenario(timeout: float) -> dict[str, Any]:
+    """Worker 1 exits in the middle of its third step; the others must raise in time."""
     start = time.monotonic()
     try:
-        for i in range(5):
-            strategy.run(step, args=(torch.ones(3, 2), i))
-            optimizer.step()
+        for _ in faulty_training(timeout, "dead"):
             start = time.monotonic()
     except RuntimeError as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
@@ -307,24 +317,8 @@ def fault_scenario(timeout: float) -> dict[str, Any]:
 def survivor_scenario(peer: str) -> None:
     """Worker 1 dies (or hangs) in its third step; worker 0 lets the error end the process,
     as an ordinary training script does."""
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=4.0)
-    rank = strategy.worker_index
-    with strategy.scope():
-        model = nn.Linear(2, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x: torch.Tensor, i: int) -> None:
-        if rank == 1 and i == 2:
-            if peer == "dead":
-                os._exit(3)
-            time.sleep(60)
-        model(x).sum().backward()
-
-    for i in range(5):
-        strategy.run(step, args=(torch.ones(3, 2), i))
-        optimizer.step()
+    for _ in faulty_training(4.0, peer):
+        pass
 
 
 RESTART_STEPS = 8  # training steps of the restart scenario
