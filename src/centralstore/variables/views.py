@@ -298,9 +298,18 @@ def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
     if kwargs is None:
         kwargs = {}
     views = _resolution.views
+    if views is not None:
+        return _on_views(views, func, args, kwargs)
     with DisableTorchFunctionSubclass():
-        if views is None:
-            return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
+    """A call on a replica's views. ``torch.compile`` does not trace it (its bookkeeping
+    would turn into guards on tensor ids): a compiled function runs the calls that receive
+    a central variable eagerly, and compiles the rest."""
+    with DisableTorchFunctionSubclass():
         return views.call(func, args, kwargs)
 
 

@@ -1,0 +1,94 @@
+"""Replica views under ``torch.compile``: the counterpart of ``@tf.function`` inside ``run``.
+
+One replica where the variables live compiles whole (its calls meet no view); with several
+replicas, calls that receive a central variable run eagerly between compiled pieces. Either
+way a compiled step gives the eager results and, after warm-up, compiles nothing again.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from replicas import strategy_of
+from torch import nn
+
+import centralstore as cs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.config.error_on_recompile = False
+    torch._dynamo.reset()
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _train(replicas: int, form: str, steps: int = 4) -> list[torch.Tensor]:
+    """Weights after ``steps`` SGD steps with the model or step compiled as ``form``
+    ("eager", "model", "fullgraph" or "step"); recompiling after the second step raises."""
+    torch.manual_seed(0)
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    forward: Callable[..., Any] = model
+    if form in ("model", "fullgraph"):
+        forward = torch.compile(model, fullgraph=form == "fullgraph")
+
+    def step(x: torch.Tensor) -> None:
+        (forward(x).pow(2).sum() / 16).backward()
+
+    runner = torch.compile(step) if form == "step" else step
+    data = torch.randn(steps, 16, 8, generator=torch.Generator().manual_seed(1))
+    for i, x in enumerate(data):
+        torch._dynamo.config.error_on_recompile = i >= 2
+        optimizer.zero_grad()
+        args = (cs.PerReplica(list(x.chunk(replicas))),) if replicas > 1 else (x,)
+        strategy.run(runner, args=args)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("form", ["model", "fullgraph", "step"])
+def test_one_replica_compiles_whole_and_matches_eager(form: str) -> None:
+    for got, want in zip(_train(1, form), _train(1, "eager"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+@pytest.mark.parametrize("form", ["model", "step"])
+def test_several_replicas_compile_around_central_variables_and_match_eager(
+    replicas: int, form: str
+) -> None:
+    for got, want in zip(_train(replicas, form), _train(replicas, "eager"), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_fullgraph_with_several_replicas_raises_on_a_central_variable() -> None:
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"compiler\.disable"):
+        _train(2, "fullgraph", steps=1)
+
+
+def test_central_variables_keep_their_class_out_of_checkpoints() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = _model()
+        counter = cs.Variable(0, aggregation="SUM", trainable=False)
+    assert isinstance(model[0].weight, nn.Parameter)
+    assert type(model[0].weight) is not nn.Parameter  # resolves itself in replicas
+    state = model.state_dict()
+    assert all(type(t) is torch.Tensor for t in state.values())
+    assert type(counter + 1) is torch.Tensor
+    buffer = io.BytesIO()
+    torch.save(counter, buffer)
+    buffer.seek(0)
+    assert type(torch.load(buffer, weights_only=True)) is torch.Tensor
