@@ -92,3 +92,22 @@ def test_central_variables_keep_their_class_out_of_checkpoints() -> None:
     torch.save(counter, buffer)
     buffer.seek(0)
     assert type(torch.load(buffer, weights_only=True)) is torch.Tensor
+
+
+def test_a_lazy_module_materialized_in_scope_takes_the_class_at_the_next_run() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        lazy = nn.LazyLinear(1)
+        lazy(torch.zeros(1, 3))  # materialized here, after its registration
+    x = torch.randn(4, 3)
+    strategy.run(lambda x: lazy(x).sum().backward(), args=(cs.PerReplica(list(x.chunk(2))),))
+    assert lazy.weight.grad is not None
+    torch.testing.assert_close(lazy.weight.grad, x.sum(dim=0, keepdim=True))
+
+
+def test_a_lazy_module_used_unmaterialized_in_run_raises_with_the_fix() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        lazy = nn.LazyLinear(1)
+    with pytest.raises(TypeError, match="Materialize lazy modules before the first run"):
+        strategy.run(lambda: lazy(torch.zeros(1, 3)))

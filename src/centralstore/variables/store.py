@@ -257,11 +257,10 @@ class VariableStore:
                 continue
             self.in_run = False
             raise TypeError(
-                f"A central variable of class {type(tensor).__name__} (shape "
-                f"{tuple(tensor.shape)}) cannot be resolved to replica views: only plain "
-                "tensors and nn.Parameter can become central variables. Materialize lazy "
-                "modules before the first run (one forward inside strategy.scope()), or keep "
-                "tensor subclasses out of the scope."
+                f"A central variable of class {type(tensor).__name__} cannot be resolved to "
+                "replica views: only plain tensors and nn.Parameter can become central "
+                "variables. Materialize lazy modules before the first run (one forward inside "
+                "strategy.scope()), or keep tensor subclasses out of the scope."
             )
 
     def _next_epoch(self) -> None:
