@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _context, _replicas, _tree
+from .. import _context, _integrations, _replicas, _tree
 from .._placement import Placement
 from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
 from .._reduce import result_device as _result_device
@@ -127,8 +127,10 @@ class Strategy(abc.ABC):
             )
         _context.push(_context.Entry(self, None, self._store))
         try:
+            _integrations.activate()
             with torch.device(self._placement.parameter_storage), self._store.scope():
                 yield self
+            _integrations.activate()  # for a library first imported inside the scope
         finally:
             _context.pop()
         self._workers.share_variables(self._store)  # not reached when the block raised

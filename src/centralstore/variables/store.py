@@ -46,6 +46,14 @@ class Exchange(Protocol):
         """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
 
 
+class FoldHook(Protocol):
+    """Replica state kept outside central variables (``centralstore.metrics``: metric
+    states that are lists, or reduce by max, min or concatenation), folded at each sync
+    point of the store in replica order, or dropped when the run failed (``discard``)."""
+
+    def fold(self, discard: bool) -> None: ...
+
+
 class VariableStore:
     """The central variables of one strategy, its replicas' views of them, and its sync
     points.
@@ -65,6 +73,7 @@ class VariableStore:
         ]
         self.in_run = False
         self.pending: list[View] = []  # views with gradients that arrived outside run
+        self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._unresolved: set[int] = set()  # keys of variables without the central class
         self._undo: Undo | None = None  # what the direct run in progress changed
@@ -133,7 +142,8 @@ class VariableStore:
 
         def on_parameter(module: Any, name: str, param: Any) -> None:
             if param is not None and mine():
-                self.register(param, VariableAggregation.NONE)
+                record = self.record(param)  # registered again: its aggregation stays
+                self.register(param, record.aggregation if record else VariableAggregation.NONE)
 
         def on_buffer(module: Any, name: str, buffer: Any) -> None:
             if isinstance(buffer, torch.Tensor) and mine():
@@ -227,6 +237,8 @@ class VariableStore:
     def fold(self, discard: bool = False) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
         last one into the central variables, in replica order, or drop it (``discard``)."""
+        for hook in list(self.fold_hooks):
+            hook.fold(discard)
         if self.pending:
             with torch.no_grad():
                 folding.fold_gradients(self.pending)
