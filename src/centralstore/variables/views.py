@@ -254,6 +254,10 @@ class ReplicaViews:
             for view in private:
                 if id(view.tensor) in written:
                     self.note_write(view, ASSIGN)
+        if kind != READ:
+            for view in private:  # ``m.total += x`` rebinds m.total to what __iadd__ returns:
+                if result is view.tensor:  # the variable, not this replica's view of it
+                    return view.record.ref()
         return result
 
     def _swap(self, values: Any, writes: set[int], private: list[View]) -> tuple[Any, ...]:
@@ -304,13 +308,18 @@ def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
         return func(*args, **kwargs)
 
 
-@torch.compiler.disable
-def _on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
-    """A call on a replica's views. ``torch.compile`` does not trace it (its bookkeeping
-    would turn into guards on tensor ids): a compiled function runs the calls that receive
-    a central variable eagerly, and compiles the rest."""
+def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
+    """A call on a replica's views."""
     with DisableTorchFunctionSubclass():
         return views.call(func, args, kwargs)
+
+
+# torch.compile does not trace it (its bookkeeping would turn into guards on tensor ids): a
+# compiled function runs the calls that receive a central variable eagerly, and compiles
+# the rest.
+_on_views: Callable[[ReplicaViews, Any, Any, Any], Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+    _call_on_views
+)
 
 
 class CentralParameter(torch.nn.Parameter):
