@@ -15,7 +15,7 @@ $(VENV)/.demo: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) -e '.[test,demo,bench]'
+	$(PIP) -e '.[test,demo,bench,keras,metrics,checkpoint]'
 	touch $@
 
 demo: $(VENV)/.demo
@@ -29,7 +29,7 @@ test: lint
 	$(BIN)/pytest -n 2 src/centralstore tests
 
 bench: $(VENV)/.test
-	$(BIN)/python benchmarks/bench_run.py
+	for script in benchmarks/bench_*.py; do $(BIN)/python $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,262 @@
+"""torchmetrics metrics updated inside ``strategy.run``, aggregated by their ``dist_reduce_fx``.
+
+A ``torchmetrics.Metric`` keeps its states as plain attributes (tensors, or lists for
+``dist_reduce_fx="cat"``), not as buffers, so they are no central variables. Inside ``run``
+each replica therefore updates a copy of its own: ``update`` and ``forward`` swap in the
+replica's copy (fresh default states, on the device of the replica's inputs) and swap it out
+again, under a lock, so that replicas on threads never share a state. At each sync point of
+the strategy (the end of ``run``, ``merge_call``) the copies fold into the metric in replica
+order, each state by its own ``dist_reduce_fx``, as torchmetrics merges the states of
+several processes:
+
+* ``"sum"`` adds, ``"max"`` and ``"min"`` take the extreme, ``"cat"`` appends (replica order
+  is the batch's order, so the metric equals one device updated with the whole batch);
+* ``"mean"`` averages the replicas' values of the step and merges that into the running
+  value as ``Metric.merge_state`` does (exact when the slices are equal).
+
+The update count grows by one per step, as on one device. A run that fails leaves no trace
+in the metric: its copies are dropped. Custom reductions (a function, or None) cannot be
+folded this way and raise. Across worker processes, torchmetrics' own synchronization in
+``compute`` combines the workers' metrics.
+
+The integration installs itself when a strategy's scope is entered after torchmetrics was
+imported, and acts only inside a replica; ``install``/``uninstall`` do it by hand. It needs
+``pip install 'centralstore[metrics]'``.
+
+>>> import torch, torchmetrics, centralstore as cs
+>>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+>>> with strategy.scope():
+...     total = torchmetrics.SumMetric()
+>>> _ = strategy.run(total.update, args=(cs.PerReplica([torch.tensor(1.0), torch.tensor(2.0)]),))
+>>> total.compute()
+tensor(3.)
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _tree
+from .strategies.context import get_replica_context, has_strategy
+from .variables.store import current_store
+
+EXTRA = "pip install 'centralstore[metrics]'"
+_applied: list[tuple[str, Any]] = []  # (attribute of torchmetrics.Metric, its original)
+_states: dict[int, _ReplicaStates] = {}  # id(metric) -> its replicas' copies
+
+
+def activate() -> None:
+    """Install the integration if torchmetrics is imported; centralstore calls it whenever a
+    strategy's scope is entered or left."""
+    if not _applied and "torchmetrics" in sys.modules:
+        install()
+
+
+def install() -> None:
+    """Make every torchmetrics ``Metric`` created from now on aggregate over replicas when
+    updated inside ``strategy.run`` (once). ``ModuleNotFoundError`` naming the extra when
+    torchmetrics is missing."""
+    if _applied:
+        return
+    try:
+        from torchmetrics import Metric
+    except ModuleNotFoundError as error:
+        if error.name != "torchmetrics":
+            raise
+        raise ModuleNotFoundError(
+            "centralstore.metrics needs torchmetrics, an optional dependency of centralstore. "
+            f"Install it with: {EXTRA}. Received: no module named 'torchmetrics'",
+            name="torchmetrics",
+        ) from None
+    original_wrap, original_forward = Metric._wrap_update, Metric.forward
+
+    def _wrap_update(self: Any, update: Callable[..., Any]) -> Callable[..., Any]:
+        wrapped = original_wrap(self, update)
+
+        @functools.wraps(update)
+        def replica_aware(*args: Any, **kwargs: Any) -> Any:
+            if _in_replica():
+                return _states_of(self).isolated(wrapped, args, kwargs)
+            return wrapped(*args, **kwargs)
+
+        return replica_aware
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _in_replica():
+            return _states_of(self).isolated(
+                functools.partial(original_forward, self), args, kwargs
+            )
+        return original_forward(self, *args, **kwargs)
+
+    for name, replacement in (("_wrap_update", _wrap_update), ("forward", forward)):
+        _applied.append((name, vars(Metric)[name]))
+        setattr(Metric, name, replacement)
+
+
+def uninstall() -> None:
+    """Restore torchmetrics' ``Metric``. Metrics created while it was installed keep their
+    replica-aware ``update``."""
+    if not _applied:
+        return
+    from torchmetrics import Metric
+
+    while _applied:
+        name, original = _applied.pop()
+        setattr(Metric, name, original)
+
+
+def installed() -> bool:
+    """Whether the integration is installed."""
+    return bool(_applied)
+
+
+def _in_replica() -> bool:
+    return has_strategy() and get_replica_context() is not None
+
+
+def _states_of(metric: Any) -> _ReplicaStates:
+    key = id(metric)
+    states = _states.get(key)
+    if states is None:
+        states = _states[key] = _ReplicaStates(metric)
+        weakref.finalize(metric, _states.pop, key, None)
+    return states
+
+
+class _Copy:
+    """One replica's copy of a metric's states since the last sync point."""
+
+    __slots__ = ("count", "states")
+
+    def __init__(self, states: dict[str, Any], count: int) -> None:
+        self.states = states
+        self.count = count
+
+
+class _ReplicaStates:
+    """The replicas' copies of one metric's states, and their fold at a sync point (the
+    store's fold hook)."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = weakref.ref(metric)
+        self._lock = threading.RLock()
+        self._depth = 0  # > 0 while a replica's copy is swapped in (forward calls update)
+        self._copies: dict[int, _Copy] = {}
+
+    def isolated(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the calling replica's copy of the states."""
+        with self._lock:
+            if self._depth:
+                return fn(*args, **kwargs)
+            metric: Any = self._metric()  # alive: it is the one being updated
+            _check_reductions(metric)
+            replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+            copy = self._copies.get(replica) or _fresh(metric, args, kwargs)
+            names = list(metric._defaults)
+            own = _Copy({n: getattr(metric, n) for n in names}, metric._update_count)
+            computed = metric._computed
+            _swap(metric, copy)
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                self._copies[replica] = _Copy(
+                    {n: getattr(metric, n) for n in names}, metric._update_count
+                )
+                _swap(metric, own)
+                metric._computed = computed
+                current_store().fold_hooks.add(self)
+
+    def fold(self, discard: bool) -> None:
+        with self._lock:
+            copies, self._copies = self._copies, {}
+        metric = self._metric()
+        if discard or metric is None or not copies:
+            return
+        ordered = [copies[replica] for replica in sorted(copies)]
+        with torch.no_grad():
+            for name in metric._defaults:
+                _fold_state(metric, name, [c.states[name] for c in ordered])
+        metric._update_count += max(c.count for c in ordered)
+        metric._computed = None
+
+
+def _swap(metric: Any, copy: _Copy) -> None:
+    for name, value in copy.states.items():
+        setattr(metric, name, value)
+    metric._update_count = copy.count
+
+
+def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
+    """Default states on the device of the replica's first input tensor (else the metric's)."""
+    leaves, _ = _tree.flatten((args, kwargs))
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), metric.device)
+    states: dict[str, Any] = {
+        name: default.detach().clone().to(device) if isinstance(default, torch.Tensor) else []
+        for name, default in metric._defaults.items()
+    }
+    return _Copy(states, 0)
+
+
+def _reduction(metric: Any, name: str) -> str | None:
+    from torchmetrics.utilities import (
+        dim_zero_cat,
+        dim_zero_max,
+        dim_zero_mean,
+        dim_zero_min,
+        dim_zero_sum,
+    )
+
+    known = {
+        dim_zero_sum: "sum", dim_zero_mean: "mean", dim_zero_max: "max", dim_zero_min: "min",
+        dim_zero_cat: "cat",
+    }
+    return known.get(metric._reductions[name])
+
+
+def _check_reductions(metric: Any) -> None:
+    for name, fx in metric._reductions.items():
+        if _reduction(metric, name) is None:
+            raise ValueError(
+                f"The state {name!r} of {type(metric).__name__} reduces by a custom "
+                "dist_reduce_fx, which cannot fold the replicas' copies inside "
+                "strategy.run: only 'sum', 'mean', 'max', 'min' and 'cat' can. Update this "
+                "metric in cross-replica context instead: return the predictions from the step "
+                "function and update it with strategy.gather(predictions, axis=0). Received: "
+                f"dist_reduce_fx={fx!r}"
+            )
+
+
+def _fold_state(metric: Any, name: str, parts: list[Any]) -> None:
+    """Fold the replicas' copies ``parts`` of state ``name`` into ``metric``, in order."""
+    central = getattr(metric, name)
+    kind = _reduction(metric, name)
+    if isinstance(central, list):  # "cat" of lists: extended in place, in replica order
+        for part in parts:
+            central.extend(item.to(metric.device) for item in part)
+        return
+    parts = [part.to(central.device) for part in parts]
+    if kind == "sum":
+        merged = central + functools.reduce(torch.add, parts)
+    elif kind == "max":
+        merged = functools.reduce(torch.maximum, parts, central)
+    elif kind == "min":
+        merged = functools.reduce(torch.minimum, parts, central)
+    elif kind == "cat":
+        merged = torch.cat([central, *parts])
+    else:  # "mean": this step's mean over replicas, merged as Metric.merge_state does
+        steps = metric._update_count + 1
+        step = torch.stack(parts).float().mean(0)
+        merged = ((steps - 1) * central + step).float() / steps
+    if merged.shape == central.shape and merged.dtype == central.dtype:
+        central.copy_(merged)  # in place: metrics of a compute group share this tensor
+    else:
+        setattr(metric, name, merged)

@@ -1,0 +1,193 @@
+"""torchmetrics metrics updated inside strategy.run accumulate as one device updated with
+the whole batch: each state folds by its own dist_reduce_fx (centralstore/metrics.py). And a
+metric written as a module with plain buffers, aggregated by SUM (README)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from replicas import replica_id, strategy_of
+
+import centralstore as cs
+import centralstore.metrics
+
+torchmetrics = pytest.importorskip("torchmetrics")
+centralstore.metrics.install()
+
+
+class RunningMean(torchmetrics.Metric):  # type: ignore[misc]
+    """A state reduced by "mean": the running mean of the batches' means."""
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("value", torch.tensor(0.0), dist_reduce_fx="mean")
+
+    def update(self, x: torch.Tensor) -> None:
+        self.value = (self.value * self._update_count_before + x.mean()) / self._update_count
+
+    @property
+    def _update_count_before(self) -> int:
+        return self._update_count - 1
+
+    def compute(self) -> torch.Tensor:
+        return self.value
+
+
+METRICS: dict[str, Callable[[], Any]] = {
+    "sum (accuracy)": lambda: torchmetrics.classification.MulticlassAccuracy(3, average="micro"),
+    "sum (mean)": torchmetrics.MeanMetric,
+    "max": torchmetrics.MaxMetric,
+    "min": torchmetrics.MinMetric,
+    "cat": torchmetrics.CatMetric,
+    "cat (auroc)": lambda: torchmetrics.classification.MulticlassAUROC(3, thresholds=None),
+}
+
+
+def arguments(name: str, logits: torch.Tensor, y: torch.Tensor) -> tuple[Any, ...]:
+    if name in ("sum (accuracy)", "cat (auroc)"):
+        return (logits.softmax(-1), y)
+    return (logits[:, 0],)
+
+
+def batches(sizes: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(n, 3, generator=generator), torch.randint(0, 3, (n,), generator=generator))
+        for n in sizes
+    ]
+
+
+def update(metric: Any, name: str, logits: torch.Tensor, y: torch.Tensor) -> None:
+    if len(y):  # a slice may be empty, which torchmetrics' classification metrics refuse
+        metric.update(*arguments(name, logits, y))
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_states_fold_by_their_reduction(name: str, replicas: int) -> None:
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        metric = METRICS[name]()
+    reference = METRICS[name]()
+    for logits, y in batches([7, 5, 4, 1]):  # uneven, and slices of 0 rows
+        dataset = cs.Dataset.from_tensor_slices((logits, y)).batch(len(y))
+        for step in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(update, args=(metric, name, *step))
+        reference.update(*arguments(name, logits, y))
+        torch.testing.assert_close(metric.compute(), reference.compute())
+    assert metric._update_count == reference._update_count == 4
+
+
+def test_forward_returns_the_slice_value_and_accumulates() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metric = torchmetrics.SumMetric()
+    values = cs.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([4.0])])
+    per_replica = strategy.run(metric, args=(values,))
+    assert [float(v) for v in strategy.experimental_local_results(per_replica)] == [3.0, 4.0]
+    strategy.run(metric, args=(values,))
+    assert float(metric.compute()) == 14.0
+
+
+def test_a_mean_state_averages_the_replicas() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metric = RunningMean()
+    for first, second in ((1.0, 3.0), (5.0, 7.0)):
+        values = cs.PerReplica([torch.tensor([first]), torch.tensor([second])])
+        strategy.run(metric.update, args=(values,))
+    assert float(metric.compute()) == 4.0  # the mean of the steps' means, 2 and 6
+
+
+def test_a_failed_run_leaves_no_trace() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metric = torchmetrics.CatMetric()
+
+    def step() -> None:
+        metric.update(torch.tensor([float(replica_id())]))
+        if replica_id() == 1:
+            raise ValueError("replica 1 fails after its update")
+
+    with pytest.raises(ValueError, match="replica 1 fails"):
+        strategy.run(step)
+    strategy.run(lambda: metric.update(torch.tensor([10.0 + replica_id()])))
+    assert metric.compute().tolist() == [10.0, 11.0]
+
+
+def test_replicas_on_threads_fold_in_replica_order() -> None:
+    strategy = strategy_of(3)
+    with strategy.scope():
+        metric = torchmetrics.CatMetric()
+
+    def step() -> None:
+        rc = cs.get_replica_context()
+        assert rc is not None
+        rc.all_reduce("sum", 1.0)  # replicas 1 and 2 now run on replica threads
+        metric.update(torch.tensor([float(replica_id())]))
+
+    for _ in range(2):
+        strategy.run(step)
+    assert metric.compute().tolist() == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_a_custom_reduction_is_refused() -> None:
+    class Custom(torchmetrics.Metric):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_state("value", torch.tensor(0.0), dist_reduce_fx=torch.sum)
+
+        def update(self, x: torch.Tensor) -> None:
+            self.value += x.sum()
+
+        def compute(self) -> torch.Tensor:
+            return self.value
+
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metric = Custom()
+    with pytest.raises(ValueError, match="reduces by a custom dist_reduce_fx") as error:
+        strategy.run(metric.update, args=(torch.ones(2),))
+    assert "Received: dist_reduce_fx=" in str(error.value)
+    metric.update(torch.ones(2))  # outside run it is torchmetrics' own
+    assert float(metric.compute()) == 2.0
+
+
+def test_outside_run_the_metric_is_untouched_torchmetrics() -> None:
+    with strategy_of(2).scope():
+        metric = torchmetrics.SumMetric()
+    metric.update(torch.tensor(2.0))
+    assert float(metric(torch.tensor(3.0))) == 3.0
+    assert float(metric.compute()) == 5.0
+    assert float(metric.clone().compute()) == 5.0
+
+
+class Counts(torch.nn.Module):
+    """The README's metric with plain buffers: totals aggregated by SUM."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(()))
+        self.register_buffer("count", torch.zeros(()))
+        for buffer in (self.total, self.count):
+            cs.set_aggregation(buffer, "SUM")  # floating buffers default to MEAN
+
+    def update(self, values: torch.Tensor) -> None:
+        self.total.add_(values.sum())  # add_ writes an increment: SUM adds the replicas'
+        self.count.add_(values.numel())
+
+
+def test_a_metric_of_plain_buffers_aggregated_by_sum() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metric = Counts()
+    values = cs.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([4.0, 0.0])])
+    for _ in range(2):
+        strategy.run(metric.update, args=(values,))
+    assert (float(metric.total), float(metric.count)) == (14.0, 8.0)
+    assert strategy.extended.variable_created_in_scope(metric.total)
