@@ -651,3 +651,21 @@ def test_a_variable_created_inside_run_is_replica_local() -> None:
     assert all(not strategy.extended.variable_created_in_scope(v) for v in out.values)
     assert strategy._store.records == {}
     assert [v.item() for v in out.values] == [1.0, 1.0]
+
+
+def test_an_augmented_assignment_inside_run_keeps_the_module_bound_to_the_variable() -> None:
+    class Total(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("total", torch.zeros(()))
+            cs.set_aggregation(self.total, "SUM")
+
+        def forward(self, x: torch.Tensor) -> None:
+            self.total += x.sum()
+
+    strategy = strategy_of(2)
+    with strategy.scope():
+        total = Total()
+    strategy.run(total, args=(halves(torch.arange(4.0)),))
+    assert strategy.extended.variable_created_in_scope(total.total)
+    assert total.total.item() == 6.0
