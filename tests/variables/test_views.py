@@ -78,16 +78,24 @@ def test_fullgraph_with_several_replicas_raises_on_a_central_variable() -> None:
         _train(2, "fullgraph", steps=1)
 
 
-def test_central_variables_keep_their_class_out_of_checkpoints() -> None:
+def test_central_variables_have_their_resolving_class_only_while_replicas_run() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
         model = _model()
         counter = cs.Variable(0, aggregation="SUM", trainable=False)
-    assert isinstance(model[0].weight, nn.Parameter)
-    assert type(model[0].weight) is not nn.Parameter  # resolves itself in replicas
-    state = model.state_dict()
-    assert all(type(t) is torch.Tensor for t in state.values())
-    assert type(counter + 1) is torch.Tensor
+    assert type(model[0].weight) is nn.Parameter and type(counter) is torch.Tensor
+
+    def step() -> list[type]:
+        assert type(counter + 1) is torch.Tensor  # results are plain
+        seen = [type(model[0].weight), type(counter)]
+        seen.append(cs.get_replica_context().merge_call(lambda s: type(model[0].weight)))
+        return seen
+
+    seen = strategy.experimental_local_results(strategy.run(step))[0]
+    assert seen[0] is not nn.Parameter and isinstance(model[0].weight, nn.Parameter)
+    assert seen[1] is not torch.Tensor
+    assert seen[2] is nn.Parameter  # cross-replica code meets plain variables
+    assert type(model[0].weight) is nn.Parameter and type(counter) is torch.Tensor
     buffer = io.BytesIO()
     torch.save(counter, buffer)
     buffer.seek(0)

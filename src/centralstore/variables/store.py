@@ -31,7 +31,7 @@ from .._placement import Placement
 from . import folding
 from .direct import Undo
 from .records import Central, check_aggregation, default_buffer_aggregation
-from .views import GradientReceiver, ReplicaViews, View, make_central, resolving
+from .views import GradientReceiver, ReplicaViews, View, lend_class, resolving, restore_class
 
 
 class Exchange(Protocol):
@@ -75,7 +75,7 @@ class VariableStore:
         self.pending: list[View] = []  # views with gradients that arrived outside run
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
-        self._unresolved: set[int] = set()  # keys of variables without the central class
+        self._lent: list[torch.Tensor] = []  # variables with the resolving class, in a run
         self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.Lock()
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
@@ -96,8 +96,6 @@ class VariableStore:
             return
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
-        if not make_central(tensor):
-            self._unresolved.add(key)
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
@@ -111,7 +109,6 @@ class VariableStore:
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
         self._foreign.discard(key)
-        self._unresolved.discard(key)
         for views in self.replicas:
             views.forget(key)
 
@@ -206,10 +203,13 @@ class VariableStore:
         """Central variables as themselves, for ``merge_call`` on a replica's thread. Back in
         the replicas, a direct run's transaction starts afresh (the merge's sync point
         committed what came before)."""
+        lent = self._lent
+        restore_class(lent)
         try:
             with resolving(None):
                 yield
         finally:
+            lend_class(lent)
             if self.in_run and self.direct and self.records:
                 self._undo = Undo(list(self.records.values()))
 
@@ -220,14 +220,21 @@ class VariableStore:
         if self.direct:
             self._undo = Undo(list(self.records.values()))
             return
-        if self._unresolved:
-            self._make_central()
+        lent = [t for record in self.records.values() if (t := record.ref()) is not None]
+        try:
+            lend_class(lent)
+        except TypeError:
+            self.in_run = False
+            raise
+        self._lent = lent
         self._next_epoch()
 
     def end_run(self, error: BaseException | None) -> None:
         """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
         work is discarded."""
         self.in_run = False
+        restore_class(self._lent)
+        self._lent = []
         self.exchange.sync(self, error)
 
     def sync(self) -> None:
@@ -258,22 +265,6 @@ class VariableStore:
                 folding.apply_writes(touched, self.placement.num_replicas)
             folding.finish(touched)
         self._next_epoch()
-
-    def _make_central(self) -> None:
-        """Give the central class to variables that could not take it when registered (a
-        lazy module's parameters, materialized since); others are an error."""
-        for key in list(self._unresolved):
-            tensor = self.records[key].ref()
-            if tensor is None or make_central(tensor):
-                self._unresolved.discard(key)
-                continue
-            self.in_run = False
-            raise TypeError(
-                f"A central variable of class {type(tensor).__name__} cannot be resolved to "
-                "replica views: only plain tensors and nn.Parameter can become central "
-                "variables. Materialize lazy modules before the first run (one forward inside "
-                "strategy.scope()), or keep tensor subclasses out of the scope."
-            )
 
     def _next_epoch(self) -> None:
         for views in self.replicas:

@@ -1,15 +1,16 @@
 """Replica views: what a replica sees when its code touches a central variable.
 
-Central variables have a class of their own (``CentralParameter``, ``CentralTensor``) whose
-``__torch_function__`` swaps them for the running replica's views in the arguments of the
-torch call (top level and one level of lists/tuples, which covers ``torch.cat``, RNN flat
-weights and ``_foreach`` calls). Torch's dispatcher calls it only for calls that receive a
-central variable: every other call costs what it costs in plain PyTorch. A parameter's view shares
-storage with it when the replica computes where it lives (no copy) and is a cached copy
-otherwise, refreshed only when the central value changed. Buffers get a private copy per
-replica, since kernels such as batch norm write them in place. An in-place call on a shared
-view is routed to a private copy first, so replicas never race on central storage; the sync
-point folds the writes by aggregation (``folding.py``).
+While replica code runs, central variables have a class of their own (``CentralParameter``,
+``CentralTensor``) whose ``__torch_function__`` swaps them for the running replica's views
+in the arguments of the torch call (top level and one level of lists/tuples, which covers
+``torch.cat``, RNN flat weights and ``_foreach`` calls). Torch's dispatcher calls it only
+for calls that receive a central variable: every other call costs what it costs in plain
+PyTorch, and outside runs the variables are plain again. A parameter's view shares storage
+with it when the replica computes where it lives (no copy) and is a cached copy otherwise,
+refreshed only when the central value changed. Buffers get a private copy per replica, since
+kernels such as batch norm write them in place. An in-place call on a shared view is routed
+to a private copy first, so replicas never race on central storage; the sync point folds the
+writes by aggregation (``folding.py``).
 
 Every gradient hook holds its view and its receiver weakly: the garbage collector cannot see
 the references a tensor's hooks hold, so a strong one from a view's hook back to the view
@@ -26,8 +27,6 @@ from typing import Any
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
-from torch.optim import optimizer as _optimizer
-from torch.utils import _foreach_utils
 
 from .._aggregation import VariableAggregation
 from .records import Central
@@ -302,10 +301,12 @@ def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
     if kwargs is None:
         kwargs = {}
     views = _resolution.views
-    if views is not None:
+    if views is None:
+        with DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if torch.compiler.is_dynamo_compiling():
         return _on_views(views, func, args, kwargs)
-    with DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+    return _call_on_views(views, func, args, kwargs)
 
 
 def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
@@ -314,19 +315,19 @@ def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> An
         return views.call(func, args, kwargs)
 
 
-# torch.compile does not trace it (its bookkeeping would turn into guards on tensor ids): a
-# compiled function runs the calls that receive a central variable eagerly, and compiles
-# the rest.
+# torch.compile does not trace the call on views (its bookkeeping would turn into guards on
+# tensor ids): a compiled function runs the calls that receive a central variable eagerly,
+# and compiles the rest.
 _on_views: Callable[[ReplicaViews, Any, Any, Any], Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
     _call_on_views
 )
 
 
 class CentralParameter(torch.nn.Parameter):
-    """The class a parameter takes when it becomes a central variable. It is an
-    ``nn.Parameter`` in every respect (``state_dict`` and ``torch.save`` see plain tensors and
-    parameters); only torch calls that receive it look for the running replica's view, so
-    calls that touch no central variable cost what they cost in plain PyTorch."""
+    """The class a central parameter has while replica code runs: an ``nn.Parameter`` whose
+    torch calls look for the running replica's view. Outside runs it is a plain
+    ``nn.Parameter`` again, so nothing else (optimizers, ``state_dict``, ``torch.compile``
+    outside ``run``) ever meets it."""
 
     @classmethod
     def __torch_function__(
@@ -353,24 +354,33 @@ class CentralTensor(torch.Tensor):
 _CENTRAL_CLASS: dict[type, type] = {
     torch.nn.Parameter: CentralParameter, torch.Tensor: CentralTensor,
 }
-
-# Optimizers take their multi-tensor (foreach) path only for the tensor classes they list;
-# central variables are plain dense tensors underneath.
-_FOREACH_LISTS: tuple[list[Any], ...] = (
-    _optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types,
-)
-for _listed in _FOREACH_LISTS:
-    _listed.extend(c for c in (CentralParameter, CentralTensor) if c not in _listed)
+_PLAIN_CLASS: dict[type, type] = {central: plain for plain, central in _CENTRAL_CLASS.items()}
 
 
-def make_central(tensor: torch.Tensor) -> bool:
-    """Give ``tensor`` the class of central variables; False when it has a class of its own
-    (a lazy module's ``UninitializedParameter``, another tensor subclass) that cannot take it
-    yet."""
-    cls = _CENTRAL_CLASS.get(type(tensor))
-    if cls is not None:
-        tensor.__class__ = cls
-    return isinstance(tensor, (CentralParameter, CentralTensor))
+def lend_class(tensors: list[torch.Tensor]) -> None:
+    """Give central variables their resolving class for the replica code about to run. A
+    tensor of another class (a lazy module's ``UninitializedParameter``, a tensor subclass)
+    cannot take it: ``TypeError``."""
+    for tensor in tensors:
+        cls = _CENTRAL_CLASS.get(type(tensor))
+        if cls is not None:
+            tensor.__class__ = cls
+        elif type(tensor) not in _PLAIN_CLASS:
+            restore_class(tensors)
+            raise TypeError(
+                f"A central variable of class {type(tensor).__name__} cannot be resolved to "
+                "replica views: only plain tensors and nn.Parameter can become central "
+                "variables. Materialize lazy modules before the first run (one forward inside "
+                "strategy.scope()), or keep tensor subclasses out of the scope."
+            )
+
+
+def restore_class(tensors: list[torch.Tensor]) -> None:
+    """Central variables back to their plain class, outside replica code."""
+    for tensor in tensors:
+        cls = _PLAIN_CLASS.get(type(tensor))
+        if cls is not None:
+            tensor.__class__ = cls
 
 
 class resolving:
