@@ -233,8 +233,9 @@ class VariableStore:
         """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
         work is discarded."""
         self.in_run = False
-        restore_class(self._lent)
-        self._lent = []
+        if self._lent:
+            restore_class(self._lent)
+            self._lent = []
         self.exchange.sync(self, error)
 
     def sync(self) -> None:
@@ -244,8 +245,9 @@ class VariableStore:
     def fold(self, discard: bool = False) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
         last one into the central variables, in replica order, or drop it (``discard``)."""
-        for hook in list(self.fold_hooks):
-            hook.fold(discard)
+        if self.fold_hooks:
+            for hook in list(self.fold_hooks):
+                hook.fold(discard)
         if self.pending:
             with torch.no_grad():
                 folding.fold_gradients(self.pending)
