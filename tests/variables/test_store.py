@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import io
 import os
@@ -669,3 +670,15 @@ def test_an_augmented_assignment_inside_run_keeps_the_module_bound_to_the_variab
     strategy.run(total, args=(halves(torch.arange(4.0)),))
     assert strategy.extended.variable_created_in_scope(total.total)
     assert total.total.item() == 6.0
+
+
+def test_modules_deep_copied_in_scope_are_central_too() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)  # deep copies
+        norms = nn.ModuleList(copy.deepcopy(nn.BatchNorm1d(3)) for _ in range(2))
+    created = strategy.extended.variable_created_in_scope
+    assert all(created(p) for p in encoder.parameters())
+    assert all(created(b) for b in norms.buffers())
+    assert strategy._store.record(norms[0].running_mean).aggregation is AGG.MEAN

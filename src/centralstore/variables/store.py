@@ -148,9 +148,22 @@ class VariableStore:
                 aggregation = record.aggregation if record else default_buffer_aggregation(buffer)
                 self.register(buffer, aggregation, is_buffer=True)
 
+        def on_submodule(module: Any, name: str, submodule: Any) -> None:
+            # A module copied in scope (nn.TransformerEncoder deep-copies its layer) never
+            # registers its tensors one by one: they are taken when it is attached.
+            if submodule is None or not mine():
+                return
+            for param in submodule.parameters():
+                if self.record(param) is None:
+                    self.register(param, VariableAggregation.NONE)
+            for buffer in submodule.buffers():
+                if self.record(buffer) is None:
+                    self.register(buffer, default_buffer_aggregation(buffer), is_buffer=True)
+
         handles = [
             _module.register_module_parameter_registration_hook(on_parameter),
             _module.register_module_buffer_registration_hook(on_buffer),
+            _module.register_module_module_registration_hook(on_submodule),
         ]
         try:
             with _RegistrationMode(self, mine):
