@@ -149,12 +149,5 @@ def test_version(tmp_path: Path) -> None:
 def test_the_demo_flags_default_to_the_jobs_settings() -> None:
     """``centralstore demo`` with no flags runs ``Settings()``, which the job's tests run."""
     args = cli.build_parser().parse_args(["demo"])
-    settings = demo.Settings(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        out=args.out,
-        compare=args.compare,
-    )
-    assert settings == demo.Settings()
+    assert cli.demo_settings(args) == demo.Settings()
     assert args.compute_devices is None and args.parameter_device is None

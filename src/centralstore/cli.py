@@ -177,6 +177,18 @@ def _devices_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_settings(args: argparse.Namespace) -> demo.Settings:
+    """The demo's settings from its command-line flags."""
+    return demo.Settings(
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        out=args.out,
+        compare=args.compare,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     directories = [("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)]
@@ -194,15 +206,7 @@ def _demo(args: argparse.Namespace) -> int:
                 directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             parser.error(f"argument {flag}: cannot create {str(directory)!r}: {error.strerror}")
-    settings = demo.Settings(
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        out=args.out,
-        compare=args.compare,
-        checkpoint_dir=args.checkpoint_dir,
-    )
-    demo.run(strategy, settings)
+    demo.run(strategy, demo_settings(args))
     if torch.distributed.is_initialized():  # a torchrun worker
         _exit_worker()
     return 0

@@ -14,6 +14,7 @@ import contextlib
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,32 +27,24 @@ TEMPORARY_SUFFIX = ".tmp"
 
 def write_atomic(path: Path, payload: Any) -> None:
     """``torch.save(payload)`` into ``path``, all or nothing."""
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=directory
-    )
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-    sync_directory(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_atomic(path, "wb", lambda file: torch.save(payload, file))
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """``text`` into ``path``, all or nothing (the manager's state file)."""
+    _replace_atomic(path, "w", lambda file: file.write(text))
+
+
+def _replace_atomic(path: Path, mode: str, write: Callable[[Any], Any]) -> None:
+    """Write a temporary file beside ``path``, flush and fsync it, and rename it over
+    ``path``; a process killed at any point leaves ``path`` as it was."""
     descriptor, temporary = tempfile.mkstemp(
         prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent
     )
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
-            file.write(text)
+        with os.fdopen(descriptor, mode, encoding=None if "b" in mode else "utf-8") as file:
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
