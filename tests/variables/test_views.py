@@ -119,3 +119,16 @@ def test_a_lazy_module_used_unmaterialized_in_run_raises_with_the_fix() -> None:
         lazy = nn.LazyLinear(1)
     with pytest.raises(TypeError, match="Materialize lazy modules before the first run"):
         strategy.run(lambda: lazy(torch.zeros(1, 3)))
+
+
+def test_a_run_nested_in_merge_call_leaves_the_outer_run_to_take_the_class_back() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = _model()
+
+    def step() -> None:
+        model(torch.ones(1, 8)).sum().backward()
+        cs.get_replica_context().merge_call(lambda s: s.run(lambda: model(torch.ones(1, 8))))
+
+    strategy.run(step)
+    assert all(type(p) is nn.Parameter for p in model.parameters())

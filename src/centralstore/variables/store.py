@@ -205,8 +205,8 @@ class VariableStore:
         return self.placement.num_replicas == 1 and not self._foreign
 
     def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
-        """The resolution mode for ``replica``, or a no-op when there is nothing to resolve
-        or the run is direct."""
+        """Central variables resolve to ``replica``'s views while this is active; a no-op
+        when there is nothing to resolve or the run is direct."""
         if not self.records or self.direct:
             return contextlib.nullcontext()
         return resolving(self.replicas[replica])
@@ -223,6 +223,7 @@ class VariableStore:
                 yield
         finally:
             lend_class(lent)
+            self._lent = lent  # a run nested in the merge has taken its own back
             if self.in_run and self.direct and self.records:
                 self._undo = Undo(list(self.records.values()))
 
