@@ -179,3 +179,19 @@ def test_a_merge_call_commits_what_came_before_and_a_later_failure_drops_only_th
         strategy.run(step)
     assert w.tolist() == [1.0 - replicas, 1.0 - replicas]
     assert w.grad is not None and w.grad.tolist() == [replicas, replicas]  # not the 10s
+
+
+def test_a_one_replica_run_copies_no_frozen_weight() -> None:
+    strategy = strategy_of(1)
+    with strategy.scope():
+        frozen = nn.Linear(64, 64).requires_grad_(False)
+        norm = nn.BatchNorm1d(64)
+
+    def step() -> None:
+        undo = strategy._store._undo
+        assert undo is not None
+        copied = {id(t) for t, _ in undo._state}
+        assert id(frozen.weight) not in copied and id(norm.running_mean) in copied
+        norm(frozen(torch.randn(4, 64))).sum().backward()
+
+    strategy.run(step)

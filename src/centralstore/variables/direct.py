@@ -3,9 +3,11 @@
 Views cost a scan of every torch call's arguments, so one replica on the device of its
 variables uses them directly (its writes apply at once, as in TensorFlow). Such a run is still
 a transaction: at its start ``Undo`` sets the gradients already in ``.grad`` aside and copies
-the variables that do not require grad (buffers, counters), both small next to a step; the
-sync point adds the gradients back (commit) or restores both (rollback). A trainable variable
-written in place by a failed run (``p.clamp_()``, say) is the one thing not undone.
+the variables that do not require grad and are not parameters (buffers, counters), both small
+next to a step; the sync point adds the gradients back (commit) or restores both (rollback).
+A parameter written in place by a failed run (``p.clamp_()``, or a frozen weight) is the one
+thing not undone: copying every frozen weight at every step would cost what fine-tuning a
+large frozen model cannot afford.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Undo:
                 if tensor.requires_grad:
                     self._grads.append((tensor, tensor.grad))
                     tensor.grad = None
-                else:
+                elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
                     self._state.append((tensor, tensor.detach().clone()))
 
     def commit(self) -> None:
