@@ -267,15 +267,21 @@ def errors_scenario() -> dict[str, Any]:
     strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=20)
     with strategy.scope():
         model = nn.Linear(2, 1)
+        counter = cs.Variable(0.0, aggregation="SUM", trainable=False)
+    strategy.run(lambda x: model(x).sum().backward(), args=(torch.ones(3, 2),))
+    before = [t.detach().clone() for t in (model.weight.grad, model.weight, counter)]
 
     def step(x: torch.Tensor) -> None:
+        counter.add_(1.0)
+        model(x).sum().backward()
         if rank == 1:
             raise ValueError("boom in the step of worker 1")
-        model(x).sum().backward()
 
     start = time.monotonic()
     out["step"] = caught(lambda: strategy.run(step, args=(torch.ones(3, 2),)))
     out["step_seconds"] = time.monotonic() - start
+    after = [model.weight.grad, model.weight, counter]
+    out["discarded"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     return out
 
 

@@ -178,6 +178,7 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
         assert "worker 0 in reduce" in result["out_of_step"], result
         assert "worker 1 in gather" in result["out_of_step"], result
         assert result["step_seconds"] < 10, result  # at the same sync point, not the timeout
+        assert result["discarded"], result  # the failed run left .grad and writes as before
     assert results[1]["step"].startswith("ValueError: boom in the step of worker 1"), results
     assert results[0]["step"].startswith(
         "RuntimeError: strategy.run failed on worker(s) [1]"
