@@ -77,7 +77,7 @@ class VariableStore:
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._lent: list[torch.Tensor] = []  # variables with the resolving class, in a run
         self._undo: Undo | None = None  # what the direct run in progress changed
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # held by the thread inside a run or sync point
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
         self._doing = ""
         self._depth = 0
@@ -178,25 +178,24 @@ class VariableStore:
         """Hold the store for this thread while it is ``doing`` (a run or a sync point) until
         ``release``; the same thread may nest (``run`` inside ``merge_call``), another one
         raises."""
-        me = threading.current_thread()
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
             user = self._user
-            if user is not None and user is not me:
-                raise RuntimeError(
-                    f"Thread {me.name!r} called {doing} while thread {user.name!r} is inside "
-                    f"{self._doing} of the same strategy. A strategy serves one thread at a "
-                    "time: its sync points would mix the two threads' gradients. Give each "
-                    "thread its own strategy and model, or wait for the other thread."
-                )
-            if user is None:
-                self._user, self._doing = me, doing
-            self._depth += 1
+            raise RuntimeError(
+                f"Thread {threading.current_thread().name!r} called {doing} while thread "
+                f"{'?' if user is None else user.name!r} is inside {self._doing} of the same "
+                "strategy. A strategy serves one thread at a time: its sync points would mix "
+                "the two threads' gradients. Give each thread its own strategy and model, or "
+                "wait for the other thread."
+            )
+        if not self._depth:
+            self._user, self._doing = threading.current_thread(), doing
+        self._depth += 1
 
     def release(self) -> None:
-        with self._lock:
-            self._depth -= 1
-            if not self._depth:
-                self._user = None
+        self._depth -= 1
+        if not self._depth:
+            self._user = None
+        self._lock.release()
 
     @property
     def direct(self) -> bool:
