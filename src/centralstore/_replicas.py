@@ -80,7 +80,10 @@ class RunState:
     path takes no lock; the barrier's condition is created when the threads start.
     """
 
-    def __init__(self, num_replicas: int, pool: ThreadPool, body: Body) -> None:
+    def __init__(
+        self, num_replicas: int, pool: ThreadPool, body: Body,
+        before_threads: Callable[[], None] = lambda: None,
+    ) -> None:
         self.num_replicas = num_replicas
         self.outputs: list[Any] = [None] * num_replicas
         self.errors: list[BaseException | None] = [None] * num_replicas
@@ -89,6 +92,7 @@ class RunState:
         self.closed = False
         self._pool = pool
         self._body = body
+        self._before_threads = before_threads
         self._cond: threading.Condition = _NO_CONDITION
         self._crew: int | None = None
         self._aborted = False
@@ -151,6 +155,7 @@ class RunState:
             if replica != 0:  # replicas 0..replica-1 ran one after another and returned
                 self._blame_returned(0, kind, replica)
                 raise ReplicaAborted()
+            self._before_threads()
             self._cond = threading.Condition(threading.Lock())
             self.threaded = True
         with self._cond:
@@ -343,11 +348,15 @@ def new_pool(owner: object, name: str) -> ThreadPool:
     return pool
 
 
-def execute(num_replicas: int, pool: ThreadPool, body: Body) -> RunState:
+def execute(
+    num_replicas: int, pool: ThreadPool, body: Body,
+    before_threads: Callable[[], None] = lambda: None,
+) -> RunState:
     """Run ``body`` for every replica and return the finished state (the replicas' errors
-    not raised). Whatever happens on the calling thread, every replica thread has left the
+    not raised); ``before_threads`` is called on the calling thread before replica threads
+    start. Whatever happens on the calling thread, every replica thread has left the
     replica's code when this returns or raises."""
-    state = RunState(num_replicas, pool, body)
+    state = RunState(num_replicas, pool, body, before_threads)
     try:
         for replica in range(num_replicas):
             body(state, replica)

@@ -184,7 +184,7 @@ class Strategy(abc.ABC):
             self._workers.begin_run(store)
             store.begin_run()
             try:
-                state = _replicas.execute(local, self._pool, body)
+                state = _replicas.execute(local, self._pool, body, store.before_threads)
             except BaseException as interrupt:  # on the calling thread, between replicas
                 self._end_run(interrupt)
                 raise
@@ -201,6 +201,8 @@ class Strategy(abc.ABC):
             if note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise error
+        if store.uses_views:
+            store.watch([t for t in _tree.flatten(state.outputs)[0] if isinstance(t, torch.Tensor)])
         if local == 1:
             return state.outputs[0]
         return regroup(state.outputs)
@@ -245,7 +247,7 @@ class Strategy(abc.ABC):
             with (
                 environment.applied() if on_thread else contextlib.nullcontext(),
                 self._device_guard(replica),
-                self._store.replica_mode(replica),
+                self._store.replica_mode(replica, fill=not on_thread),
             ):
                 output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:

@@ -19,9 +19,10 @@ from .._aggregation import VariableAggregation
 from .views import View
 
 
-def overlapped(tensor: torch.Tensor, parameter_device: torch.device) -> bool:
-    """Whether the gradient's copy to the parameter device starts from the hook."""
-    return tensor.device.type == "cuda" and parameter_device.type == "cpu"
+def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
+    """Whether the copies of gradients computed on ``device`` to the parameter device start
+    from a hook while backward runs."""
+    return device.type == "cuda" and parameter_device.type == "cpu"
 
 
 def start_copy(view: View, tensor: torch.Tensor) -> None:
@@ -70,11 +71,20 @@ def fold_gradients(views: list[View]) -> None:
     targets, sources = [], []
     queued: set[int] = set()
     for view in views:
-        central = view.record.ref()
-        for grad in gradients_of(view):
-            if central is None:
+        if view.pending or view.alias is not None:
+            grads = gradients_of(view)
+        else:  # the common case, without the loops of gradients_of
+            grad = view.tensor.grad
+            if grad is None:
                 continue
-            grad = grad.to(central.device, central.dtype, non_blocking=False)
+            view.tensor.grad = None
+            grads = [grad]
+        central = view.record.ref()
+        if central is None:
+            continue
+        for grad in grads:
+            if grad.device != central.device or grad.dtype != central.dtype:
+                grad = grad.to(central.device, central.dtype)
             if central.grad is None:
                 central.grad = grad
             elif grad.is_sparse or central.grad.is_sparse or id(central) in queued:

@@ -1,4 +1,5 @@
-"""The record of one central variable: a weak reference to it and its aggregation."""
+"""The record of one central variable: a weak reference to it, its aggregation, and the
+module slots that hold it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from .._aggregation import VariableAggregation
 
 class Central:
     """A central variable as its store knows it: held weakly, so that a dropped model leaves
-    no trace; ``key`` is ``id`` of the tensor, the key of the store's records."""
+    no trace; ``key`` is ``id`` of the tensor, the key of the store's records. ``owners``
+    are the modules (held weakly) and attribute names under which it was registered."""
 
-    __slots__ = ("aggregation", "is_buffer", "key", "ref")
+    __slots__ = ("aggregation", "is_buffer", "key", "owners", "ref")
 
     def __init__(
         self, key: int, ref: weakref.ref[torch.Tensor], aggregation: VariableAggregation,
@@ -23,6 +25,15 @@ class Central:
         self.ref = ref
         self.aggregation = aggregation
         self.is_buffer = is_buffer
+        self.owners: list[tuple[weakref.ref[torch.nn.Module], str]] = []
+
+    def add_owner(self, module: torch.nn.Module, name: str) -> bool:
+        """Note that ``module`` holds this variable as ``name``; False if already known."""
+        for ref, known in self.owners:
+            if known == name and ref() is module:
+                return False
+        self.owners.append((weakref.ref(module), name))
+        return True
 
 
 def check_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation) -> None:

@@ -30,8 +30,16 @@ from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding
 from .direct import Undo
+from .modules import Filled, Slot, slots_of
 from .records import Central, check_aggregation, default_buffer_aggregation
-from .views import GradientReceiver, ReplicaViews, View, lend_class, resolving, restore_class
+from .views import (
+    GradientReceiver,
+    ReplicaViews,
+    View,
+    lend_class,
+    resolving,
+    restore_class,
+)
 
 
 class Exchange(Protocol):
@@ -66,16 +74,26 @@ class VariableStore:
         self.placement = placement
         self.exchange = exchange
         self.records: dict[int, Central] = {}
-        receiver = weakref.WeakMethod(cast(GradientReceiver, self._on_gradient))
+        self._overlaps = any(
+            folding.overlapped(device, placement.parameter_storage)
+            for device in placement.storage_devices
+        )
+        receiver = (
+            weakref.WeakMethod(cast(GradientReceiver, self._on_gradient))
+            if self._overlaps else None
+        )
         self.replicas = [
             ReplicaViews(self.records, r, device, placement.num_replicas, receiver)
             for r, device in enumerate(placement.storage_devices)
         ]
         self.in_run = False
+        self._collecting = False  # a collection of gradients is queued after a backward
         self.pending: list[View] = []  # views with gradients that arrived outside run
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._lent: list[torch.Tensor] = []  # variables with the resolving class, in a run
+        self._slots: list[Slot] | None = None  # module slots of the records, when known
+        self._filled: Filled | None = None  # the slots filled by the replica running now
         self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
@@ -92,22 +110,24 @@ class VariableStore:
         key = id(tensor)
         record = self.records.get(key)
         if record is not None:
-            record.aggregation = aggregation
+            if record.aggregation is not aggregation:
+                record.aggregation = aggregation
+                self._slots = None
             return
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
+        self._slots = None
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
-        if placement.parameter_storage.type == "cpu" and any(
-            d.type == "cuda" for d in placement.storage_devices
-        ):
+        if self._overlaps:
             with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
                 tensor.data = tensor.data.pin_memory()
         _track(self)
 
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
+        self._slots = None
         self._foreign.discard(key)
         for views in self.replicas:
             views.forget(key)
@@ -139,26 +159,24 @@ class VariableStore:
 
         def on_parameter(module: Any, name: str, param: Any) -> None:
             if param is not None and mine():
-                record = self.record(param)  # registered again: its aggregation stays
-                self.register(param, record.aggregation if record else VariableAggregation.NONE)
+                self._take(module, name, param, is_buffer=False)
 
         def on_buffer(module: Any, name: str, buffer: Any) -> None:
             if isinstance(buffer, torch.Tensor) and mine():
-                record = self.record(buffer)
-                aggregation = record.aggregation if record else default_buffer_aggregation(buffer)
-                self.register(buffer, aggregation, is_buffer=True)
+                self._take(module, name, buffer, is_buffer=True)
 
         def on_submodule(module: Any, name: str, submodule: Any) -> None:
             # A module copied in scope (nn.TransformerEncoder deep-copies its layer) never
             # registers its tensors one by one: they are taken when it is attached.
             if submodule is None or not mine():
                 return
-            for param in submodule.parameters():
-                if self.record(param) is None:
-                    self.register(param, VariableAggregation.NONE)
-            for buffer in submodule.buffers():
-                if self.record(buffer) is None:
-                    self.register(buffer, default_buffer_aggregation(buffer), is_buffer=True)
+            for owner in submodule.modules():
+                for key, param in owner._parameters.items():
+                    if param is not None:
+                        self._take(owner, key, param, is_buffer=False)
+                for key, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        self._take(owner, key, buffer, is_buffer=True)
 
         handles = [
             _module.register_module_parameter_registration_hook(on_parameter),
@@ -171,6 +189,20 @@ class VariableStore:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _take(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
+              ) -> None:
+        """Make ``tensor``, which ``module`` registers as ``name``, a central variable (a
+        known one keeps its aggregation), and note the module slot that holds it."""
+        record = self.record(tensor)
+        if record is None:
+            aggregation = (
+                default_buffer_aggregation(tensor) if is_buffer else VariableAggregation.NONE
+            )
+            self.register(tensor, aggregation, is_buffer=is_buffer)
+            record = self.records[id(tensor)]
+        if record.add_owner(module, name):
+            self._slots = None
 
     # -- run ---------------------------------------------------------------------------------
 
@@ -203,18 +235,41 @@ class VariableStore:
         where every variable lives (``direct.py``)."""
         return self.placement.num_replicas == 1 and not self._foreign
 
-    def replica_mode(self, replica: int) -> contextlib.AbstractContextManager[Any]:
-        """Central variables resolve to ``replica``'s views while this is active; a no-op
-        when there is nothing to resolve or the run is direct."""
-        if not self.records or self.direct:
+    @property
+    def uses_views(self) -> bool:
+        """Whether replicas of a run see views: there are variables and the run is not
+        direct."""
+        return bool(self.records) and not self.direct
+
+    def replica_mode(self, replica: int, fill: bool) -> contextlib.AbstractContextManager[Any]:
+        """Central variables resolve to ``replica``'s views while this is active, and with
+        ``fill`` (the replica runs on the calling thread) the module slots hold them
+        (``modules.py``); a no-op when there is nothing to resolve or the run is direct."""
+        if not self.uses_views:
             return contextlib.nullcontext()
-        return resolving(self.replicas[replica])
+        return _ReplicaMode(self, self.replicas[replica], fill)
+
+    def slots(self) -> list[Slot]:
+        if self._slots is None:
+            self._slots = slots_of(self.records)
+        return self._slots
+
+    def before_threads(self) -> None:
+        """The run is about to start replica threads, which cannot share module slots: the
+        replica on the calling thread gives them back and resolves through the class."""
+        filled, self._filled = self._filled, None
+        if filled is not None:
+            filled.empty(check=True)
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
         """Central variables as themselves, for ``merge_call`` on a replica's thread. Back in
         the replicas, a direct run's transaction starts afresh (the merge's sync point
-        committed what came before)."""
+        committed what came before), and a replica that had filled the module slots fills
+        them again."""
+        filled, self._filled = self._filled, None
+        if filled is not None:
+            filled.empty(check=True)  # its writes are recorded before the sync point
         lent = self._lent
         restore_class(lent)
         try:
@@ -225,6 +280,8 @@ class VariableStore:
             self._lent = lent  # a run nested in the merge has taken its own back
             if self.in_run and self.direct and self.records:
                 self._undo = Undo(list(self.records.values()))
+            if filled is not None:
+                self._filled = Filled(filled.views, self.slots())
 
     def begin_run(self) -> None:
         self.in_run = True
@@ -246,6 +303,9 @@ class VariableStore:
         """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
         work is discarded."""
         self.in_run = False
+        if self._filled is not None:  # only if interrupted between entering and leaving
+            self._filled.empty(check=False)
+            self._filled = None
         if self._lent:
             restore_class(self._lent)
             self._lent = []
@@ -286,14 +346,71 @@ class VariableStore:
             views.epoch += 1
 
     def _on_gradient(self, view: View, tensor: torch.Tensor) -> None:
-        """A view's gradient has accumulated: start its copy to the parameter device, and
-        outside ``run`` hand it on at once."""
-        if folding.overlapped(tensor, self.placement.parameter_storage):
-            folding.start_copy(view, tensor)
-            if not self.in_run:  # waited for at the next sync point, not on autograd's thread
-                self.pending.append(view)
-        elif not self.in_run:
-            self.exchange.gradient_after_run(self, view)
+        """A view's gradient has accumulated on a GPU: start its copy to the parameter
+        device while backward goes on."""
+        folding.start_copy(view, tensor)
+
+    def watch(self, outputs: list[torch.Tensor]) -> None:
+        """(Runs that use views.) A backward after ``run`` through one of its ``outputs`` (a
+        loss reduced outside ``run``) leaves gradients on the views: when it ends, hand them
+        on, so that ``.grad`` is complete for what follows (``clip_grad_norm_``, the
+        optimizer step)."""
+        for output in outputs:
+            if output.requires_grad:
+                output.register_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_backward_through_run, weakref.ref(self))
+                )
+
+    def _collect(self) -> None:
+        """The end of a backward through a run's outputs: hand on what reached the views."""
+        self._collecting = False
+        if self.in_run:
+            return  # the sync point of the run in progress takes them
+        for replica in self.replicas:
+            for view in list(replica.views.values()):
+                if view.pending or any(
+                    t is not None and t.grad is not None for t in (view.tensor, view.alias)
+                ):
+                    self.exchange.gradient_after_run(self, view)
+
+
+def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Tensor) -> None:
+    """A backward reached an output of ``run``: collect the views' gradients when it ends."""
+    store = store_ref()
+    if store is not None and not store._collecting:
+        store._collecting = True
+        torch.autograd.Variable._execution_engine.queue_callback(store._collect)
+
+
+class _ReplicaMode:
+    """What ``VariableStore.replica_mode`` returns for a run with views."""
+
+    __slots__ = ("_fill", "_resolving", "_store", "_views")
+
+    def __init__(self, store: VariableStore, views: ReplicaViews, fill: bool) -> None:
+        self._store = store
+        self._views = views
+        self._fill = fill
+        self._resolving = resolving(views)
+
+    def __enter__(self) -> None:
+        self._resolving.__enter__()
+        if self._fill:
+            store = self._store
+            try:
+                store._filled = Filled(self._views, store.slots())
+            except BaseException:
+                self._resolving.__exit__()
+                raise
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            store = self._store
+            if self._fill and store._filled is not None:
+                filled, store._filled = store._filled, None
+                filled.empty(check=kind is None)
+        finally:
+            self._resolving.__exit__()
 
 
 def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:

@@ -12,7 +12,9 @@ kernels such as batch norm write them in place. An in-place call on a shared vie
 to a private copy first, so replicas never race on central storage; the sync point folds the
 writes by aggregation (``folding.py``).
 
-Every gradient hook holds its view and its receiver weakly: the garbage collector cannot see
+Where gradients are copied to the parameter device while backward runs (CUDA replicas, CPU
+parameters), each view has a hook that starts its copy. Every gradient hook holds its view
+and its receiver weakly: the garbage collector cannot see
 the references a tensor's hooks hold, so a strong one from a view's hook back to the view
 would keep the view, its tensor and the model's weights alive forever.
 """
@@ -131,7 +133,7 @@ class ReplicaViews:
         replica: int,
         device: torch.device,
         num_replicas: int,
-        receiver: weakref.WeakMethod[GradientReceiver],
+        receiver: weakref.WeakMethod[GradientReceiver] | None,
     ) -> None:
         self.records = records
         self.replica = replica
@@ -140,7 +142,7 @@ class ReplicaViews:
         self.views: dict[int, View] = {}
         self.touched: list[View] = []
         self.epoch = 0
-        self._receiver = receiver
+        self._receiver = receiver  # None: no gradient hooks (the sync point takes them)
 
     def forget(self, key: int) -> None:
         self.views.pop(key, None)
@@ -190,12 +192,14 @@ class ReplicaViews:
         return view
 
     def _make_leaf(self, view: View, tensor: torch.Tensor, requires_grad: bool) -> None:
-        """Let ``tensor`` collect gradients for ``view``'s variable, forwarded by a hook."""
+        """Let ``tensor`` collect gradients for ``view``'s variable, handed to the receiver
+        by a hook as each one accumulates, if there is a receiver."""
         if requires_grad:
             tensor.requires_grad_(True)
-            tensor.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                functools.partial(_on_gradient, weakref.ref(view), self._receiver)
-            )
+            if self._receiver is not None:
+                tensor.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    functools.partial(_on_gradient, weakref.ref(view), self._receiver)
+                )
 
     def _route(self, view: View) -> None:
         """Give this replica a private copy of a shared parameter before it writes it."""

@@ -1,0 +1,170 @@
+"""Module slots: the entries of modules that hold central variables, filled with one
+replica's views while that replica runs on the calling thread.
+
+Every replica of a run runs on the calling thread until a rendezvous needs threads (§5.2).
+Such a replica finds its views in the modules themselves, as with
+``torch.func.functional_call``: each ``module._parameters`` or ``module._buffers`` entry that
+holds a central variable holds the replica's view while the replica runs. Module code then
+computes on plain tensors, so no torch call pays for ``__torch_function__``, and
+``torch.compile`` traces the views like any parameters: it guards on their shapes and dtypes,
+not on which tensor they are, and compiles once for every replica. The resolving class
+(``views.py``) still serves every other reference to a variable (a ``cs.Variable``, a list of
+parameters taken before ``run``) and the replicas on threads, which cannot share a module.
+
+A write through a filled slot is not seen call by call, so it is read off the view when the
+slot is emptied: a moved version counter is a write, recorded as a delta, and a floating
+buffer whose value changed without one was written by a kernel such as batch norm, an
+assignment. Two kinds of slot stay with the resolving class, because their writes must be
+seen as they happen: a variable with SUM aggregation (a delta and an assignment fold
+differently) and a parameter whose view shares its storage and whose aggregation allows
+writes (the write is first routed to a private copy). A shared parameter with aggregation
+NONE may not be written by several replicas at all; such a write is found after the fact,
+when it has already reached the parameter, and raises.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+
+from .._aggregation import VariableAggregation
+from .records import Central
+from .views import ASSIGN, DELTA, ReplicaViews, View
+
+# (module, attribute name, record, whether the module keeps a list of its weights besides
+# its _parameters: an RNN's _flat_weights) of each place a module holds a central variable.
+Slot = tuple[weakref.ref[torch.nn.Module], str, Central, bool]
+
+
+def slots_of(records: dict[int, Central]) -> list[Slot]:
+    """Every slot that can take a view: the variables' owners, except SUM-aggregated ones."""
+    return [
+        (ref, name, record, "_flat_weights_names" in vars(module))
+        for record in records.values()
+        if record.aggregation is not VariableAggregation.SUM
+        for ref, name in record.owners
+        if (module := ref()) is not None
+    ]
+
+
+# A filled slot: (its table, its name, the central variable, the view, the tensor put in
+# the slot, that tensor's version then).
+_Entry = tuple[dict[str, Any], str, torch.Tensor, View, torch.Tensor, int]
+
+
+class Filled:
+    """The slots one replica has filled with its views, until ``empty``."""
+
+    __slots__ = ("_entries", "_rnns", "views")
+
+    def __init__(self, views: ReplicaViews, slots: list[Slot]) -> None:
+        self.views = views
+        self._entries: list[_Entry] = []
+        self._rnns: list[torch.nn.Module] = []  # modules that keep a list of their weights
+        try:
+            with DisableTorchFunctionSubclass():  # the variables' own shapes and versions
+                self._fill(slots)
+        except BaseException:
+            self.empty(check=False)
+            raise
+
+    def _fill(self, slots: list[Slot]) -> None:
+        resolve = self.views.resolve
+        entries = self._entries
+        for module_ref, name, record, keeps_list in slots:
+            module = module_ref()
+            central = record.ref()
+            if module is None or central is None:
+                continue
+            table: dict[str, Any] = module._buffers if record.is_buffer else module._parameters
+            if id(table.get(name)) != record.key:  # the module holds something else now
+                continue
+            view = resolve(record, False)
+            tensor = view.tensor
+            if not view.private and record.aggregation is not VariableAggregation.NONE:
+                continue
+            table[name] = tensor
+            entries.append((table, name, central, view, tensor, tensor._version))
+            if keeps_list and module not in self._rnns:
+                self._rnns.append(module)
+        for module in self._rnns:
+            _refresh_weight_list(module)
+
+    def empty(self, check: bool) -> None:
+        """Give the slots back their central variables. ``check``: the replica finished its
+        code or reached a sync point, so its writes through the slots are recorded (which
+        raises for a variable that several replicas may not write); otherwise it failed, and
+        its private views are refreshed before they are used again."""
+        entries, self._entries = self._entries, []
+        for table, name, central, _, tensor, _ in entries:
+            if table.get(name) is tensor:
+                table[name] = central
+        rnns, self._rnns = self._rnns, []
+        for module in rnns:
+            _refresh_weight_list(module)
+        if check:
+            self._record_writes(entries)
+        else:  # the run failed: a kernel's unrecorded write must not outlive it
+            for entry in entries:
+                if entry[3].private:
+                    entry[3].central_version = -1  # copied afresh on next use
+
+    def _record_writes(self, entries: list[_Entry]) -> None:
+        views = self.views
+        quiet: list[_Entry] = []
+        for entry in entries:
+            _, name, central, view, tensor, version = entry
+            if tensor._version != version:
+                if not view.private or tensor is not view.tensor:
+                    _raise_shared_write(views, name, central)
+                views.note_write(view, DELTA)
+            elif view.private and view.record.is_buffer and tensor.is_floating_point() and (
+                not view.assigned
+            ):
+                quiet.append(entry)
+        for entry, changed in zip(quiet, _changed(quiet)):
+            if changed:  # a kernel wrote it without moving the version counter
+                views.note_write(entry[3], ASSIGN)
+
+
+def _refresh_weight_list(module: torch.nn.Module) -> None:
+    """Make an RNN's list of weights (and the weak references by which it checks that list
+    at each forward) hold what its slots hold now. ``RNNBase._init_flat_weights`` would also
+    ``flatten_parameters()``, which on a GPU copies every weight into one buffer: at every
+    run, and into the views."""
+    names: list[str] = module._flat_weights_names  # type: ignore[assignment]
+    weights = [getattr(module, name, None) for name in names]
+    state = vars(module)
+    state["_flat_weights"] = weights
+    state["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
+
+
+def _changed(entries: list[_Entry]) -> list[bool]:
+    """Whether each entry's view now differs from its central value (one host sync in all
+    for the views that are not on the CPU)."""
+    flags: list[bool | None] = []
+    pending: list[torch.Tensor] = []
+    with DisableTorchFunctionSubclass():  # the central value, not the replica's view of it
+        for entry in entries:
+            central, tensor = entry[2], entry[4]
+            if tensor.device.type == "cpu" and central.device.type == "cpu":
+                flags.append(not torch.equal(tensor, central))
+            else:
+                pending.append((tensor != central.to(tensor.device, non_blocking=True)).any())
+                flags.append(None)
+        found = iter(torch.stack(pending).tolist() if pending else ())
+    return [bool(next(found)) if flag is None else flag for flag in flags]
+
+
+def _raise_shared_write(views: ReplicaViews, name: str, central: torch.Tensor) -> None:
+    raise ValueError(
+        f"Replica {views.replica} wrote in place to the module parameter {name!r} of "
+        f"shape {tuple(central.shape)}, which the replicas share and whose aggregation "
+        "is NONE, so the replicas' writes cannot be combined; the write has already changed "
+        "the parameter. Write it outside run (after optimizer.step()), or inside "
+        "merge_call, or give it an aggregation: cs.set_aggregation(param, "
+        "cs.VariableAggregation.MEAN) (or SUM, ONLY_FIRST_REPLICA) inside strategy.scope()."
+    )

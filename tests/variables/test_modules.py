@@ -1,0 +1,202 @@
+"""Module slots: a replica running on the calling thread finds its views in the modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from replicas import context, local, replica_id, strategy_of
+from torch import nn
+
+import centralstore as cs
+
+
+def per_replica(x: torch.Tensor, replicas: int = 2) -> cs.PerReplica[torch.Tensor]:
+    return cs.PerReplica(list(x.chunk(replicas)))
+
+
+def test_module_code_sees_plain_views_and_the_variables_come_back_after_run() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    central = model.weight
+
+    def step() -> tuple[type, bool, bool]:
+        weight = model.weight
+        return type(weight), weight is central, bool(torch.equal(weight, central))
+
+    for kind, same, equal in local(strategy, strategy.run(step)):
+        assert kind is torch.Tensor and not same and equal
+    assert model.weight is central and type(central) is nn.Parameter
+
+
+def test_replicas_on_threads_after_a_rendezvous_resolve_through_the_class() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    x = torch.randn(4, 3)
+
+    def step(xs: torch.Tensor) -> torch.Tensor:
+        hidden = model(xs)  # before the rendezvous: replica 0 through its slots
+        total = context().all_reduce("sum", hidden.detach().sum())
+        loss = (model(xs) + hidden).sum() + 0 * total  # after it: every replica on a thread
+        loss.backward()
+        return loss.detach()
+
+    strategy.run(step, args=(per_replica(x),))
+    torch.testing.assert_close(model.weight.grad, 2 * x.sum(0, keepdim=True))
+    assert model.weight.grad is not None and type(model.weight) is nn.Parameter
+
+
+def test_batch_norm_writes_through_slots_are_averaged_and_counted_once() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+    strategy.run(bn, args=(per_replica(x),))
+    expected = 0.1 * (x[:4].mean(0) + x[4:].mean(0)) / 2
+    torch.testing.assert_close(bn.running_mean, expected)
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_batch_norm_before_a_rendezvous_is_recorded_when_threads_start() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+
+    def step(xs: torch.Tensor) -> None:
+        bn(xs)
+        context().all_reduce("sum", torch.ones(()))
+
+    strategy.run(step, args=(per_replica(x),))
+    torch.testing.assert_close(bn.running_mean, 0.1 * (x[:4].mean(0) + x[4:].mean(0)) / 2)
+
+
+class Counting(nn.Module):
+    """A module that writes its own buffers in place in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("average", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(x.shape[0])
+        self.average.lerp_(x.mean(0), 0.5)
+        return x
+
+
+def test_a_sum_buffer_stays_with_the_class_and_adds_every_replicas_delta() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        module = Counting()
+        cs.set_aggregation(module.seen, "SUM")
+    x = torch.randn(6, 3)
+    strategy.run(module, args=(per_replica(x),))
+    assert float(module.seen) == 6.0
+    halves = [0.5 * x[:3].mean(0), 0.5 * x[3:].mean(0)]
+    torch.testing.assert_close(module.average, (halves[0] + halves[1]) / 2)
+
+
+def test_a_shared_parameter_written_through_its_slot_raises_in_that_replica() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+
+    def step() -> None:
+        with torch.no_grad():
+            model.weight.mul_(2.0)
+
+    with pytest.raises(ValueError, match=r"'weight'.*aggregation is NONE") as info:
+        strategy.run(step)
+    assert "replica 0" in str(info.value.__notes__)
+
+
+def test_a_parameter_with_an_aggregation_is_written_through_the_class() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(1, 1, bias=False)
+        nn.init.constant_(model.weight, 1.0)
+        cs.set_aggregation(model.weight, "MEAN")
+
+    def step() -> None:
+        with torch.no_grad():
+            model.weight.add_(float(replica_id() + 1))
+
+    strategy.run(step)
+    assert model.weight.item() == 2.5
+
+
+def test_a_failed_replica_leaves_no_kernel_write_in_its_views() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(3)
+    x = torch.randn(8, 3)
+
+    def failing(xs: torch.Tensor) -> None:
+        bn(xs)
+        raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        strategy.run(failing, args=(per_replica(x),))
+    assert torch.equal(bn.running_mean, torch.zeros(3))
+    bn.eval()
+    outs = local(strategy, strategy.run(bn, args=(per_replica(x),)))
+    torch.testing.assert_close(torch.cat(outs), x / (1 + 1e-5) ** 0.5)
+
+
+def lstm_gradients(strategy: cs.Strategy, x: torch.Tensor) -> list[torch.Tensor | None]:
+    """The LSTM's gradients on ``x``, checking that its list of weights holds the weights
+    its module code sees, inside and after ``run``."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        lstm = nn.LSTM(3, 4, batch_first=True)
+
+    def step(xs: torch.Tensor) -> bool:
+        lstm(xs)[0].sum().backward()
+        return all(w is p for w, p in zip(lstm._flat_weights, lstm.parameters(), strict=True))
+
+    args = per_replica(x) if strategy.num_replicas_in_sync == 2 else x
+    assert all(local(strategy, strategy.run(step, args=(args,))))
+    assert all(w is p for w, p in zip(lstm._flat_weights, lstm.parameters(), strict=True))
+    return [p.grad for p in lstm.parameters()]
+
+
+def test_an_lstm_uses_the_views_in_its_list_of_weights_and_matches_one_device() -> None:
+    x = torch.randn(4, 5, 3)
+    got, want = lstm_gradients(strategy_of(2), x), lstm_gradients(cs.OneDeviceStrategy("cpu"), x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def tied_gradient(strategy: cs.Strategy, x: torch.Tensor) -> torch.Tensor | None:
+    torch.manual_seed(0)
+    with strategy.scope():
+        embed = nn.Embedding(5, 3)
+        head = nn.Linear(3, 5, bias=False)
+        head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+
+    def step(xs: torch.Tensor) -> bool:
+        model(xs).sum().backward()
+        return head.weight is embed.weight
+
+    args = per_replica(x) if strategy.num_replicas_in_sync == 2 else x
+    assert all(local(strategy, strategy.run(step, args=(args,))))
+    return embed.weight.grad
+
+
+def test_tied_weights_share_one_view_and_one_gradient() -> None:
+    x = torch.randint(0, 5, (4, 2))
+    torch.testing.assert_close(
+        tied_gradient(strategy_of(2), x), tied_gradient(cs.OneDeviceStrategy("cpu"), x)
+    )
+
+
+def test_a_module_given_another_tensor_keeps_it() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(1, 1, bias=False)
+    replacement = nn.Parameter(torch.full((1, 1), 3.0))
+    model.weight = replacement  # outside the scope: not a central variable
+    assert strategy.run(lambda: model.weight is replacement) is True  # on both replicas
