@@ -6,14 +6,16 @@ Compares, in one run and interleaved round by round (this machine is shared and 
                (the floor for R = 2: the same arithmetic as two replicas)
   cs R=1       CentralStorageStrategy on one device
   cs R=2       CentralStorageStrategy on cpu:0 and cpu:1
-on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time).
+on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time),
+and on the transformer again with its forward and loss ``torch.compile``d in every
+configuration ("transformer-compiled": the counterpart of a ``@tf.function`` step).
 The order of the configurations alternates between rounds.
 Peak memory is measured per configuration in a fresh subprocess: the highest resident set
 size sampled every millisecond during 5 training steps, above what the process held after
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
 die, so the RSS follows the live tensors).
 
-    python benchmarks/bench_train.py [--steps 20] [--rounds 7] [--models mlp cnn transformer]
+    python benchmarks/bench_train.py [--steps 20] [--rounds 7] [--models mlp cnn ...]
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, tuple[int, ...], type]] = 
     "mlp": (mlp, BATCH, (784,), torch.optim.SGD),
     "cnn": (cnn, BATCH, (784,), torch.optim.SGD),
     "transformer": (Transformer, 32, (16, 64), torch.optim.Adam),
+    "transformer-compiled": (Transformer, 32, (16, 64), torch.optim.Adam),
 }
 
 
@@ -75,6 +78,10 @@ def make_optimizer(kind: type, model: nn.Module) -> torch.optim.Optimizer:
     if kind is torch.optim.SGD:
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def compiled_if(model_name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return torch.compile(fn) if model_name.endswith("-compiled") else fn
 
 
 def make_step(config: str, model_name: str) -> Callable[[], None]:
@@ -88,11 +95,14 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
         model = build()
         optimizer = make_optimizer(optimizer_kind, model)
         parts = [(x, y)] if config == "plain" else [(x[:half], y[:half]), (x[half:], y[half:])]
+        plain_loss = compiled_if(
+            model_name, lambda xs, ys: loss_fn(model(xs), ys, reduction="sum") / batch
+        )
 
         def plain_step() -> None:
             optimizer.zero_grad()
             for xs, ys in parts:
-                (loss_fn(model(xs), ys, reduction="sum") / batch).backward()
+                plain_loss(xs, ys).backward()
             optimizer.step()
 
         return plain_step
@@ -106,9 +116,14 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
     else:
         args = (cs.PerReplica([x[:half], x[half:]]), cs.PerReplica([y[:half], y[half:]]))
 
-    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+    def replica_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         per_example = loss_fn(model(xs), ys, reduction="none")
-        cs.compute_average_loss(per_example, global_batch_size=batch).backward()
+        return cs.compute_average_loss(per_example, global_batch_size=batch)
+
+    loss = compiled_if(model_name, replica_loss)
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        loss(xs, ys).backward()
 
     def cs_step() -> None:
         optimizer.zero_grad()
@@ -168,7 +183,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     options = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"batch {BATCH} (transformer: 32), {options.steps} steps x {options.rounds} rounds, "
+          f"batch {BATCH} (transformers: 32), {options.steps} steps x {options.rounds} rounds, "
           "medians\n")
     header = f"{'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}"
     print(f"{'model':<11} {header}")

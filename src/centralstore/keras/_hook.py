@@ -88,10 +88,11 @@ def _warn_jit(model: Any) -> None:
     if model.jit_compile and model not in _jit_warned:
         _jit_warned.add(model)
         warnings.warn(
-            f"jit_compile=True: under a strategy, model {model.name!r} runs eagerly: "
-            "torch.compile of a step inside strategy.run is not supported yet, so each "
-            "replica's forward and backward run uncompiled (results are the same). Compile "
-            "with jit_compile=False to silence this warning.",
+            f"jit_compile=True: under a strategy, model {model.name!r} runs eagerly: Keras "
+            "layers read their weights through Keras variables, not module attributes, so a "
+            "compiled replica step would run every weight read uncompiled between compiled "
+            "pieces; each replica's forward and backward run eagerly instead (results are the "
+            "same). Compile with jit_compile=False to silence this warning.",
             UserWarning,
             stacklevel=4,
         )

@@ -4,7 +4,8 @@ aggregation, and its sync points.
 A central variable lives once, on the parameter device. Inside ``strategy.scope()`` every
 parameter and buffer registered on a module, and every tensor created with
 ``requires_grad=True``, becomes one. The store holds them weakly (a dropped model leaves no
-trace), gives each replica its views (``views.py``), and folds their gradients and writes
+trace), gives each replica its views (``views.py``; in the modules' own attributes for a
+replica on the calling thread, ``modules.py``), and folds their gradients and writes
 back at each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every
 step of an optimizer over its variables. A sync point after a failed run discards instead,
 so a run is a transaction. Across worker processes the sync point is the ``Exchange``'s.

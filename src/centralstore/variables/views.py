@@ -1,22 +1,24 @@
 """Replica views: what a replica sees when its code touches a central variable.
 
-While replica code runs, central variables have a class of their own (``CentralParameter``,
-``CentralTensor``) whose ``__torch_function__`` swaps them for the running replica's views
-in the arguments of the torch call (top level and one level of lists/tuples, which covers
-``torch.cat``, RNN flat weights and ``_foreach`` calls). Torch's dispatcher calls it only
-for calls that receive a central variable: every other call costs what it costs in plain
-PyTorch, and outside runs the variables are plain again. A parameter's view shares storage
-with it when the replica computes where it lives (no copy) and is a cached copy otherwise,
-refreshed only when the central value changed. Buffers get a private copy per replica, since
-kernels such as batch norm write them in place. An in-place call on a shared view is routed
-to a private copy first, so replicas never race on central storage; the sync point folds the
-writes by aggregation (``folding.py``).
+Module code on the calling thread finds its replica's views in the modules' attributes
+(``modules.py``). For every other reference, and on replica threads, central variables have
+a class of their own while replica code runs (``CentralParameter``, ``CentralTensor``),
+whose ``__torch_function__`` swaps them for the running replica's views in the arguments of
+the torch call (top level and one level of lists/tuples, which covers ``torch.cat``, RNN
+weight lists and ``_foreach`` calls). Torch's dispatcher calls it only for calls that receive
+a central variable: every other call costs what it costs in plain PyTorch, and outside runs
+the variables are plain again. A parameter's view shares storage with it when the replica
+computes where it lives (no copy) and is a cached copy otherwise, refreshed only when the
+central value changed. Buffers get a private copy per replica, since kernels such as batch
+norm write them in place. An in-place call on a shared view is routed to a private copy
+first, so replicas never race on central storage; the sync point folds the writes by
+aggregation (``folding.py``).
 
 Where gradients are copied to the parameter device while backward runs (CUDA replicas, CPU
 parameters), each view has a hook that starts its copy. Every gradient hook holds its view
-and its receiver weakly: the garbage collector cannot see
-the references a tensor's hooks hold, so a strong one from a view's hook back to the view
-would keep the view, its tensor and the model's weights alive forever.
+and its receiver weakly: the garbage collector cannot see the references a tensor's hooks
+hold, so a strong one from a view's hook back to the view would keep the view, its tensor and
+the model's weights alive forever.
 """
 
 from __future__ import annotations
