@@ -71,13 +71,16 @@ def fold_gradients(views: list[View]) -> None:
     targets, sources = [], []
     queued: set[int] = set()
     for view in views:
+        tensor = view.tensor
         if view.pending or view.alias is not None:
             grads = gradients_of(view)
+            if not grads:
+                continue
         else:  # the common case, without the loops of gradients_of
-            grad = view.tensor.grad
+            grad = tensor.grad
             if grad is None:
                 continue
-            view.tensor.grad = None
+            tensor.grad = None
             grads = [grad]
         central = view.record.ref()
         if central is None:
@@ -85,13 +88,14 @@ def fold_gradients(views: list[View]) -> None:
         for grad in grads:
             if grad.device != central.device or grad.dtype != central.dtype:
                 grad = grad.to(central.device, central.dtype)
-            if central.grad is None:
+            held = central.grad
+            if held is None:
                 central.grad = grad
-            elif grad.is_sparse or central.grad.is_sparse or id(central) in queued:
-                central.grad = central.grad + grad
+            elif grad.is_sparse or held.is_sparse or id(central) in queued:
+                central.grad = held + grad
             else:
                 queued.add(id(central))
-                targets.append(central.grad)
+                targets.append(held)
                 sources.append(grad)
     if targets:
         torch._foreach_add_(targets, sources)
@@ -102,7 +106,9 @@ def apply_writes(touched: list[list[View]], num_replicas: int) -> None:
     writers: dict[int, list[View]] = {}
     for views in touched:
         for view in views:
-            if view.written():
+            if view.private and (  # view.written(), inlined: this loop visits every view
+                view.assigned or view.tensor._version != view.start_version
+            ):
                 writers.setdefault(view.record.key, []).append(view)
     for views in writers.values():
         record = views[0].record
