@@ -200,3 +200,15 @@ def test_a_module_given_another_tensor_keeps_it() -> None:
     replacement = nn.Parameter(torch.full((1, 1), 3.0))
     model.weight = replacement  # outside the scope: not a central variable
     assert strategy.run(lambda: model.weight is replacement) is True  # on both replicas
+
+
+def test_a_kernel_write_to_a_buffer_that_forbids_writes_raises_and_is_discarded() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        bn = nn.BatchNorm1d(3)
+        cs.set_aggregation(bn.running_mean, "NONE")
+    x = torch.randn(8, 3)
+    with pytest.raises(ValueError, match="aggregation is NONE"):
+        strategy.run(bn, args=(per_replica(x),))
+    assert torch.equal(bn.running_mean, torch.zeros(3))
+    assert int(bn.num_batches_tracked) == 0  # the whole run was discarded

@@ -152,9 +152,11 @@ def finish(touched: list[list[View]]) -> None:
 def discard(touched: list[list[View]]) -> None:
     """Drop what a failed run left in the views (gradients, gradient copies in flight,
     writes), so that the central variables, their ``.grad`` and buffers stay as before it.
-    Private copies that were written are refreshed from the central value on next use (their
-    version no longer matches the one they were validated at)."""
+    Private copies are refreshed from the central value on next use: a kernel may have
+    written them without a trace."""
     for views in touched:
         for view in views:
             gradients_of(view)  # taken off the view, and dropped
+            if view.private:
+                view.central_version = -1
     finish(touched)

@@ -97,7 +97,7 @@ class Filled:
         """Give the slots back their central variables. ``check``: the replica finished its
         code or reached a sync point, so its writes through the slots are recorded (which
         raises for a variable that several replicas may not write); otherwise it failed, and
-        its private views are refreshed before they are used again."""
+        the run is discarded."""
         entries, self._entries = self._entries, []
         for table, name, central, _, tensor, _ in entries:
             if table.get(name) is tensor:
@@ -107,16 +107,10 @@ class Filled:
             _refresh_weight_list(module)
         if check:
             self._record_writes(entries)
-        else:  # the run failed: a kernel's unrecorded write must not outlive it
-            for entry in entries:
-                if entry[3].private:
-                    entry[3].central_version = -1  # copied afresh on next use
 
     def _record_writes(self, entries: list[_Entry]) -> None:
         views = self.views
-        quiet: list[_Entry] = []
-        for entry in entries:
-            _, name, central, view, tensor, version = entry
+        for _, name, central, view, tensor, version in entries:
             if tensor._version != version:
                 if not view.private or tensor is not view.tensor:
                     _raise_shared_write(views, name, central)
@@ -124,10 +118,26 @@ class Filled:
             elif view.private and view.record.is_buffer and tensor.is_floating_point() and (
                 not view.assigned
             ):
-                quiet.append(entry)
-        for entry, changed in zip(quiet, _changed(quiet)):
-            if changed:  # a kernel wrote it without moving the version counter
-                views.note_write(entry[3], ASSIGN)
+                views.unseen.append(view)  # perhaps written by a kernel: see record_unseen
+
+
+def record_unseen(replicas: list[ReplicaViews]) -> None:
+    """Record the writes that kernels made to buffers in slots behind their version counter
+    (batch norm's running statistics): each buffer a replica left unchanged by its counter is
+    compared with its central value. This waits for the devices, so it happens once, before
+    a sync point, rather than when each replica ends, which would wait for each GPU in turn
+    and keep the next replica from starting its work meanwhile."""
+    unseen = [(views, view) for views in replicas for view in views.unseen]
+    for views in replicas:
+        views.unseen.clear()
+    pairs = [
+        (view.tensor, central)
+        for _, view in unseen
+        if (central := view.record.ref()) is not None
+    ]
+    for (views, view), changed in zip(unseen, _changed(pairs)):
+        if changed and not view.assigned:
+            views.note_write(view, ASSIGN)
 
 
 def _refresh_weight_list(module: torch.nn.Module) -> None:
@@ -142,14 +152,13 @@ def _refresh_weight_list(module: torch.nn.Module) -> None:
     state["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
 
 
-def _changed(entries: list[_Entry]) -> list[bool]:
-    """Whether each entry's view now differs from its central value (one host sync in all
-    for the views that are not on the CPU)."""
+def _changed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """Whether each view differs from its central value (one host sync in all for the views
+    that are not on the CPU)."""
     flags: list[bool | None] = []
     pending: list[torch.Tensor] = []
     with DisableTorchFunctionSubclass():  # the central value, not the replica's view of it
-        for entry in entries:
-            central, tensor = entry[2], entry[4]
+        for tensor, central in pairs:
             if tensor.device.type == "cpu" and central.device.type == "cpu":
                 flags.append(not torch.equal(tensor, central))
             else:

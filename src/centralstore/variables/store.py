@@ -31,7 +31,7 @@ from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding
 from .direct import Undo
-from .modules import Filled, Slot, slots_of
+from .modules import Filled, Slot, record_unseen, slots_of
 from .records import Central, check_aggregation, default_buffer_aggregation
 from .views import (
     GradientReceiver,
@@ -310,10 +310,19 @@ class VariableStore:
         if self._lent:
             restore_class(self._lent)
             self._lent = []
+        found = None
+        if error is None:
+            try:
+                record_unseen(self.replicas)
+            except ValueError as unseen_write:  # a write the variable's aggregation forbids
+                error = found = unseen_write
         self.exchange.sync(self, error)
+        if found is not None:
+            raise found
 
     def sync(self) -> None:
         """A sync point outside the end of ``run`` (``merge_call``, an optimizer step)."""
+        record_unseen(self.replicas)
         self.exchange.sync(self, None)
 
     def fold(self, discard: bool = False) -> None:
@@ -333,6 +342,8 @@ class VariableStore:
         if not any(touched):
             return
         if discard:
+            for replica in self.replicas:
+                replica.unseen.clear()
             folding.discard(touched)
         else:
             with torch.no_grad():

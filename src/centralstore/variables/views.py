@@ -143,6 +143,7 @@ class ReplicaViews:
         self.num_replicas = num_replicas
         self.views: dict[int, View] = {}
         self.touched: list[View] = []
+        self.unseen: list[View] = []  # buffers a kernel may have written (modules.py)
         self.epoch = 0
         self._receiver = receiver  # None: no gradient hooks (the sync point takes them)
 
