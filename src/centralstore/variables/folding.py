@@ -34,7 +34,7 @@ def start_copy(view: View, tensor: torch.Tensor) -> None:
     stream = _side_stream(grad.device)
     stream.wait_stream(torch.cuda.current_stream(grad.device))
     with torch.cuda.stream(stream):
-        host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+        host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=True)
         host.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)

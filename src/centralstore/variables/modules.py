@@ -155,17 +155,20 @@ def _refresh_weight_list(module: torch.nn.Module) -> None:
 def _changed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     """Whether each view differs from its central value (one host sync in all for the views
     that are not on the CPU)."""
-    flags: list[bool | None] = []
-    pending: list[torch.Tensor] = []
+    flags: list[bool] = []
+    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     with DisableTorchFunctionSubclass():  # the central value, not the replica's view of it
-        for tensor, central in pairs:
+        for i, (tensor, central) in enumerate(pairs):
             if tensor.device.type == "cpu" and central.device.type == "cpu":
                 flags.append(not torch.equal(tensor, central))
             else:
-                pending.append((tensor != central.to(tensor.device, non_blocking=True)).any())
-                flags.append(None)
-        found = iter(torch.stack(pending).tolist() if pending else ())
-    return [bool(next(found)) if flag is None else flag for flag in flags]
+                differs = (tensor != central.to(tensor.device, non_blocking=True)).any()
+                pending.setdefault(tensor.device, []).append((i, differs))
+                flags.append(False)
+        for found in pending.values():  # one stack per device: they cannot mix
+            for (i, _), differs in zip(found, torch.stack([d for _, d in found]).tolist()):
+                flags[i] = bool(differs)
+    return flags
 
 
 def _raise_shared_write(views: ReplicaViews, name: str, central: torch.Tensor) -> None:

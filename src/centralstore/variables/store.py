@@ -121,7 +121,7 @@ class VariableStore:
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
-        if self._overlaps:
+        if self._overlaps and tensor.device.type == "cpu":
             with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
                 tensor.data = tensor.data.pin_memory()
         _track(self)
@@ -328,6 +328,8 @@ class VariableStore:
     def fold(self, discard: bool = False) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
         last one into the central variables, in replica order, or drop it (``discard``)."""
+        for replica in self.replicas:
+            replica.wait_for_copies()
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)

@@ -144,6 +144,7 @@ class ReplicaViews:
         self.views: dict[int, View] = {}
         self.touched: list[View] = []
         self.unseen: list[View] = []  # buffers a kernel may have written (modules.py)
+        self._copies: Any = None  # a CUDA event after the latest copy from host memory
         self.epoch = 0
         self._receiver = receiver  # None: no gradient hooks (the sync point takes them)
 
@@ -177,6 +178,7 @@ class ReplicaViews:
         elif central._version != view.central_version or view.written():
             with torch.no_grad():
                 view.tensor.copy_(central, non_blocking=True)
+            self._copied(central)
         view.central_version = central._version
         view.start_version = view.tensor._version
         view.assigned = False
@@ -189,10 +191,27 @@ class ReplicaViews:
             view = View(record, central.detach(), private=False)
         else:
             copy = central.detach().to(self.device, copy=True, non_blocking=True)
+            self._copied(central)
             view = View(record, copy, private=True)
         self._make_leaf(view, view.tensor, central.requires_grad)
         self.views[record.key] = view
         return view
+
+    def _copied(self, central: torch.Tensor) -> None:
+        """A copy from ``central`` to this replica's GPU was queued without waiting."""
+        if self.device.type == "cuda" and central.device.type == "cpu":
+            if self._copies is None:
+                self._copies = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._copies.record(torch.cuda.current_stream(self.device))
+
+    def wait_for_copies(self) -> None:
+        """Wait until the copies from host memory queued for this replica have read it: once
+        the sync point returns, the host may change the variables (``optimizer.step()``,
+        ``load_state_dict``). The copies were queued before the replica's work, so this
+        seldom waits."""
+        if self._copies is not None:
+            self._copies.synchronize()
+            self._copies = None
 
     def _make_leaf(self, view: View, tensor: torch.Tensor, requires_grad: bool) -> None:
         """Let ``tensor`` collect gradients for ``view``'s variable, handed to the receiver

@@ -1,0 +1,357 @@
+"""One command for a machine with a GPU: run the CUDA tests, then time training on the GPU.
+
+centralstore's CUDA paths (central variables pinned in host memory, private views on the
+GPUs refreshed by non-blocking copies, gradient copies started from backward hooks, the input
+prefetch thread: docs/design.md §5.3, §5.6, §5.7) were written without a GPU (§8). A GPU
+machine is lent rarely and briefly, so this script does in one run, in a few minutes, what
+such a machine can tell:
+
+1. It runs tests/test_cuda.py (``pytest -m cuda``), which compares training on the GPUs with
+   training on one device, and prints pytest's output and the counts of passed, failed and
+   skipped tests.
+2. It prints one table of training steps on bench_train.py's models: the MLP 784-1024-1024-10
+   and the CNN with BatchNorm (batch 512, SGD with momentum), and the small transformer (2
+   encoder layers, d = 64, batch 32, Adam), each under these configurations:
+     plain cuda:0            plain PyTorch on cuda:0, the baseline
+     cs cpu -> cuda:0        centralstore, variables on the CPU, the replica on cuda:0
+     cs cuda:0               centralstore, variables and the replica on cuda:0
+     cs R=2 cpu -> cuda:0,1  with two GPUs or more: two replicas, variables on the CPU
+   Columns: the median ms per step over the rounds (timed between synchronizations of every
+   GPU; the order of the configurations alternates between rounds), its ratio to plain, the
+   peak GPU memory of the configuration measured while it is the only one built (model,
+   optimizer state, activations), and the megabytes copied host to device and device to
+   host per step. Those come from the memcpy events of the torch profiler, or, when the
+   profiler reports no copy sizes, from the model of §7 (the table header says which). The
+   inputs are placed on the GPUs before timing, so the copies counted are the step's own:
+   views refreshed and gradients sent back.
+
+A configuration that raises is reported in its row, and the others still run. Exit status: 0
+when every test passed and every configuration ran (or without a CUDA device, where there is
+nothing to check), else 1.
+
+    python benchmarks/gpu_check.py [--rounds 7] [--steps 20] [--skip-tests]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import centralstore as cs
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+import bench_train  # noqa: E402  (the benchmarks directory is not a package)
+
+ROOT = BENCHMARKS.parent
+TESTS = [
+    sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py",
+    "-p", "no:cacheprovider",
+]
+# The tests' share of the 8 minutes the whole check may take: a little more than pytest's
+# own limit per test (300 s, pyproject.toml), so that a test stuck there still reports.
+TESTS_TIMEOUT_S = 330
+MODEL_NAMES = ("mlp", "cnn", "transformer")  # of bench_train.MODELS, in eager mode
+WARMUP_STEPS = 3
+PROFILED_STEPS = 3
+MB = 2**20
+
+Step = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where one configuration keeps its variables and computes."""
+
+    name: str
+    parameter_device: str | None  # None: plain PyTorch, no strategy
+    compute_devices: tuple[str, ...]
+
+
+PLAIN = Config("plain cuda:0", None, ("cuda:0",))
+
+
+def configs(num_gpus: int) -> list[Config]:
+    found = [
+        PLAIN,
+        Config("cs cpu -> cuda:0", "cpu", ("cuda:0",)),
+        Config("cs cuda:0", "cuda:0", ("cuda:0",)),
+    ]
+    if num_gpus >= 2:
+        found.append(Config("cs R=2 cpu -> cuda:0,1", "cpu", ("cuda:0", "cuda:1")))
+    return found
+
+
+# -- the tests ---------------------------------------------------------------------------
+
+
+def run_tests() -> bool:
+    """Run the CUDA-marked tests in a fresh process; print their output and counts. True
+    when pytest reports success."""
+    print("$ python " + " ".join(TESTS[1:]), flush=True)
+    try:
+        done = subprocess.run(
+            TESTS, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=TESTS_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    except subprocess.TimeoutExpired as timeout:  # unbuffered: its output so far is here
+        partial = timeout.stdout
+        print(partial.decode() if isinstance(partial, bytes) else partial or "")
+        print(f"tests: stopped after {TESTS_TIMEOUT_S} s\n")
+        return False
+    print(done.stdout.rstrip())
+    counts = summary_counts(done.stdout)
+    if counts:
+        failed = counts.get("failed", 0) + counts.get("error", 0)
+        print(f"\ntests: {counts.get('passed', 0)} passed, {failed} failed, "
+              f"{counts.get('skipped', 0)} skipped (pytest exit status {done.returncode})\n")
+    else:  # pytest itself failed (or the process died) before its summary
+        print(f"\ntests: no pytest summary (exit status {done.returncode})\n")
+    return done.returncode == 0
+
+
+def summary_counts(output: str) -> dict[str, int]:
+    """The counts on pytest's final line, such as ``9 passed, 2 skipped in 31.20s``."""
+    finals = [line for line in output.splitlines() if re.search(r" in [\d.]+s\b", line)]
+    if not finals:
+        return {}
+    found = re.findall(r"(\d+) (passed|failed|skipped|error)s?\b", finals[-1])
+    return {kind: int(count) for count, kind in found}
+
+
+# -- one configuration's training step ------------------------------------------------------
+
+
+def sync_all() -> None:
+    """Wait for every GPU: a step with replicas on two GPUs is done when both are."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
+def per_replica(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> tuple[object, ...]:
+    """Each tensor cut into one slice per device and placed there (a plain tensor for one)."""
+    placed: list[object] = []
+    for tensor in tensors:
+        slices = [s.to(d) for s, d in zip(tensor.tensor_split(len(devices)), devices)]
+        placed.append(slices[0] if len(slices) == 1 else cs.PerReplica(slices))
+    return tuple(placed)
+
+
+def build_step(config: Config, model_name: str) -> tuple[Step, nn.Module]:
+    """One training step of ``model_name`` under ``config``, its input already on the GPUs,
+    and the model it trains."""
+    torch.manual_seed(0)
+    make_model, batch, shape, optimizer_kind = bench_train.MODELS[model_name]
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+    if config.parameter_device is None:
+        device = torch.device(config.compute_devices[0])
+        model = make_model().to(device)
+        optimizer = bench_train.make_optimizer(optimizer_kind, model)
+        x, y = x.to(device), y.to(device)
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            (F.cross_entropy(model(x), y, reduction="sum") / batch).backward()
+            optimizer.step()
+
+        return plain_step, model
+    strategy = cs.CentralStorageStrategy(list(config.compute_devices), config.parameter_device)
+    with strategy.scope():
+        model = make_model()
+        optimizer = bench_train.make_optimizer(optimizer_kind, model)
+    args = per_replica((x, y), config.compute_devices)
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = F.cross_entropy(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=batch).backward()
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=args)
+        optimizer.step()
+
+    return cs_step, model
+
+
+# -- measurements --------------------------------------------------------------------------
+
+
+def time_steps(step: Step, steps: int) -> float:
+    """Milliseconds per step, timed between two synchronizations of every GPU."""
+    sync_all()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync_all()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def memcpy_bytes(prof: profile) -> dict[str, int]:
+    """Bytes copied in a finished profile, by kind ("HtoD", "DtoH", "DtoD", ...). Kineto
+    writes each copy's size into the trace it exports (``"bytes"`` in the arguments of
+    events named like ``Memcpy HtoD (Pinned -> Device)``); torch's event objects lack it."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    totals: dict[str, int] = {}
+    for event in events:
+        kind = re.match(r"Memcpy (\w+)", str(event.get("name", "")))
+        size = event.get("args", {}).get("bytes")
+        if kind is not None and isinstance(size, int):
+            totals[kind[1]] = totals.get(kind[1], 0) + size
+    return totals
+
+
+def profiler_counts_bytes() -> bool:
+    """Whether the profiler reports copy sizes: one 4 KiB host-to-device copy, profiled."""
+    host = torch.ones(1024)
+    host.to("cuda:0")  # CUDA starts up outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        host.to("cuda:0")
+        sync_all()
+    return memcpy_bytes(prof).get("HtoD", 0) >= host.numel() * host.element_size()
+
+
+def profiled_transfers(step: Step) -> tuple[float, float]:
+    """Host-to-device and device-to-host bytes per step, from the profiler."""
+    sync_all()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            step()
+        sync_all()
+    totals = memcpy_bytes(prof)
+    return totals.get("HtoD", 0) / PROFILED_STEPS, totals.get("DtoH", 0) / PROFILED_STEPS
+
+
+def expected_transfers(config: Config, model: nn.Module) -> tuple[float, float]:
+    """Bytes per step by the model of docs/design.md §7: with the variables on the CPU, each
+    replica refreshes its copy of every variable (the optimizer changes every weight,
+    BatchNorm its statistics), and sends back a gradient of every parameter and the buffers
+    it wrote; with the variables on the replica's GPU nothing crosses."""
+    if config.parameter_device != "cpu":
+        return 0.0, 0.0
+    variables = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    each_way = float(len(config.compute_devices) * variables)
+    return each_way, each_way
+
+
+@dataclass(frozen=True)
+class Alone:
+    """What one configuration measures while it is the only one built."""
+
+    peak_mb: float
+    h2d_mb: float
+    d2h_mb: float
+
+
+def measure_alone(config: Config, model_name: str, exact_bytes: bool) -> Alone:
+    """Peak GPU memory of building ``config`` and training a few steps, above what the GPUs
+    held before; then the bytes it copies per step (profiled if ``exact_bytes``)."""
+    devices = [torch.device(d) for d in config.compute_devices]
+    gc.collect()
+    sync_all()
+    before = [torch.cuda.memory_allocated(d) for d in devices]
+    for device in devices:
+        torch.cuda.reset_peak_memory_stats(device)
+    step, model = build_step(config, model_name)
+    for _ in range(WARMUP_STEPS):
+        step()
+    sync_all()
+    peak = sum(torch.cuda.max_memory_allocated(d) - b for d, b in zip(devices, before))
+    h2d, d2h = profiled_transfers(step) if exact_bytes else expected_transfers(config, model)
+    return Alone(peak / MB, h2d / MB, d2h / MB)
+
+
+def time_configs(model_name: str, chosen: list[Config], rounds: int, steps: int
+                 ) -> dict[str, float]:
+    """Median ms per step of each configuration, all built at once and timed round by
+    round, the order alternating between rounds."""
+    built = {config.name: build_step(config, model_name)[0] for config in chosen}
+    for step in built.values():
+        time_steps(step, WARMUP_STEPS)
+    samples: dict[str, list[float]] = {name: [] for name in built}
+    names = list(built)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            samples[name].append(time_steps(built[name], steps))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def benchmark(rounds: int, steps: int) -> bool:
+    """Print the table; False if a configuration raised."""
+    num_gpus = torch.cuda.device_count()
+    candidates = configs(num_gpus)
+    exact_bytes = profiler_counts_bytes()
+    source = (
+        "the torch profiler's memcpy events" if exact_bytes else
+        "analytic, as the profiler reported no copy sizes: R x (parameters + buffers) each "
+        "way with the variables on the CPU, else 0"
+    )
+    print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
+          f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes")
+    print(f"H2D and D2H per step: {source}\n")
+    print(f"{'model':<12} {'config':<23} {'ms/step':>8} {'/plain':>7} {'peak MB':>8} "
+          f"{'H2D MB':>8} {'D2H MB':>8}")
+    all_ran = True
+    for model_name in MODEL_NAMES:
+        alone: dict[str, Alone] = {}
+        errors: dict[str, str] = {}
+        for config in candidates:
+            try:
+                alone[config.name] = measure_alone(config, model_name, exact_bytes)
+            except Exception as error:  # reported in its row; the other configurations run
+                errors[config.name] = f"{type(error).__name__}: {error}".splitlines()[0]
+        working = [config for config in candidates if config.name not in errors]
+        medians = time_configs(model_name, working, rounds, steps)
+        plain = medians.get(PLAIN.name)
+        for config in candidates:
+            label = f"{model_name:<12} {config.name:<23}"
+            if config.name in errors:
+                print(f"{label} raised {errors[config.name]}")
+                continue
+            ms, measured = medians[config.name], alone[config.name]
+            ratio = f"{ms / plain:7.3f}" if plain else f"{'-':>7}"
+            print(f"{label} {ms:8.2f} {ratio} {measured.peak_mb:8.1f} "
+                  f"{measured.h2d_mb:8.2f} {measured.d2h_mb:8.2f}", flush=True)
+        all_ran = all_ran and not errors
+    return all_ran
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=7,
+                        help="timing rounds; the table gives the median (default 7)")
+    parser.add_argument("--steps", type=int, default=20,
+                        help="training steps per round (default 20)")
+    parser.add_argument("--skip-tests", action="store_true",
+                        help="only the benchmark, without tests/test_cuda.py")
+    options = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 0
+    tests_passed = options.skip_tests or run_tests()
+    all_ran = benchmark(options.rounds, options.steps)
+    return 0 if tests_passed and all_ran else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
