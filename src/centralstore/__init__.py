@@ -31,8 +31,8 @@ from .strategies.multi_worker import (
     MultiWorkerCentralStorageStrategy as MultiWorkerCentralStorageStrategy,
 )
 from .strategies.one_device import OneDeviceStrategy as OneDeviceStrategy
-from .variables.store import Variable as Variable
-from .variables.store import set_aggregation as set_aggregation
+from .variables.declare import Variable as Variable
+from .variables.declare import set_aggregation as set_aggregation
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ import torch
 from .._aggregation import VariableAggregation
 from ..strategies.base import Strategy
 from ..strategies.context import get_strategy, has_strategy, in_cross_replica_context
+from ..variables.declare import set_aggregation
 from ..variables.records import default_buffer_aggregation
-from ..variables.store import set_aggregation
 
 _DECLARED = {
     "sum": VariableAggregation.SUM,

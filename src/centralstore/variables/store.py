@@ -5,10 +5,11 @@ A central variable lives once, on the parameter device. Inside ``strategy.scope(
 parameter and buffer registered on a module, and every tensor created with
 ``requires_grad=True``, becomes one. The store holds them weakly (a dropped model leaves no
 trace), gives each replica its views (``views.py``; in the modules' own attributes for a
-replica on the calling thread, ``modules.py``), and folds their gradients and writes
-back at each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every
-step of an optimizer over its variables. A sync point after a failed run discards instead,
-so a run is a transaction. Across worker processes the sync point is the ``Exchange``'s.
+replica on the calling thread, ``modules.py``), and folds their gradients and writes back at
+each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every step of
+an optimizer over its variables (``steps.py``). A sync point after a failed run discards
+instead, so a run is a transaction. Across worker processes the sync point is the
+``Exchange``'s. ``cs.Variable`` and ``cs.set_aggregation`` are in ``declare.py``.
 """
 
 from __future__ import annotations
@@ -20,16 +21,14 @@ import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
-import numpy as np
 import torch
 from torch.nn.modules import module as _module
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.overrides import TorchFunctionMode
 
 from .. import _context
 from .._aggregation import VariableAggregation
 from .._placement import Placement
-from . import folding
+from . import folding, steps
 from .direct import Undo
 from .modules import Filled, Slot, record_unseen, slots_of
 from .records import Central, check_aggregation, default_buffer_aggregation
@@ -124,7 +123,7 @@ class VariableStore:
         if self._overlaps and tensor.device.type == "cpu":
             with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
                 tensor.data = tensor.data.pin_memory()
-        _track(self)
+        steps.track(self)
 
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
@@ -191,8 +190,9 @@ class VariableStore:
             for handle in handles:
                 handle.remove()
 
-    def _take(self, module: torch.nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
-              ) -> None:
+    def _take(
+        self, module: torch.nn.Module, name: str, tensor: torch.Tensor, is_buffer: bool
+    ) -> None:
         """Make ``tensor``, which ``module`` registers as ``name``, a central variable (a
         known one keeps its aggregation), and note the module slot that holds it."""
         record = self.record(tensor)
@@ -438,48 +438,6 @@ def current_store() -> VariableStore:
     return cast(VariableStore, _context.current().store)
 
 
-# -- every optimizer step is a sync point of the stores that own its parameters ------------
-
-_stores: weakref.WeakSet[VariableStore] = weakref.WeakSet()
-_handle: list[Any] = []
-
-
-def _track(store: VariableStore) -> None:
-    """Make optimizer steps sync points for ``store``; the global hook lives while some
-    store with variables does."""
-    if store in _stores:
-        return
-    _stores.add(store)
-    weakref.finalize(store, _release)
-    if not _handle:
-        _handle.append(register_optimizer_step_pre_hook(_before_step))
-
-
-def _release() -> None:
-    if not _stores and _handle:
-        _handle.pop().remove()
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _context.in_replica_of_strategy():
-        if current_store().owns_any(params):
-            raise RuntimeError(
-                "optimizer.step() was called inside strategy.run (replica context), where it "
-                "would update the central variables once per replica. Call it after run, or "
-                "inside the step function as "
-                "get_replica_context().merge_call(lambda strategy: optimizer.step())."
-            )
-        return
-    for store in list(_stores):
-        if store.owns_any(params):
-            store.claim("optimizer.step()")
-            try:
-                store.sync()
-            finally:
-                store.release()
-
-
 class _RegistrationMode(TorchFunctionMode):
     """Registers leaf tensors created with ``requires_grad=True`` inside the scope."""
 
@@ -501,63 +459,3 @@ class _RegistrationMode(TorchFunctionMode):
         ):
             self._store.register(out, VariableAggregation.NONE)
         return out
-
-
-def Variable(
-    initial_value: Any,
-    aggregation: VariableAggregation | str = VariableAggregation.NONE,
-    trainable: bool = True,
-) -> torch.Tensor:
-    """A central variable of the current strategy, stored once on its parameter device.
-
-    ``trainable`` means ``requires_grad`` (floating dtypes only). ``aggregation`` says how
-    writes from several replicas combine. Inside ``run`` it is a replica-local tensor on the
-    replica's device, like every tensor created there.
-
-    >>> import centralstore as cs
-    >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
-    >>> with strategy.scope():
-    ...     steps = cs.Variable(0, aggregation="ONLY_FIRST_REPLICA", trainable=False)
-    >>> _ = strategy.run(lambda: steps.add_(1))
-    >>> int(steps)
-    1
-    """
-    parsed = VariableAggregation.parse(aggregation)
-    value = torch.from_numpy(initial_value) if isinstance(initial_value, np.ndarray) else (
-        torch.as_tensor(initial_value)
-    )
-    entry = _context.current()
-    in_replica = entry.replica_context is not None and entry is not _context.default()
-    store = current_store()
-    device = torch.get_default_device() if in_replica else store.placement.parameter_storage
-    tensor = value.detach().to(device, copy=True)
-    if trainable and (tensor.is_floating_point() or tensor.is_complex()):
-        tensor.requires_grad_(True)
-    if not in_replica:
-        store.register(tensor, parsed)
-    return tensor
-
-
-def set_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation | str) -> None:
-    """Give a central variable of the current strategy an aggregation for writes in ``run``.
-
-    >>> import centralstore as cs
-    >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
-    >>> with strategy.scope():
-    ...     total = torch.zeros((), requires_grad=True)
-    ...     cs.set_aggregation(total, "SUM")
-    >>> with torch.no_grad():
-    ...     _ = strategy.run(lambda: total.add_(1.0))
-    >>> total.item()
-    2.0
-    """
-    store = current_store()
-    if store.record(tensor) is None:
-        raise ValueError(
-            f"set_aggregation needs a central variable of {_context.current().strategy!r}, "
-            f"but got a tensor of "
-            f"shape {tuple(tensor.shape)} that is not one. Create it inside strategy.scope() "
-            "(on a module, with requires_grad=True, or with cs.Variable) and call "
-            "set_aggregation inside that scope."
-        )
-    store.register(tensor, VariableAggregation.parse(aggregation))

@@ -1,0 +1,58 @@
+"""Every optimizer step is a sync point of the stores that own its parameters.
+
+One global ``register_optimizer_step_pre_hook`` serves every store, and lives while some store
+with variables does. It syncs only the stores holding the optimizer's parameters, so
+strategies stay isolated (and, across workers, no process enters another store's exchange);
+inside ``run`` it refuses the step, which would update the variables once per replica.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import _context
+
+if TYPE_CHECKING:
+    from .store import VariableStore
+
+_stores: weakref.WeakSet[VariableStore] = weakref.WeakSet()
+_handle: list[Any] = []
+
+
+def track(store: VariableStore) -> None:
+    """Make optimizer steps sync points for ``store``."""
+    if store in _stores:
+        return
+    _stores.add(store)
+    weakref.finalize(store, _release)
+    if not _handle:
+        _handle.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _release() -> None:
+    if not _stores and _handle:
+        _handle.pop().remove()
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _context.in_replica_of_strategy():
+        if cast("VariableStore", _context.current().store).owns_any(params):
+            raise RuntimeError(
+                "optimizer.step() was called inside strategy.run (replica context), where it "
+                "would update the central variables once per replica. Call it after run, or "
+                "inside the step function as "
+                "get_replica_context().merge_call(lambda strategy: optimizer.step())."
+            )
+        return
+    for store in list(_stores):
+        if store.owns_any(params):
+            store.claim("optimizer.step()")
+            try:
+                store.sync()
+            finally:
+                store.release()
