@@ -9,21 +9,28 @@ inside ``run`` it refuses the step, which would update the variables once per re
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _context
 
-if TYPE_CHECKING:
-    from .store import VariableStore
 
-_stores: weakref.WeakSet[VariableStore] = weakref.WeakSet()
+class Store(Protocol):
+    """What the hook needs of a ``VariableStore``."""
+
+    def owns_any(self, tensors: list[torch.Tensor]) -> bool: ...
+    def claim(self, doing: str) -> None: ...
+    def release(self) -> None: ...
+    def sync(self) -> None: ...
+
+
+_stores: weakref.WeakSet[Store] = weakref.WeakSet()
 _handle: list[Any] = []
 
 
-def track(store: VariableStore) -> None:
+def track(store: Store) -> None:
     """Make optimizer steps sync points for ``store``."""
     if store in _stores:
         return
@@ -41,7 +48,7 @@ def _release() -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if _context.in_replica_of_strategy():
-        if cast("VariableStore", _context.current().store).owns_any(params):
+        if cast(Store, _context.current().store).owns_any(params):
             raise RuntimeError(
                 "optimizer.step() was called inside strategy.run (replica context), where it "
                 "would update the central variables once per replica. Call it after run, or "
