@@ -311,7 +311,7 @@ class VariableStore:
             restore_class(self._lent)
             self._lent = []
         found = None
-        if error is None:
+        if error is None and any(replica.unseen for replica in self.replicas):
             try:
                 record_unseen(self.replicas)
             except ValueError as unseen_write:  # a write the variable's aggregation forbids
@@ -322,7 +322,8 @@ class VariableStore:
 
     def sync(self) -> None:
         """A sync point outside the end of ``run`` (``merge_call``, an optimizer step)."""
-        record_unseen(self.replicas)
+        if any(replica.unseen for replica in self.replicas):
+            record_unseen(self.replicas)
         self.exchange.sync(self, None)
 
     def fold(self, discard: bool = False) -> None:
