@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -10,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from centralstore.input import prefetch
 from centralstore.input.prefetch import PrefetchIterator
 
 
@@ -99,3 +102,33 @@ def test_dropping_the_iterator_stops_its_thread() -> None:
     gc.collect()
     assert ref() is None
     assert wait_until(lambda: input_threads() <= before)
+
+
+def test_producers_still_running_at_exit_are_stopped_and_joined() -> None:
+    iterator = PrefetchIterator(Counting(), buffer_size=2)
+    next(iterator)
+    thread = iterator._thread
+    prefetch._stop_producers()  # what atexit calls
+    assert not thread.is_alive()
+
+
+EXITS_WHILE_PRODUCING = """
+import torch, centralstore as cs
+def heavy(x):
+    for _ in range(20):
+        x = (torch.randn(200, 200) @ torch.randn(200, 200)).sum() + x
+    return x
+it = iter(cs.Dataset.range(10**9).map(heavy).prefetch(4))
+next(it)
+"""
+
+
+def test_a_process_exiting_while_its_producer_computes_exits_cleanly() -> None:
+    # Before producers were stopped at exit, this aborted in 6 runs of 6 with "terminate
+    # called without an active exception" (the producer was inside a matmul).
+    result = subprocess.run(
+        [sys.executable, "-c", EXITS_WHILE_PRODUCING], capture_output=True, text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+

@@ -4,11 +4,15 @@ It feeds ``Dataset.prefetch`` and the steps of a ``DistributedIterator``. The ba
 thread holds only the source iterator and its queues, never the iterator object the user
 holds: dropping that object (a ``break``, garbage collection) sets the stop event through
 ``weakref.finalize``, and the thread, which waits for room only with a timeout, ends
-promptly.
+promptly. At interpreter exit every producer still running is stopped and joined while the
+interpreter is whole: a daemon thread still inside a torch call when it finalizes (a ``map``
+over tensors, a batch being stacked) aborts the process ("terminate called without an active
+exception").
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import weakref
@@ -17,6 +21,9 @@ from typing import Any
 
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
+
+# Producer threads still running, with what stops them: its room queue and stop event.
+_running: dict[threading.Thread, tuple[queue.SimpleQueue[None], threading.Event]] = {}
 
 
 class PrefetchIterator(Iterator[Any]):
@@ -51,6 +58,7 @@ class PrefetchIterator(Iterator[Any]):
             daemon=True,
         )
         self._halt = weakref.finalize(self, _halt, self._room, stop)
+        _running[self._thread] = (self._room, stop)
         self._thread.start()
 
     def __iter__(self) -> PrefetchIterator:
@@ -104,6 +112,7 @@ def _produce(
     finally:
         if stop.is_set():  # wake a consumer that may still wait for an item
             items.put(end)
+        _running.pop(threading.current_thread(), None)
 
 
 def _wait_for_room(room: queue.SimpleQueue[None], stop: threading.Event) -> bool:
@@ -121,3 +130,13 @@ def _halt(room: queue.SimpleQueue[None], stop: threading.Event) -> None:
     """Tell the producer to stop, and wake it if it waits for room."""
     stop.set()
     room.put(None)
+
+
+@atexit.register
+def _stop_producers() -> None:
+    """Stop every producer thread still running, and wait for each briefly."""
+    running = list(_running.items())
+    for room, stop in (entry for _, entry in running):
+        _halt(room, stop)
+    for thread, _ in running:
+        thread.join(_JOIN_S)
