@@ -318,6 +318,21 @@ def test_backward_on_reduced_loss_outside_run_reaches_central_grad() -> None:
     torch.testing.assert_close(model.bias.grad, oracle.bias.grad)
 
 
+def test_a_backward_through_a_kept_tensor_is_folded_at_the_next_run() -> None:
+    x = torch.randn(6, 3)
+    strategy = strategy_of(2)
+    model, _ = linear_model(strategy)
+    kept: list[torch.Tensor] = []
+    strategy.run(lambda xs: kept.append(model(xs).sum()), args=(halves(x),))
+    for loss in kept:  # not returned by run: the gradients stay on the replicas' views
+        loss.backward()
+    assert model.weight.grad is None
+    strategy.run(lambda: None)  # its sync point takes them
+    oracle, _ = linear_model(cs.OneDeviceStrategy("cpu"))
+    oracle(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, oracle.weight.grad)
+
+
 def test_merge_call_optimizer_step_inside_the_step_function() -> None:
     x = torch.randn(6, 3)
     strategy = strategy_of(2)
