@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
+
+from centralstore import _replicas
 
 SCRIPT = textwrap.dedent(
     """
@@ -52,3 +56,25 @@ def test_exiting_on_an_interrupted_run_never_aborts(attempt: int) -> None:
     assert "KeyboardInterrupt" in result.stderr
     assert "replica threads had left: True" in result.stdout
     assert "terminate called" not in result.stderr
+
+
+def test_at_exit_threads_of_a_collected_pool_are_joined_too() -> None:
+    """A pool closed and collected while one of its threads still works: the exit waits for
+    that thread as well (a daemon thread inside a torch call at finalization aborts)."""
+    pool = _replicas.ThreadPool("test-collected")
+    release, entered = threading.Event(), threading.Event()
+
+    def work(replica: int) -> None:
+        entered.set()
+        release.wait(10)
+
+    pool.submit(0, 1, work)
+    assert entered.wait(10)
+    thread = next(t for t in threading.enumerate() if t.name == "test-collected-replica-1")
+    pool.close()
+    del pool
+    gc.collect()
+    assert not any(p._name == "test-collected" for p in _replicas._pools)
+    threading.Timer(0.2, release.set).start()
+    _replicas._stop_all()  # what atexit calls
+    assert not thread.is_alive()

@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -274,7 +275,6 @@ class ThreadPool:
     def __init__(self, name: str) -> None:
         self._name = name
         self._queues: dict[tuple[int, int], _Tasks] = {}
-        self._threads: list[threading.Thread] = []
         self._busy: set[int] = set()
         self._lock = threading.Lock()
         _pools.add(self)
@@ -303,7 +303,9 @@ class ThreadPool:
                     name=f"{self._name}-replica-{replica}{suffix}", daemon=True,
                 )
                 thread.start()
-                self._threads.append(thread)
+                with _started_lock:
+                    _started[:] = [t for t in _started if t.is_alive()]
+                    _started.append(thread)
                 self._queues[crew, replica] = tasks
         tasks.put((task, replica))
 
@@ -313,13 +315,13 @@ class ThreadPool:
                 tasks.put(None)
             self._queues.clear()
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the closed pool's threads to end."""
-        for thread in self._threads:
-            thread.join(timeout)
-
 
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+# Replica threads not yet seen to have ended, of every pool, collected or not: a thread whose
+# pool was closed may still be winding down at exit.
+_started: list[threading.Thread] = []
+_started_lock = threading.Lock()
+_EXIT_JOIN_S = 5.0
 
 
 @atexit.register
@@ -327,11 +329,13 @@ def _stop_all() -> None:
     """At exit, stop every pool's threads while the interpreter is still whole. (A daemon
     thread that is still inside a torch call when the interpreter finalizes is killed there,
     and the C++ runtime aborts the process with SIGABRT.)"""
-    pools = list(_pools)
-    for pool in pools:
+    for pool in list(_pools):
         pool.close()
-    for pool in pools:
-        pool.join(timeout=5.0)
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    with _started_lock:
+        started = list(_started)
+    for thread in started:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _thread_loop(q: _Tasks) -> None:

@@ -132,3 +132,31 @@ def test_a_process_exiting_while_its_producer_computes_exits_cleanly() -> None:
     )
     assert result.returncode == 0, result.stderr
 
+
+
+SOURCE_TEARS_DOWN_AT_EXIT = """
+import time, torch, centralstore as cs
+def source():
+    try:
+        while True:
+            yield torch.zeros(())
+    finally:  # runs on the producer thread, after its last item, when it drops the source
+        x = torch.randn(200, 200)
+        for _ in range(3000):
+            x = torch.tanh(x @ x)
+spec = cs.data.TensorSpec((), torch.float32)
+it = iter(cs.Dataset.from_generator(source, output_signature=spec).prefetch(2))
+next(it)
+del it  # the producer stops at once, then tears the source down
+time.sleep(0.01)
+"""
+
+
+def test_a_process_exiting_while_a_stopped_producer_tears_its_source_down_exits_cleanly() -> None:
+    # While the producer left the registry on its last item, this aborted in 3 runs of 3: the
+    # source's teardown was still inside a matmul when the interpreter finalized.
+    result = subprocess.run(
+        [sys.executable, "-c", SOURCE_TEARS_DOWN_AT_EXIT], capture_output=True, text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr

@@ -4,9 +4,10 @@ It feeds ``Dataset.prefetch`` and the steps of a ``DistributedIterator``. The ba
 thread holds only the source iterator and its queues, never the iterator object the user
 holds: dropping that object (a ``break``, garbage collection) sets the stop event through
 ``weakref.finalize``, and the thread, which waits for room only with a timeout, ends
-promptly. At interpreter exit every producer still running is stopped and joined while the
-interpreter is whole: a daemon thread still inside a torch call when it finalizes (a ``map``
-over tensors, a batch being stacked) aborts the process ("terminate called without an active
+promptly. At interpreter exit every producer thread that has not ended is stopped and joined
+while the interpreter is whole: a daemon thread still inside a torch call when it finalizes (a
+``map`` over tensors, a batch being stacked, or the source's own teardown, which runs on that
+thread after its last item) aborts the process ("terminate called without an active
 exception").
 """
 
@@ -15,15 +16,19 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
+_EXIT_JOIN_S = 10.0  # how long the exit waits for all of them together
 
-# Producer threads still running, with what stops them: its room queue and stop event.
-_running: dict[threading.Thread, tuple[queue.SimpleQueue[None], threading.Event]] = {}
+# Producer threads not yet seen to have ended, with what stops each: its room queue and stop
+# event. A thread is dropped from here only once it is dead: after its target returns it still
+# releases the source, whose teardown may call torch.
+_producers: dict[threading.Thread, tuple[queue.SimpleQueue[None], threading.Event]] = {}
 
 
 class PrefetchIterator(Iterator[Any]):
@@ -58,7 +63,9 @@ class PrefetchIterator(Iterator[Any]):
             daemon=True,
         )
         self._halt = weakref.finalize(self, _halt, self._room, stop)
-        _running[self._thread] = (self._room, stop)
+        for ended in [thread for thread in _producers if not thread.is_alive()]:
+            del _producers[ended]
+        _producers[self._thread] = (self._room, stop)
         self._thread.start()
 
     def __iter__(self) -> PrefetchIterator:
@@ -112,7 +119,6 @@ def _produce(
     finally:
         if stop.is_set():  # wake a consumer that may still wait for an item
             items.put(end)
-        _running.pop(threading.current_thread(), None)
 
 
 def _wait_for_room(room: queue.SimpleQueue[None], stop: threading.Event) -> bool:
@@ -134,9 +140,11 @@ def _halt(room: queue.SimpleQueue[None], stop: threading.Event) -> None:
 
 @atexit.register
 def _stop_producers() -> None:
-    """Stop every producer thread still running, and wait for each briefly."""
-    running = list(_running.items())
-    for room, stop in (entry for _, entry in running):
+    """Stop every producer thread that has not ended, and wait for them (at most
+    ``_EXIT_JOIN_S`` seconds in all: a source blocked for good must not hang the exit)."""
+    producers = list(_producers.items())
+    for room, stop in (entry for _, entry in producers):
         _halt(room, stop)
-    for thread, _ in running:
-        thread.join(_JOIN_S)
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for thread, _ in producers:
+        thread.join(max(0.0, deadline - time.monotonic()))
