@@ -72,22 +72,27 @@ class Filled:
             raise
 
     def _fill(self, slots: list[Slot]) -> None:
-        resolve = self.views.resolve
-        entries = self._entries
+        replica = self.views
+        known, epoch, validate = replica.views, replica.epoch, replica.validate
+        append = self._entries.append
         for module_ref, name, record, keeps_list in slots:
             module = module_ref()
-            central = record.ref()
-            if module is None or central is None:
+            if module is None:
                 continue
             table: dict[str, Any] = module._buffers if record.is_buffer else module._parameters
-            if id(table.get(name)) != record.key:  # the module holds something else now
+            central: Any = table.get(name)
+            # The module may hold something else now. (A live tensor with the record's id is
+            # its variable: the record of a dead one is gone, and with it the cached slots.)
+            if id(central) != record.key:
                 continue
-            view = resolve(record, False)
-            tensor = view.tensor
+            view = known.get(record.key)
+            if view is None or view.epoch != epoch:
+                view = validate(record, central, view)
             if not view.private and record.aggregation is not VariableAggregation.NONE:
                 continue
+            tensor = view.tensor
             table[name] = tensor
-            entries.append((table, name, central, view, tensor, tensor._version))
+            append((table, name, central, view, tensor, tensor._version))
             if keeps_list and module not in self._rnns:
                 self._rnns.append(module)
         for module in self._rnns:

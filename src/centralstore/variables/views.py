@@ -160,25 +160,29 @@ class ReplicaViews:
     def resolve(self, record: Central, write: bool) -> View:
         view = self.views.get(record.key)
         if view is None or view.epoch != self.epoch:
-            view = self._validate(record, view)
+            central = record.ref()
+            assert central is not None  # records of dead tensors are removed by their weakref
+            view = self.validate(record, central, view)
         if write and not view.private:
             self._route(view)
         return view
 
-    def _validate(self, record: Central, view: View | None) -> View:
-        central = record.ref()
-        assert central is not None  # records of dead tensors are removed by their weakref
-        if view is None or view.tensor.shape != central.shape or view.tensor.dtype != (
-            central.dtype
-        ):
+    def validate(self, record: Central, central: torch.Tensor, view: View | None) -> View:
+        """``view`` (or a new one) made current for this epoch: recreated when ``central``
+        changed shape, dtype or storage, refreshed when a private copy is stale."""
+        if view is None:
             view = self._create(record, central)
-        elif not view.private:
-            if view.tensor.data_ptr() != central.data_ptr():  # storage replaced (.data = ...)
+        else:
+            tensor = view.tensor
+            if tensor.shape != central.shape or tensor.dtype != central.dtype:
                 view = self._create(record, central)
-        elif central._version != view.central_version or view.written():
-            with torch.no_grad():
-                view.tensor.copy_(central, non_blocking=True)
-            self._copied(central)
+            elif not view.private:
+                if tensor.data_ptr() != central.data_ptr():  # storage replaced (.data = ...)
+                    view = self._create(record, central)
+            elif central._version != view.central_version or view.written():
+                with torch.no_grad():
+                    tensor.copy_(central, non_blocking=True)
+                self._copied(central)
         view.central_version = central._version
         view.start_version = view.tensor._version
         view.assigned = False
