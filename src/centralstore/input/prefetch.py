@@ -63,8 +63,9 @@ class PrefetchIterator(Iterator[Any]):
             daemon=True,
         )
         self._halt = weakref.finalize(self, _halt, self._room, stop)
-        for ended in [thread for thread in _producers if not thread.is_alive()]:
-            del _producers[ended]
+        for thread in list(_producers):  # a copy: iterators may be made on several threads
+            if not thread.is_alive():
+                _producers.pop(thread, None)
         _producers[self._thread] = (self._room, stop)
         self._thread.start()
 
