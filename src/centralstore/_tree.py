@@ -25,6 +25,20 @@ def flatten(
     return _pytree.tree_flatten(tree, is_leaf=is_leaf)
 
 
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` in order, as ``flatten`` gives them. Plain tuples, lists and
+    dicts are walked directly (``run`` takes the leaves of its arguments and outputs at every
+    call); other registered containers go through pytree."""
+    cls = type(tree)
+    if cls is tuple or cls is list:
+        return [leaf for item in tree for leaf in leaves(item)]
+    if cls is dict:
+        return [leaf for item in tree.values() for leaf in leaves(item)]
+    if _is_leaf(tree):
+        return [tree]
+    return flatten(tree)[0]
+
+
 def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
     """Rebuild a tree of the structure ``spec`` from ``leaves``."""
     return _pytree.tree_unflatten(leaves, spec)

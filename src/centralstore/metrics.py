@@ -197,8 +197,8 @@ def _swap(metric: Any, copy: _Copy) -> None:
 
 def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
     """Default states on the device of the replica's first input tensor (else the metric's)."""
-    leaves, _ = _tree.flatten((args, kwargs))
-    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), metric.device)
+    tensors = (t for t in _tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    device = next((t.device for t in tensors), metric.device)
     states: dict[str, Any] = {
         name: default.detach().clone().to(device) if isinstance(default, torch.Tensor) else []
         for name, default in metric._defaults.items()

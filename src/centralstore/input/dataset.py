@@ -227,7 +227,7 @@ class _Stage(Dataset):
         self._generate = generate
         self._args = args
         self._cardinality = n
-        inputs = [a for a in _tree.flatten(args)[0] if isinstance(a, DatasetBase)]
+        inputs = [a for a in _tree.leaves(args) if isinstance(a, DatasetBase)]
         self._options = merged(*(d._options for d in inputs), options)
 
     def __iter__(self) -> Iterator[Any]:
@@ -235,7 +235,7 @@ class _Stage(Dataset):
 
     def _random_stages(self) -> list[Any]:
         found: dict[int, Any] = {}
-        for leaf in _tree.flatten(self._args)[0]:
+        for leaf in _tree.leaves(self._args):
             inner = leaf._random_stages() if isinstance(leaf, DatasetBase) else [leaf]
             found.update((id(s), s) for s in inner if isinstance(s, _stages.Seeds))
         return list(found.values())

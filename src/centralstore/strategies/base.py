@@ -202,7 +202,7 @@ class Strategy(abc.ABC):
                 error.add_note(note)
             raise error
         if store.uses_views:
-            store.watch([t for t in _tree.flatten(state.outputs)[0] if isinstance(t, torch.Tensor)])
+            store.watch([t for t in _tree.leaves(state.outputs) if isinstance(t, torch.Tensor)])
         if local == 1:
             return state.outputs[0]
         return regroup(state.outputs)
@@ -212,7 +212,7 @@ class Strategy(abc.ABC):
     def _check_components(self, value: Any, what: str) -> None:
         """Every PerReplica leaf of ``value`` has one component per local replica."""
         local = self._placement.local_replicas
-        for leaf in _tree.flatten(value)[0]:
+        for leaf in _tree.leaves(value):
             if isinstance(leaf, PerReplica) and len(leaf) != local:
                 raise ValueError(
                     f"{what} hold a PerReplica of {len(leaf)} components, but this strategy "
