@@ -4,6 +4,8 @@ For R = 1, 2 and 4 replicas on logical CPU devices, each case is timed against t
 function called plainly in the same process:
   run(lambda: None)             the dispatch cost of run with nothing to do
   run(lambda x: x, (tensor,))   the same with an argument passed to every replica
+  run(f, (PerReplica, PerReplica))  a step's input: two PerReplica arguments, each replica
+                                its components; f returns nothing
   reduce(SUM, PerReplica)       R tensors of 4 floats summed; plain: the same additions
   run with one all_reduce       the threaded path: replica 0 meets a rendezvous, so the other
                                 replicas run on replica threads; plain: the same all_reduce
@@ -50,6 +52,9 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
     def nothing() -> None:
         return None
 
+    def consume(x: torch.Tensor, y: torch.Tensor) -> None:
+        return None
+
     def identity(x: torch.Tensor) -> torch.Tensor:
         return x
 
@@ -68,6 +73,10 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
         "run(lambda: None)": (lambda: strategy.run(nothing), nothing, 1),
         "run(lambda x: x, (t,))": (
             lambda: strategy.run(identity, args=(tensor,)), lambda: identity(tensor), 1,
+        ),
+        "run(f, (PerReplica, PerReplica))": (
+            lambda: strategy.run(consume, args=(value, value)),
+            lambda: consume(components[0], components[0]), 1,
         ),
         "reduce(SUM, PerReplica)": (
             lambda: strategy.reduce(cs.ReduceOp.SUM, value), plain_sum, 1,
@@ -109,13 +118,14 @@ def main() -> None:
     results = measure(options.rounds, options.batch)
 
     names = list(dict.fromkeys(name for name, _ in results))
-    header = f"{'case':<26}" + "".join(f"{f'R={r} cs':>11}{'plain':>9}" for r in REPLICAS)
+    width = max(len(name) for name in names) + 2
+    header = f"{'case':<{width}}" + "".join(f"{f'R={r} cs':>11}{'plain':>9}" for r in REPLICAS)
     print(f"median microseconds per call, {options.rounds} rounds x {options.batch} calls, "
           f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
     print(header)
     print("-" * len(header))
     for name in names:
-        row = f"{name:<26}"
+        row = f"{name:<{width}}"
         for replicas in REPLICAS:
             through, plain = results[name, replicas]
             row += f"{through:>11.1f}{plain:>9.2f}"
