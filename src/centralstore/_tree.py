@@ -39,9 +39,9 @@ def leaves(tree: Any) -> list[Any]:
     return flatten(tree)[0]
 
 
-def unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
-    """Rebuild a tree of the structure ``spec`` from ``leaves``."""
-    return _pytree.tree_unflatten(leaves, spec)
+def unflatten(values: list[Any], spec: TreeSpec) -> Any:
+    """Rebuild a tree of the structure ``spec`` from its leaves, ``values``."""
+    return _pytree.tree_unflatten(values, spec)
 
 
 def map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
