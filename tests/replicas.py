@@ -7,9 +7,16 @@ from typing import Any
 import centralstore as cs
 
 
-def strategy_of(replicas: int) -> cs.CentralStorageStrategy:
-    """A strategy with ``replicas`` replicas on ``cpu:0``, ``cpu:1``, ..."""
-    return cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+def strategy_of(replicas: int, direct: bool = True) -> cs.CentralStorageStrategy:
+    """A strategy with ``replicas`` replicas on ``cpu:0``, ``cpu:1``, ...; ``direct=False``:
+    its replicas see views of every parameter, as replicas on GPUs other than the parameter
+    device do, instead of using the parameters directly (``variables/direct.py``)."""
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    if not direct:
+        store = strategy._store
+        store._on_parameters = (False,) * replicas
+        store._plan = None
+    return strategy
 
 
 def context() -> cs.ReplicaContext:

@@ -14,8 +14,16 @@ def per_replica(x: torch.Tensor, replicas: int = 2) -> cs.PerReplica[torch.Tenso
     return cs.PerReplica(list(x.chunk(replicas)))
 
 
-def test_module_code_sees_plain_views_and_the_variables_come_back_after_run() -> None:
-    strategy = strategy_of(2)
+# On logical CPU devices the replicas use the parameters directly (variables/direct.py);
+# "views" makes them see views of every parameter, as replicas on other GPUs do.
+MECHANISMS = pytest.mark.parametrize("direct", [True, False], ids=["direct", "views"])
+
+
+@MECHANISMS
+def test_module_code_sees_the_parameters_or_plain_views_and_they_come_back_after_run(
+    direct: bool,
+) -> None:
+    strategy = strategy_of(2, direct=direct)
     with strategy.scope():
         model = nn.Linear(3, 1)
     central = model.weight
@@ -25,18 +33,22 @@ def test_module_code_sees_plain_views_and_the_variables_come_back_after_run() ->
         return type(weight), weight is central, bool(torch.equal(weight, central))
 
     for kind, same, equal in local(strategy, strategy.run(step)):
-        assert kind is torch.Tensor and not same and equal
+        if direct:
+            assert kind is nn.Parameter and same
+        else:
+            assert kind is torch.Tensor and not same and equal
     assert model.weight is central and type(central) is nn.Parameter
 
 
-def test_replicas_on_threads_after_a_rendezvous_resolve_through_the_class() -> None:
-    strategy = strategy_of(2)
+@MECHANISMS
+def test_replicas_on_threads_after_a_rendezvous_resolve_through_the_class(direct: bool) -> None:
+    strategy = strategy_of(2, direct=direct)
     with strategy.scope():
         model = nn.Linear(3, 1)
     x = torch.randn(4, 3)
 
     def step(xs: torch.Tensor) -> torch.Tensor:
-        hidden = model(xs)  # before the rendezvous: replica 0 through its slots
+        hidden = model(xs)  # before the rendezvous: replica 0 directly or through its slots
         total = context().all_reduce("sum", hidden.detach().sum())
         loss = (model(xs) + hidden).sum() + 0 * total  # after it: every replica on a thread
         loss.backward()
@@ -98,18 +110,23 @@ def test_a_sum_buffer_stays_with_the_class_and_adds_every_replicas_delta() -> No
     torch.testing.assert_close(module.average, (halves[0] + halves[1]) / 2)
 
 
-def test_a_shared_parameter_written_through_its_slot_raises_in_that_replica() -> None:
-    strategy = strategy_of(2)
+@MECHANISMS
+@pytest.mark.parametrize("writer", [0, 1])
+def test_a_shared_parameter_written_in_place_raises_in_that_replica(
+    direct: bool, writer: int
+) -> None:
+    strategy = strategy_of(2, direct=direct)
     with strategy.scope():
         model = nn.Linear(3, 1)
 
     def step() -> None:
-        with torch.no_grad():
-            model.weight.mul_(2.0)
+        if replica_id() == writer:
+            with torch.no_grad():
+                model.weight.mul_(2.0)
 
-    with pytest.raises(ValueError, match=r"'weight'.*aggregation is NONE") as info:
+    with pytest.raises(ValueError, match=rf"Replica {writer} wrote.*'weight'.*NONE") as info:
         strategy.run(step)
-    assert "replica 0" in str(info.value.__notes__)
+    assert f"replica {writer}" in str(info.value.__notes__)
 
 
 def test_a_parameter_with_an_aggregation_is_written_through_the_class() -> None:
@@ -162,9 +179,13 @@ def lstm_gradients(strategy: cs.Strategy, x: torch.Tensor) -> list[torch.Tensor 
     return [p.grad for p in lstm.parameters()]
 
 
-def test_an_lstm_uses_the_views_in_its_list_of_weights_and_matches_one_device() -> None:
+@MECHANISMS
+def test_an_lstm_uses_the_views_in_its_list_of_weights_and_matches_one_device(
+    direct: bool,
+) -> None:
     x = torch.randn(4, 5, 3)
-    got, want = lstm_gradients(strategy_of(2), x), lstm_gradients(cs.OneDeviceStrategy("cpu"), x)
+    got = lstm_gradients(strategy_of(2, direct=direct), x)
+    want = lstm_gradients(cs.OneDeviceStrategy("cpu"), x)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
@@ -186,15 +207,18 @@ def tied_gradient(strategy: cs.Strategy, x: torch.Tensor) -> torch.Tensor | None
     return embed.weight.grad
 
 
-def test_tied_weights_share_one_view_and_one_gradient() -> None:
+@MECHANISMS
+def test_tied_weights_share_one_view_and_one_gradient(direct: bool) -> None:
     x = torch.randint(0, 5, (4, 2))
     torch.testing.assert_close(
-        tied_gradient(strategy_of(2), x), tied_gradient(cs.OneDeviceStrategy("cpu"), x)
+        tied_gradient(strategy_of(2, direct=direct), x),
+        tied_gradient(cs.OneDeviceStrategy("cpu"), x),
     )
 
 
-def test_a_module_given_another_tensor_keeps_it() -> None:
-    strategy = strategy_of(2)
+@MECHANISMS
+def test_a_module_given_another_tensor_keeps_it(direct: bool) -> None:
+    strategy = strategy_of(2, direct=direct)
     with strategy.scope():
         model = nn.Linear(1, 1, bias=False)
     replacement = nn.Parameter(torch.full((1, 1), 3.0))

@@ -49,13 +49,14 @@ def _transformer() -> nn.Module:
 
 
 def _train(
-    replicas: int, form: str, build: Callable[[], nn.Module] = _model, steps: int = 4
+    replicas: int, form: str, build: Callable[[], nn.Module] = _model, steps: int = 4,
+    direct: bool = True,
 ) -> list[torch.Tensor]:
     """Weights and buffers after ``steps`` SGD steps with the model or step compiled as
     ``form`` ("eager", "model", "fullgraph" or "step"); recompiling after the second step
-    raises."""
+    raises. ``direct=False``: the replicas see views of the parameters (``strategy_of``)."""
     torch.manual_seed(0)
-    strategy = strategy_of(replicas)
+    strategy = strategy_of(replicas, direct=direct)
     with strategy.scope():
         model = build()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -91,11 +92,17 @@ def test_a_compiled_model_or_step_matches_eager_and_compiles_once(
     _assert_matches(_train(replicas, form), _train(replicas, "eager"))
 
 
+@pytest.mark.parametrize("form", ["model", "fullgraph", "step"])
+def test_a_compiled_model_or_step_on_views_of_the_parameters_compiles_once(form: str) -> None:
+    _assert_matches(_train(2, form, direct=False), _train(2, "eager"))
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "views"])
 @pytest.mark.parametrize("build", [_cnn, _transformer], ids=["batchnorm", "transformer"])
 def test_batch_norm_and_attention_compile_whole_with_several_replicas(
-    build: Callable[[], nn.Module]
+    build: Callable[[], nn.Module], direct: bool
 ) -> None:
-    _assert_matches(_train(2, "fullgraph", build), _train(2, "eager", build))
+    _assert_matches(_train(2, "fullgraph", build, direct=direct), _train(2, "eager", build))
 
 
 def test_a_compiled_function_reading_a_central_variable_directly_cannot_be_fullgraph() -> None:
@@ -128,12 +135,14 @@ def test_central_variables_have_their_resolving_class_only_while_replicas_run() 
         assert type(counter + 1) is torch.Tensor  # results are plain
         seen = [type(model[0].weight), type(counter)]
         seen.append(cs.get_replica_context().merge_call(lambda s: type(model[0].weight)))
+        seen.append(type(model[0].weight))
         return seen
 
     seen = strategy.experimental_local_results(strategy.run(step))[0]
-    assert seen[0] is not nn.Parameter and isinstance(model[0].weight, nn.Parameter)
+    assert seen[0] is nn.Parameter  # replica 0, before threads start, uses it directly
     assert seen[1] is not torch.Tensor
     assert seen[2] is nn.Parameter  # cross-replica code meets plain variables
+    assert seen[3] is not nn.Parameter and isinstance(model[0].weight, nn.Parameter)
     assert type(model[0].weight) is nn.Parameter and type(counter) is torch.Tensor
     buffer = io.BytesIO()
     torch.save(counter, buffer)

@@ -7,9 +7,11 @@ Such a replica finds its views in the modules themselves, as with
 holds a central variable holds the replica's view while the replica runs. Module code then
 computes on plain tensors, so no torch call pays for ``__torch_function__``, and
 ``torch.compile`` traces the views like any parameters: it guards on their shapes and dtypes,
-not on which tensor they are, and compiles once for every replica. The resolving class
-(``views.py``) still serves every other reference to a variable (a ``cs.Variable``, a list of
-parameters taken before ``run``) and the replicas on threads, which cannot share a module.
+not on which tensor they are, and compiles once for every replica. A replica that computes
+where the parameters live leaves the slots of those it uses directly (``direct.py``) as they
+are. The resolving class (``views.py``) still serves every other reference to a variable (a
+``cs.Variable``, a list of parameters taken before ``run``) and the replicas on threads,
+which cannot share a module.
 
 A write through a filled slot is not seen call by call, so it is read off the view when the
 slot is emptied: a moved version counter is a write, recorded as a delta, and a floating
@@ -118,7 +120,7 @@ class Filled:
         for _, name, central, view, tensor, version in entries:
             if tensor._version != version:
                 if not view.private or tensor is not view.tensor:
-                    _raise_shared_write(views, name, central)
+                    raise_shared_write(views.replica, name, central)
                 views.note_write(view, DELTA)
             elif view.private and view.record.is_buffer and tensor.is_floating_point() and (
                 not view.assigned
@@ -176,9 +178,10 @@ def _changed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     return flags
 
 
-def _raise_shared_write(views: ReplicaViews, name: str, central: torch.Tensor) -> None:
+def raise_shared_write(replica: int, name: str, central: torch.Tensor) -> None:
+    """A write to the module parameter ``name`` that the replicas share, found after it."""
     raise ValueError(
-        f"Replica {views.replica} wrote in place to the module parameter {name!r} of "
+        f"Replica {replica} wrote in place to the module parameter {name!r} of "
         f"shape {tuple(central.shape)}, which the replicas share and whose aggregation "
         "is NONE, so the replicas' writes cannot be combined; the write has already changed "
         "the parameter. Write it outside run (after optimizer.step()), or inside "

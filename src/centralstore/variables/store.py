@@ -5,7 +5,8 @@ A central variable lives once, on the parameter device. Inside ``strategy.scope(
 parameter and buffer registered on a module, and every tensor created with
 ``requires_grad=True``, becomes one. The store holds them weakly (a dropped model leaves no
 trace), gives each replica its views (``views.py``; in the modules' own attributes for a
-replica on the calling thread, ``modules.py``), and folds their gradients and writes back at
+replica on the calling thread, ``modules.py``) or, where replicas compute on the parameter
+device, the parameters themselves (``direct.py``), and folds their gradients and writes back at
 each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every step of
 an optimizer over its variables (``steps.py``). A sync point after a failed run discards
 instead, so a run is a transaction. Across worker processes the sync point is the
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
@@ -29,8 +31,8 @@ from .. import _context
 from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding, steps
-from .direct import Undo
-from .modules import Filled, Slot, record_unseen, slots_of
+from .direct import DirectReplicas, Undo, shared_parameters
+from .modules import Filled, raise_shared_write, record_unseen, slots_of
 from .records import Central, check_aggregation, default_buffer_aggregation
 from .views import (
     GradientReceiver,
@@ -92,7 +94,16 @@ class VariableStore:
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._lent: list[torch.Tensor] = []  # variables with the resolving class, in a run
-        self._slots: list[Slot] | None = None  # module slots of the records, when known
+        self._plan: _Plan | None = None  # how replicas see the records, while they stay
+        # whether each replica computes where the parameters live (and so may use them
+        # directly, ``DirectReplicas``): only in one process of several replicas
+        several = 1 < placement.local_replicas == placement.num_replicas
+        self._on_parameters = tuple(
+            several and device == placement.parameter_storage
+            for device in placement.storage_devices
+        )
+        self._shared: DirectReplicas | None = None  # the parameters used directly, in a run
+        self._shared_lent = False  # whether they have the resolving class now
         self._filled: Filled | None = None  # the slots filled by the replica running now
         self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
@@ -112,11 +123,11 @@ class VariableStore:
         if record is not None:
             if record.aggregation is not aggregation:
                 record.aggregation = aggregation
-                self._slots = None
+                self._plan = None
             return
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         self.records[key] = Central(key, ref, aggregation, is_buffer)
-        self._slots = None
+        self._plan = None
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
@@ -127,7 +138,7 @@ class VariableStore:
 
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
-        self._slots = None
+        self._plan = None
         self._foreign.discard(key)
         for views in self.replicas:
             views.forget(key)
@@ -203,7 +214,7 @@ class VariableStore:
             self.register(tensor, aggregation, is_buffer=is_buffer)
             record = self.records[id(tensor)]
         if record.add_owner(module, name):
-            self._slots = None
+            self._plan = None
 
     # -- run ---------------------------------------------------------------------------------
 
@@ -250,17 +261,85 @@ class VariableStore:
             return contextlib.nullcontext()
         return _ReplicaMode(self, self.replicas[replica], fill)
 
-    def slots(self) -> list[Slot]:
-        if self._slots is None:
-            self._slots = slots_of(self.records)
-        return self._slots
+    def plan(self) -> _Plan:
+        if self._plan is None:
+            self._plan = _Plan(self)
+        return self._plan
+
+    def enter_replica(self, views: ReplicaViews) -> None:
+        """Replica ``views.replica`` starts on the calling thread: it uses the shared
+        parameters directly if it computes where they live (``DirectReplicas``), and fills
+        the other slots with its views."""
+        plan = self.plan()
+        direct = self._shared is not None and self._on_parameters[views.replica]
+        if self._shared is not None:
+            self._lend_shared(not direct)
+        slots = plan.direct_slots if direct else plan.slots
+        if slots:
+            self._filled = Filled(views, slots)
+
+    def leave_replica(self, views: ReplicaViews, finished: bool) -> None:
+        """Replica ``views.replica``, on the calling thread, ends (``finished``: it returned):
+        its slots are emptied and its writes recorded, and the gradients it left on the
+        shared parameters are set aside for the next replica."""
+        filled, self._filled = self._filled, None
+        try:
+            if filled is not None:
+                try:
+                    filled.empty(check=finished)
+                except BaseException:
+                    finished = False
+                    raise
+        finally:
+            shared = self._shared
+            if finished and shared is not None and not self._shared_lent:  # used directly
+                self._check_shared(shared, views.replica)
+                if views.replica < len(self.replicas) - 1:
+                    shared.take_gradients()
 
     def before_threads(self) -> None:
-        """The run is about to start replica threads, which cannot share module slots: the
-        replica on the calling thread gives them back and resolves through the class."""
+        """The run is about to start replica threads, which cannot share module slots or
+        parameters: the replica on the calling thread (replica 0) gives its slots back, moves
+        the gradients it left on the shared parameters to its views, and resolves through the
+        class from now on."""
         filled, self._filled = self._filled, None
-        if filled is not None:
-            filled.empty(check=True)
+        shared = None if self._shared_lent else self._shared
+        try:
+            if filled is not None:
+                filled.empty(check=True)
+            if shared is not None:
+                self._check_shared(shared, 0)
+                self._to_views(shared.tensors, self.replicas[0])
+        finally:
+            self._lend_shared(True)
+
+    def _check_shared(self, shared: DirectReplicas, replica: int) -> None:
+        written = shared.written()
+        if written is not None:
+            raise_shared_write(replica, self.records[id(written)].owners[0][1], written)
+
+    def _to_views(self, tensors: list[torch.Tensor], views: ReplicaViews) -> None:
+        """Move the gradients on ``tensors`` to their views in ``views``."""
+        for tensor in tensors:
+            grad = tensor.grad
+            if grad is not None:
+                view = views.resolve(self.records[id(tensor)], write=False)
+                tensor.grad = None
+                view.tensor.grad = grad
+
+    def _lend_shared(self, lent: bool) -> None:
+        """Give the shared parameters the resolving class, or take it back."""
+        if lent == self._shared_lent or self._shared is None:
+            return
+        tensors = self._shared.tensors
+        if lent:
+            lend_class(tensors)  # their class was checked when the run began
+            self._lent = self._lent + tensors
+        else:
+            restore_class(tensors)
+            keys = {id(t) for t in tensors}
+            self._lent = [t for t in self._lent if id(t) not in keys]
+        self._shared_lent = lent
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
@@ -280,24 +359,30 @@ class VariableStore:
             lend_class(lent)
             self._lent = lent  # a run nested in the merge has taken its own back
             if self.in_run and self.direct and self.records:
-                self._undo = Undo(list(self.records.values()))
+                self._undo = Undo(_live(self.records.values()))
             if filled is not None:
-                self._filled = Filled(filled.views, self.slots())
+                self._filled = Filled(filled.views, self.plan().slots)
 
     def begin_run(self) -> None:
         self.in_run = True
         if not self.records:
             return
         if self.direct:
-            self._undo = Undo(list(self.records.values()))
+            self._undo = Undo(_live(self.records.values()))
             return
-        lent = [t for record in self.records.values() if (t := record.ref()) is not None]
+        plan = self.plan()
+        lent = _live(plan.others)
+        shared: list[torch.Tensor] = []
+        for tensor in _live(plan.shared):  # another class must take the resolving one
+            (shared if type(tensor) is torch.nn.Parameter else lent).append(tensor)
         try:
             lend_class(lent)
         except TypeError:
             self.in_run = False
             raise
         self._lent = lent
+        self._shared = DirectReplicas(shared) if shared else None
+        self._shared_lent = False
         self._next_epoch()
 
     def end_run(self, error: BaseException | None) -> None:
@@ -310,6 +395,7 @@ class VariableStore:
         if self._lent:
             restore_class(self._lent)
             self._lent = []
+        self._shared_lent = False
         found = None
         if error is None and any(replica.unseen for replica in self.replicas):
             try:
@@ -341,6 +427,9 @@ class VariableStore:
         if self._undo is not None:  # a direct run: its sync point commits or rolls back
             undo, self._undo = self._undo, None
             undo.rollback() if discard else undo.commit()
+        if self._shared is not None:  # before the views' gradients: replica order
+            shared, self._shared = self._shared, None
+            shared.rollback() if discard else shared.commit()
         touched = [replica.touched for replica in self.replicas]
         if not any(touched):
             return
@@ -397,6 +486,32 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
         torch.autograd.Variable._execution_engine.queue_callback(store._collect)
 
 
+def _live(records: Any) -> list[torch.Tensor]:
+    return [t for record in records if (t := record.ref()) is not None]
+
+
+class _Plan:
+    """How the replicas of a run see the records, kept while the records stay the same:
+    the module slots (``slots``); the parameters that replicas computing where they live
+    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
+    slots such a replica fills (``direct_slots``)."""
+
+    __slots__ = ("direct_slots", "others", "shared", "slots")
+
+    def __init__(self, store: VariableStore) -> None:
+        records = store.records
+        self.slots = slots_of(records)
+        self.shared: list[Central] = []
+        if any(store._on_parameters):
+            with DisableTorchFunctionSubclass():  # the devices of the variables themselves
+                self.shared = shared_parameters(
+                    list(records.values()), store.placement.parameter_storage
+                )
+        keys = {record.key for record in self.shared}
+        self.others = [record for record in records.values() if record.key not in keys]
+        self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
+
+
 class _ReplicaMode:
     """What ``VariableStore.replica_mode`` returns for a run with views."""
 
@@ -411,19 +526,16 @@ class _ReplicaMode:
     def __enter__(self) -> None:
         self._resolving.__enter__()
         if self._fill:
-            store = self._store
             try:
-                store._filled = Filled(self._views, store.slots())
+                self._store.enter_replica(self._views)
             except BaseException:
                 self._resolving.__exit__()
                 raise
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         try:
-            store = self._store
-            if self._fill and store._filled is not None:
-                filled, store._filled = store._filled, None
-                filled.empty(check=kind is None)
+            if self._fill:
+                self._store.leave_replica(self._views, finished=kind is None)
         finally:
             self._resolving.__exit__()
 

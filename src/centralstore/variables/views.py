@@ -1,7 +1,8 @@
 """Replica views: what a replica sees when its code touches a central variable.
 
 Module code on the calling thread finds its replica's views in the modules' attributes
-(``modules.py``). For every other reference, and on replica threads, central variables have
+(``modules.py``), or the parameters themselves where the replica uses them directly
+(``direct.py``). For every other reference, and on replica threads, central variables have
 a class of their own while replica code runs (``CentralParameter``, ``CentralTensor``),
 whose ``__torch_function__`` swaps them for the running replica's views in the arguments of
 the torch call (top level and one level of lists/tuples, which covers ``torch.cat``, RNN
