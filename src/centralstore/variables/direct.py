@@ -10,7 +10,7 @@ thing not undone: copying every frozen weight at every step would cost what fine
 large frozen model cannot afford.
 
 Several replicas in one process that compute where the parameters live (logical CPU devices,
-or the GPU that holds them) use the parameters no replica may write directly too
+or the GPU that holds them) also use directly the parameters that no replica may write
 (``DirectReplicas``), one after another on the calling thread, with ``.grad`` holding one
 replica's gradients at a time: no views, slots or folding for them, and a ``torch.compile``d
 model sees the same parameters in every replica. Buffers and variables whose writes aggregate
@@ -104,19 +104,21 @@ class DirectReplicas:
         self.tensors = tensors
         self._versions = [t._version for t in tensors]
         self._old: list[torch.Tensor | None] = [t.grad for t in tensors]
-        for tensor, old in zip(tensors, self._old):
-            if old is not None:
-                tensor.grad = None
+        if self._old.count(None) != len(tensors):
+            for tensor, old in zip(tensors, self._old):
+                if old is not None:
+                    tensor.grad = None
         # the set-aside gradient plus those of the replicas that finished (the old one
         # itself until a replica adds to it: it is never written, so rollback can return it)
         self._sums: list[torch.Tensor | None] = list(self._old)
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
-        for tensor, version in zip(self.tensors, self._versions):
-            if tensor._version != version:
-                return tensor
-        return None
+        if [t._version for t in self.tensors] == self._versions:
+            return None
+        return next(
+            t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
+        )
 
     def take_gradients(self) -> None:
         """A replica finished: its gradients join the sum, and ``.grad`` is empty for the
