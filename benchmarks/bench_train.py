@@ -9,7 +9,10 @@ Compares, in one run and interleaved round by round (this machine is shared and 
 on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time),
 and on the transformer again with its forward and loss ``torch.compile``d in every
 configuration ("transformer-compiled": the counterpart of a ``@tf.function`` step).
-The order of the configurations alternates between rounds.
+The order of the configurations alternates between rounds, and each configuration takes one
+untimed step before its timed ones: the first step after another configuration ran is slower,
+and the configurations in the middle of the order (halves, cs R=1) follow another one in every
+round, the two at its ends in every other round.
 Peak memory is measured per configuration in a fresh subprocess: the highest resident set
 size sampled every millisecond during 5 training steps, above what the process held after
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
@@ -88,11 +91,19 @@ def make_optimizer(kind: type, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def compiled_if(model_name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled for the "-compiled" models. Static shapes: every configuration's
-    function shares one code object with the others', and dynamo would otherwise make the
-    batch dimension dynamic on seeing a second batch size, slowing whichever came first."""
-    return torch.compile(fn, dynamic=False) if model_name.endswith("-compiled") else fn
+def compiled_if(
+    model_name: str, config: str, fn: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled for the "-compiled" models, with static shapes and a code object of
+    its own: dynamo keeps its compiled graphs per code object, and the configurations' step
+    functions share theirs (plain and halves one, cs R=1 and R=2 another), so each call
+    would first check the guards of another configuration's graph (and dynamo would make
+    the batch dimension dynamic on seeing a second batch size), as one process training one
+    configuration never does."""
+    if not model_name.endswith("-compiled"):
+        return fn
+    fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{config.replace(' ', '_')}")
+    return torch.compile(fn, dynamic=False)
 
 
 def make_step(config: str, model_name: str) -> Callable[[], None]:
@@ -107,7 +118,7 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
         optimizer = make_optimizer(optimizer_kind, model)
         parts = [(x, y)] if config == "plain" else [(x[:half], y[:half]), (x[half:], y[half:])]
         plain_loss = compiled_if(
-            model_name, lambda xs, ys: loss_fn(model(xs), ys, reduction="sum") / batch
+            model_name, config, lambda xs, ys: loss_fn(model(xs), ys, reduction="sum") / batch
         )
 
         def plain_step() -> None:
@@ -131,7 +142,7 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
         per_example = loss_fn(model(xs), ys, reduction="none")
         return cs.compute_average_loss(per_example, global_batch_size=batch)
 
-    loss = compiled_if(model_name, replica_loss)
+    loss = compiled_if(model_name, config, replica_loss)
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
         loss(xs, ys).backward()
@@ -218,6 +229,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {config: [] for config in CONFIGS}
         for round_ in range(options.rounds):  # the order alternates between rounds
             for config in CONFIGS if round_ % 2 == 0 else reversed(CONFIGS):
+                steps[config]()  # untimed: the first step after a switch pays for it
                 samples[config].append(time_steps(steps[config], options.steps))
         medians = {config: statistics.median(v) for config, v in samples.items()}
         for config in CONFIGS:
