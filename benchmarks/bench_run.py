@@ -3,6 +3,8 @@
 For R = 1, 2 and 4 replicas on logical CPU devices, each case is timed against the same
 function called plainly in the same process:
   run(lambda: None)             the dispatch cost of run with nothing to do
+  the same, 26 variables        with the small transformer of bench_train.py (26 parameters)
+                                built in the strategy's scope: what a run costs per variable
   run(lambda x: x, (tensor,))   the same with an argument passed to every replica
   run(f, (PerReplica, PerReplica))  a step's input: two PerReplica arguments, each replica
                                 its components; f returns nothing
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 import centralstore as cs
 
@@ -48,6 +51,13 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
     tensor = torch.ones(4)
     components = [torch.full((4,), float(r)) for r in range(replicas)]
     value = cs.PerReplica(components)
+    with_variables = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with with_variables.scope():
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        model = nn.Sequential(  # kept alive by the closure below
+            nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(64, 10)
+        )
+    assert sum(1 for _ in model.parameters()) == 26
 
     def nothing() -> None:
         return None
@@ -71,6 +81,9 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
 
     return {
         "run(lambda: None)": (lambda: strategy.run(nothing), nothing, 1),
+        "the same, 26 variables": (
+            lambda: (model, with_variables.run(nothing))[1], nothing, 1,
+        ),
         "run(lambda x: x, (t,))": (
             lambda: strategy.run(identity, args=(tensor,)), lambda: identity(tensor), 1,
         ),
