@@ -142,7 +142,7 @@ def source():
             yield torch.zeros(())
     finally:  # runs on the producer thread, after its last item, when it drops the source
         x = torch.randn(200, 200)
-        for _ in range(3000):
+        for _ in range(300):  # long enough to span the exit, well under _EXIT_JOIN_S
             x = torch.tanh(x @ x)
 spec = cs.data.TensorSpec((), torch.float32)
 it = iter(cs.Dataset.from_generator(source, output_signature=spec).prefetch(2))

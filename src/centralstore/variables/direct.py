@@ -19,6 +19,8 @@ keep their views.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .._aggregation import VariableAggregation
@@ -43,19 +45,7 @@ class Undo:
 
     def commit(self) -> None:
         """Keep the run's work: the set-aside gradients come back, added to the new ones."""
-        targets, sources = [], []
-        for tensor, old in self._grads:
-            new = tensor.grad
-            if old is None:
-                continue
-            if new is None or new.is_sparse or old.is_sparse:
-                tensor.grad = old if new is None else old + new
-            else:
-                targets.append(new)
-                sources.append(old)
-        if targets:
-            with torch.no_grad():
-                torch._foreach_add_(targets, sources)
+        _add_to_grads(self._grads)
         self._forget()
 
     def rollback(self) -> None:
@@ -69,6 +59,27 @@ class Undo:
 
     def _forget(self) -> None:
         self._grads, self._state = [], []
+
+
+def _add_to_grads(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Add each set-aside gradient to its tensor's ``.grad``, which holds this run's and so
+    may be added to in place (``held + grad`` and ``grad + held`` are the same bits): one
+    ``_foreach_add_`` for the dense ones."""
+    targets, sources = [], []
+    for tensor, held in pairs:
+        if held is None:
+            continue
+        grad = tensor.grad
+        if grad is None:
+            tensor.grad = held
+        elif grad.is_sparse or held.is_sparse:
+            tensor.grad = held + grad
+        else:
+            targets.append(grad)
+            sources.append(held)
+    if targets:
+        with torch.no_grad():
+            torch._foreach_add_(targets, sources)
 
 
 def shared_parameters(records: list[Central], storage: torch.device) -> list[Central]:
@@ -144,21 +155,7 @@ class DirectReplicas:
     def commit(self) -> None:
         """The sum goes to ``.grad``, after what a backward put there since the last replica
         finished (the last replica's gradients, which were never taken off)."""
-        targets, sources = [], []
-        for tensor, held in zip(self.tensors, self._sums):
-            if held is None:
-                continue
-            grad = tensor.grad
-            if grad is None:
-                tensor.grad = held
-            elif grad.is_sparse or held.is_sparse:
-                tensor.grad = held + grad
-            else:  # grad is this run's: added to in place (held + grad, the same bits)
-                targets.append(grad)
-                sources.append(held)
-        if targets:
-            with torch.no_grad():
-                torch._foreach_add_(targets, sources)
+        _add_to_grads(zip(self.tensors, self._sums))
         self._forget()
 
     def rollback(self) -> None:
