@@ -15,7 +15,7 @@ $(VENV)/.demo: $(BIN)/python pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test: $(BIN)/python pyproject.toml constraints.txt
-	$(PIP) -e '.[test,demo,bench,keras,metrics,checkpoint]'
+	$(PIP) -e '.[test,demo,bench,keras,metrics,checkpoint,lightning,transformers]'
 	touch $@
 
 demo: $(VENV)/.demo
