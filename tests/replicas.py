@@ -14,7 +14,7 @@ def strategy_of(replicas: int, direct: bool = True) -> cs.CentralStorageStrategy
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     if not direct:
         store = strategy._store
-        store._on_parameters = (False,) * replicas
+        store.on_parameters = (False,) * replicas
         store._plan = None
     return strategy
 

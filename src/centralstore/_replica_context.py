@@ -128,7 +128,7 @@ class ReplicaContext(Generic[S]):
         """
         kwargs = {} if kwargs is None else kwargs
         state = self._state
-        if state is None or state.num_replicas == 1:  # nobody to wait for
+        if state is None:  # the default replica context: no run
             return self._merged([(tuple(args), kwargs)], merge_fn)[0]
         return state.meet(
             self._replica_id, "merge_call", (tuple(args), kwargs),
@@ -142,7 +142,7 @@ class ReplicaContext(Generic[S]):
 
     def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:
         state = self._state
-        if state is None or state.num_replicas == 1:  # nobody to wait for
+        if state is None:  # the default replica context: no run
             return combine([value])[0]
         return state.meet(self._replica_id, kind, value, combine)
 

@@ -1,16 +1,23 @@
-"""Running the replicas of one ``run``: in order on the calling thread, threads when needed.
+"""Running the replicas of one ``run``: one at a time, in order, threads when needed.
 
 Replicas run one after another on the calling thread: deterministic and with no thread
 hand-off. When replica 0 meets a rendezvous (``all_reduce``, ``all_gather``, ``merge_call``)
-the others have not started, so they start on persistent replica threads and every replica
-from then on meets at a generation-counted barrier. A replica that raises aborts the barrier,
-so nobody waits forever; a replica that returns while others wait for it is an error too.
+the others have not started, so they start on persistent replica threads; but still only one
+replica runs at a time. The replicas pass a baton in replica order: each runs until it meets
+the rendezvous (or returns), hands the baton to the next, and waits for it to come back; the
+last to arrive hands it to replica 0, which combines the values and runs on. So every path
+has the semantics of the sequential one: the replicas never race on module attributes, the
+parameters' ``.grad`` or the random generators, and a ``Switch`` (the run's variables) puts
+each replica's state in place when it gets the baton and takes it off when it hands it on.
+CUDA kernels are asynchronous, so one replica issuing at a time still keeps several GPUs busy.
 
-``execute`` returns only once every replica thread has left the replica's code, even when the
-calling thread is interrupted (``KeyboardInterrupt``): nothing a replica computes can land
-after ``run`` has returned. Replica threads are stopped at interpreter exit, before the
-interpreter tears down under them (a thread still inside a torch kernel then aborts the
-process).
+A replica that raises aborts the rendezvous: the others get the baton in turn and leave
+(``ReplicaAborted``), so nobody waits forever; a replica that returns while others wait for it
+is an error too. ``execute`` returns only once every replica thread has left the replica's
+code, even when the calling thread is interrupted (``KeyboardInterrupt``): nothing a replica
+computes can land after ``run`` has returned. Replica threads are stopped at interpreter
+exit, before the interpreter tears down under them (a thread still inside a torch kernel then
+aborts the process).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -34,20 +41,32 @@ class ReplicaAborted(Exception):
     """Raised in a replica that waits in a rendezvous when another replica failed."""
 
 
-# With OpenMP, torch.set_num_threads sets the calling thread's team size only; with other
-# backends it is global, and a replica thread must not change the caller's threads.
-_THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+class Switch(Protocol):
+    """What changes hands with the baton: a replica's state (its views in the module slots,
+    its gradients, its random generator) taken off when it waits in a rendezvous and put back
+    when it runs on."""
+
+    def suspend(self, replica: int) -> None: ...
+    def resume(self, replica: int) -> None: ...
+
+
+class _NoSwitch:
+    def suspend(self, replica: int) -> None:
+        pass
+
+    def resume(self, replica: int) -> None:
+        pass
 
 
 class Environment:
     """Thread-local torch state the calling thread had, re-established on replica threads:
-    grad mode, inference mode and autocast; and each thread's share of the intra-op threads,
-    so that R replicas computing at once do not oversubscribe the host's cores."""
+    grad mode, inference mode, autocast and the number of intra-op threads (replicas run one
+    at a time, so each may use them all)."""
 
     __slots__ = ("autocast", "grad_enabled", "inference", "threads")
 
-    def __init__(self, num_replicas: int = 1) -> None:
-        self.threads = max(1, torch.get_num_threads() // num_replicas)
+    def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         # Captured on every run, so the common case (no autocast) is one cheap query.
@@ -59,7 +78,7 @@ class Environment:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        if _THREADS_PER_THREAD:
+        if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         with contextlib.ExitStack() as stack:
             if self.inference:
@@ -70,20 +89,20 @@ class Environment:
             yield
 
 
-# Stands in for a run's barrier condition until its threads start; never waited on.
+# Stands in for a run's baton condition until its threads start; never waited on.
 _NO_CONDITION = threading.Condition()
 
 
 class RunState:
-    """The shared state of one ``run``: outputs, errors and the rendezvous barrier.
+    """The shared state of one ``run``: outputs, errors, the rendezvous and the baton.
 
     Until ``threaded`` is set only the calling thread touches the state, so the sequential
-    path takes no lock; the barrier's condition is created when the threads start.
+    path takes no lock; the condition is created when the threads start. From then on the
+    replica holding the baton (``_turn``) is the only one running replica code.
     """
 
     def __init__(
-        self, num_replicas: int, pool: ThreadPool, body: Body,
-        before_threads: Callable[[], None] = lambda: None,
+        self, num_replicas: int, pool: ThreadPool, body: Body, switch: Switch | None = None,
     ) -> None:
         self.num_replicas = num_replicas
         self.outputs: list[Any] = [None] * num_replicas
@@ -93,7 +112,7 @@ class RunState:
         self.closed = False
         self._pool = pool
         self._body = body
-        self._before_threads = before_threads
+        self._switch: Switch = _NoSwitch() if switch is None else switch
         self._cond: threading.Condition = _NO_CONDITION
         self._crew: int | None = None
         self._aborted = False
@@ -103,6 +122,8 @@ class RunState:
         self._results: Sequence[Any] = ()
         self._returned: set[int] = set()
         self._running_threads = 0
+        self._turn: int | None = None  # the replica holding the baton, once threaded
+        self._alive: set[int] = set()  # replicas that have not finished, once threaded
 
     # -- called by replica bodies ------------------------------------------------------------
 
@@ -129,7 +150,7 @@ class RunState:
                     (r, a) for r, a in enumerate(self._arrived) if a is not None
                 )
                 self._blame_returned(replica, kind, caller)
-                self._abort()
+                self._aborted = True
 
     def failed(self, replica: int, error: BaseException) -> None:
         if not self.threaded:
@@ -139,55 +160,67 @@ class RunState:
         with self._cond:
             self.errors[replica] = error
             self.any_failed = True
-            self._abort()
+            self._aborted = True
 
     def meet(
         self, replica: int, kind: str, value: Any, combine: Callable[[list[Any]], Sequence[Any]]
     ) -> Any:
-        """Wait for every replica to arrive with its ``value``; ``combine`` runs once, on
-        replica 0's thread, and returns one result per replica."""
+        """Arrive at a rendezvous with ``value``, hand the baton on, and wait until every
+        replica has arrived; ``combine`` runs once, on replica 0's thread, with every
+        replica's state off, and returns one result per replica."""
         if self.closed:
             raise RuntimeError(
                 f"{kind} needs every replica of strategy.run, but run has already returned. "
                 f"Call it (and backward through it) inside the function given to run."
             )
+        if self.num_replicas == 1:  # nobody to wait for; the replica's state still comes off
+            self._switch.suspend(replica)
+            try:
+                return combine([value])[0]
+            finally:
+                self._switch.resume(replica)
         starting = not self.threaded
+        if starting and replica != 0:  # replicas 0..replica-1 ran one after another
+            self._blame_returned(0, kind, replica)
+            raise ReplicaAborted()
+        self._switch.suspend(replica)  # may raise: then this replica fails, holding the baton
         if starting:
-            if replica != 0:  # replicas 0..replica-1 ran one after another and returned
-                self._blame_returned(0, kind, replica)
-                raise ReplicaAborted()
-            self._before_threads()
             self._cond = threading.Condition(threading.Lock())
+            self._alive = set(range(self.num_replicas))
+            self._turn = 0
             self.threaded = True
         with self._cond:
-            if self._aborted:
-                raise ReplicaAborted()
-            if self._returned:
+            if not self._aborted and self._returned:
                 self._blame_returned(min(self._returned), kind, replica)
-                self._abort()
-                raise ReplicaAborted()
-            self._arrived[replica] = (kind, value)
-            self._count += 1
+                self._aborted = True
+            if not self._aborted:
+                self._arrived[replica] = (kind, value)
+                self._count += 1
             generation = self._generation
-            self._cond.notify_all()
-            if replica != 0:
-                self._cond.wait_for(lambda: self._generation != generation or self._aborted)
-                if self._generation == generation:
-                    raise ReplicaAborted()
-                return self._results[replica]
+            self._hand_on(replica)
         if starting:
-            # Only now that replica 0 has arrived: a threaded replica that returns at once
-            # without arriving is then the one at fault, as in any later rendezvous.
             self._start_threads()
-        with self._cond:
-            self._cond.wait_for(lambda: self._count == self.num_replicas or self._aborted)
-            if self._aborted:
-                raise ReplicaAborted()
-            arrived = [a for a in self._arrived if a is not None]
-        kinds = {k for k, _ in arrived}
-        if len(kinds) > 1:
+        interrupt = self._await_turn(replica)
+        try:
+            if (
+                replica == 0 and interrupt is None and not self._aborted
+                and self._count == self.num_replicas
+            ):
+                self._combine(combine)
+        finally:
+            self._switch.resume(replica)
+        if interrupt is not None:
+            raise interrupt
+        if self._generation == generation:  # released: another replica failed
+            raise ReplicaAborted()
+        return self._results[replica]
+
+    def _combine(self, combine: Callable[[list[Any]], Sequence[Any]]) -> None:
+        arrived = [a for a in self._arrived if a is not None]
+        kinds = [k for k, _ in arrived]
+        if len(set(kinds)) > 1:
             raise RuntimeError(
-                f"Replicas met in different collective calls: {[k for k, _ in arrived]}. Every "
+                f"Replicas met in different collective calls: {kinds}. Every "
                 "replica must make the same collective calls in the same order."
             )
         results = combine([v for _, v in arrived])
@@ -196,32 +229,66 @@ class RunState:
             self._arrived = [None] * self.num_replicas
             self._count = 0
             self._generation += 1
-            self._cond.notify_all()
-        return results[0]
+
+    def _hand_on(self, replica: int) -> None:
+        """(Under the lock.) The baton goes to the next replica in order that has not
+        finished."""
+        n = self.num_replicas
+        self._turn = next(
+            (r for r in ((replica + k) % n for k in range(1, n + 1)) if r in self._alive), None
+        )
+        self._cond.notify_all()
+
+    def _await_turn(self, replica: int) -> BaseException | None:
+        """Wait for the baton. An interrupt meanwhile (``KeyboardInterrupt`` on the calling
+        thread) aborts the run but does not cut the wait short: another replica runs, and
+        this one may only leave once it holds the baton. The interrupt is returned."""
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._turn == replica)
+                return interrupt
+            except BaseException as error:
+                interrupt = interrupt or error
+                with self._cond:
+                    self.any_failed = True
+                    self._aborted = True
+
+    def finished(self, replica: int) -> None:
+        """(Threaded runs.) Replica ``replica`` has left its code: the baton goes on."""
+        with self._cond:
+            self._alive.discard(replica)
+            self._hand_on(replica)
 
     # -- called by the driver ------------------------------------------------------------------
-
-    def _abort(self) -> None:
-        self._aborted = True
-        self._cond.notify_all()
 
     def _start_threads(self) -> None:
         self._crew = self._pool.reserve()
         for replica in range(1, self.num_replicas):
-            self._pool.submit(self._crew, replica, self._run_on_thread)
+            try:
+                self._pool.submit(self._crew, replica, self._run_on_thread)
+            except BaseException:  # the replicas without a thread are finished, unrun
+                with self._cond:
+                    self._aborted = self.any_failed = True
+                    self._alive -= set(range(replica, self.num_replicas))
+                raise
             # Counted once submitted, so a thread that fails to start leaves no one to wait for.
             with self._cond:
                 self._running_threads += 1
 
     def _run_on_thread(self, replica: int) -> None:
         try:
-            self._body(self, replica)
+            self._await_turn(replica)  # nothing can interrupt a replica thread
+            if not self._aborted:
+                self._body(self, replica)
         except BaseException as error:  # the body records its own errors; never lose one
             self.failed(replica, error)
         finally:
             with self._cond:
                 self._running_threads -= 1
-                self._cond.notify_all()
+                self._alive.discard(replica)
+                self._hand_on(replica)
 
     def interrupted(self) -> None:
         """The calling thread was interrupted outside a replica's code: release every replica
@@ -230,15 +297,20 @@ class RunState:
             return
         with self._cond:
             self.any_failed = True
-            self._abort()
+            self._aborted = True
 
     def wait_for_threads(self) -> None:
-        """Wait until every replica thread has left the replica's code. A further interrupt
-        meanwhile does not cut the wait short (a replica would finish after ``run`` raised
-        and its gradients land in the next step); it is raised once the wait is over."""
+        """Hand the baton on from the calling thread's replica and wait until every replica
+        thread has left the replica's code. A further interrupt meanwhile does not cut the wait
+        short (a replica would finish after ``run`` raised and its gradients land in the next
+        step); it is raised once the wait is over."""
         if not self.threaded:
             return
         interrupt: BaseException | None = None
+        with self._cond:
+            if 0 in self._alive:
+                self._alive.discard(0)
+                self._hand_on(0)
         while True:
             try:
                 with self._cond:
@@ -247,7 +319,8 @@ class RunState:
             except BaseException as error:  # KeyboardInterrupt, or any other async signal
                 interrupt = interrupt or error
                 with self._cond:
-                    self._abort()
+                    self.any_failed = True
+                    self._aborted = True
         if interrupt is not None:
             raise interrupt
 
@@ -353,14 +426,13 @@ def new_pool(owner: object, name: str) -> ThreadPool:
 
 
 def execute(
-    num_replicas: int, pool: ThreadPool, body: Body,
-    before_threads: Callable[[], None] = lambda: None,
+    num_replicas: int, pool: ThreadPool, body: Body, switch: Switch | None = None,
 ) -> RunState:
     """Run ``body`` for every replica and return the finished state (the replicas' errors
-    not raised); ``before_threads`` is called on the calling thread before replica threads
-    start. Whatever happens on the calling thread, every replica thread has left the
-    replica's code when this returns or raises."""
-    state = RunState(num_replicas, pool, body, before_threads)
+    not raised); ``switch`` moves a replica's state in and out when it waits in a rendezvous.
+    Whatever happens on the calling thread, every replica thread has left the replica's code
+    when this returns or raises."""
+    state = RunState(num_replicas, pool, body, switch)
     try:
         for replica in range(num_replicas):
             body(state, replica)

@@ -14,6 +14,7 @@ from replicas import context, replica_id, strategy_of
 from torch import nn
 
 import centralstore as cs
+from centralstore.variables.runs import OwnRun
 
 
 class Failure(Exception):
@@ -188,8 +189,9 @@ def test_a_one_replica_run_copies_no_frozen_weight() -> None:
         norm = nn.BatchNorm1d(64)
 
     def step() -> None:
-        undo = strategy._store._undo
-        assert undo is not None
+        run = strategy._store.run
+        assert isinstance(run, OwnRun)
+        undo = run._undo
         copied = {id(t) for t, _ in undo._state}
         assert id(frozen.weight) not in copied and id(norm.running_mean) in copied
         norm(frozen(torch.randn(4, 64))).sum().backward()

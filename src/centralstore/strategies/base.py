@@ -22,6 +22,7 @@ import torch
 
 from .. import _context, _integrations, _replicas, _tree
 from .._placement import Placement
+from .._random import ReplicaRandomness
 from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
@@ -30,6 +31,7 @@ from .._workers import OneProcess, Workers
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
+from ..variables.runs import EMPTY, Run
 from ..variables.store import VariableStore
 from .extended import StrategyExtended
 
@@ -173,23 +175,27 @@ class Strategy(abc.ABC):
             inputs = [(select(args, r), select(kwargs, r)) for r in range(local)]
         else:
             inputs = [(args, kwargs)] * local
-        environment = _replicas.Environment(local)
-
-        def body(state: _replicas.RunState, replica: int) -> None:
-            self._run_replica(state, replica, fn, *inputs[replica], environment)
-
         store = self._store
         store.claim("strategy.run()")
         try:
             self._workers.begin_run(store)
-            store.begin_run()
+            outer = store.run  # a run inside merge_call: the run it is nested in
+            run = store.open_run()
+            randomness = ReplicaRandomness(self._placement) if local > 1 else None
+            environment = _replicas.Environment()
+
+            def body(state: _replicas.RunState, replica: int) -> None:
+                self._run_replica(
+                    state, run, randomness, replica, fn, *inputs[replica], environment
+                )
+
             try:
-                state = _replicas.execute(local, self._pool, body, store.before_threads)
+                state = _replicas.execute(local, self._pool, body, _Baton(run, randomness))
             except BaseException as interrupt:  # on the calling thread, between replicas
-                self._end_run(interrupt)
+                self._end_run(interrupt, outer)
                 raise
             error = next((e for e in state.errors if e is not None), None)
-            self._end_run(error)
+            self._end_run(error, outer)
         finally:
             store.release()
         if error is not None:
@@ -201,7 +207,7 @@ class Strategy(abc.ABC):
             if note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise error
-        if store.uses_views:
+        if run.uses_views:
             store.watch([t for t in _tree.leaves(state.outputs) if isinstance(t, torch.Tensor)])
         if local == 1:
             return state.outputs[0]
@@ -231,6 +237,8 @@ class Strategy(abc.ABC):
     def _run_replica(
         self,
         state: _replicas.RunState,
+        run: Run,
+        randomness: ReplicaRandomness | None,
         replica: int,
         fn: Callable[..., Any],
         args: Sequence[Any],
@@ -243,11 +251,13 @@ class Strategy(abc.ABC):
             self, self._placement, self._workers, self._merge, replica, state
         )
         _context.push(_context.Entry(self, context, self._store))
+        if randomness is not None:
+            randomness.enter(replica)
         try:
             with (
                 environment.applied() if on_thread else contextlib.nullcontext(),
                 self._device_guard(replica),
-                self._store.replica_mode(replica, fill=not on_thread),
+                run.replica(replica),
             ):
                 output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:
@@ -257,6 +267,8 @@ class Strategy(abc.ABC):
         else:
             state.returned(replica, output)
         finally:
+            if randomness is not None:
+                randomness.leave(replica)
             _context.pop()
 
     def _merge(
@@ -272,12 +284,17 @@ class Strategy(abc.ABC):
         finally:
             _context.pop()
 
-    def _end_run(self, error: BaseException | None) -> None:
+    def _end_run(self, error: BaseException | None, outer: Run) -> None:
         """The sync point at the end of ``run``: the run's work folded in, or discarded when
         a replica raised ``error``, which is then what ``run`` raises even if the sync point
-        fails too (its error becomes a note)."""
+        fails too (its error becomes a note). ``outer`` is the store's run before this one:
+        it goes on (a run inside ``merge_call``) or is ``EMPTY``."""
+        store = self._store
         try:
-            self._store.end_run(error)
+            found = store.close_run(error)
+            self._workers.sync(store, found)
+            if found is not error:
+                raise found  # type: ignore[misc]
         except BaseException as sync_error:
             if error is None:
                 raise
@@ -285,6 +302,10 @@ class Strategy(abc.ABC):
                 error.add_note(
                     f"(the sync point at the end of run then failed too: {sync_error})"
                 )
+        finally:
+            store.run = outer
+            store.in_run = outer is not EMPTY
+
 
     def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
         device = self._placement.storage_devices[replica]
@@ -459,3 +480,24 @@ class Strategy(abc.ABC):
         [0, 1, 2]
         """
         return Dataset.from_tensor_slices(numpy_input)
+
+
+class _Baton:
+    """What changes hands when a replica waits in a rendezvous (``_replicas.Switch``): its
+    variables' state and its random generators."""
+
+    __slots__ = ("_randomness", "_run")
+
+    def __init__(self, run: Run, randomness: ReplicaRandomness | None) -> None:
+        self._run = run
+        self._randomness = randomness
+
+    def suspend(self, replica: int) -> None:
+        self._run.suspend(replica)
+        if self._randomness is not None:
+            self._randomness.suspend(replica)
+
+    def resume(self, replica: int) -> None:
+        if self._randomness is not None:
+            self._randomness.enter(replica)
+        self._run.resume(replica)

@@ -19,8 +19,6 @@ keep their views.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from .._aggregation import VariableAggregation
@@ -44,8 +42,13 @@ class Undo:
                     self._state.append((tensor, tensor.detach().clone()))
 
     def commit(self) -> None:
-        """Keep the run's work: the set-aside gradients come back, added to the new ones."""
-        _add_to_grads(self._grads)
+        """Keep the run's work: its gradients are added to the set-aside ones, in place (a
+        ``.grad`` that existed before the run stays the same tensor, as in plain PyTorch)."""
+        tensors = [tensor for tensor, _ in self._grads]
+        sums = [held for _, held in self._grads]
+        add_in_order(sums, [tensor.grad for tensor in tensors])
+        for tensor, total in zip(tensors, sums):
+            tensor.grad = total
         self._forget()
 
     def rollback(self) -> None:
@@ -59,27 +62,6 @@ class Undo:
 
     def _forget(self) -> None:
         self._grads, self._state = [], []
-
-
-def _add_to_grads(pairs: Iterable[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Add each set-aside gradient to its tensor's ``.grad``, which holds this run's and so
-    may be added to in place (``held + grad`` and ``grad + held`` are the same bits): one
-    ``_foreach_add_`` for the dense ones."""
-    targets, sources = [], []
-    for tensor, held in pairs:
-        if held is None:
-            continue
-        grad = tensor.grad
-        if grad is None:
-            tensor.grad = held
-        elif grad.is_sparse or held.is_sparse:
-            tensor.grad = held + grad
-        else:
-            targets.append(grad)
-            sources.append(held)
-    if targets:
-        with torch.no_grad():
-            torch._foreach_add_(targets, sources)
 
 
 def shared_parameters(records: list[Central], storage: torch.device) -> list[Central]:
@@ -99,17 +81,19 @@ def shared_parameters(records: list[Central], storage: torch.device) -> list[Cen
 
 
 class DirectReplicas:
-    """The parameters that the replicas of a run of several compute on directly, one after
-    another on the calling thread, when they compute where the parameters live.
+    """The parameters that the replicas of a run of several compute on directly, one at a
+    time, when they compute where the parameters live.
 
     Each replica finds only its own gradients in ``.grad``, as it would alone: the gradients
     already there are set aside when the run begins, and each replica's are taken off when
-    it finishes and summed, in replica order, after them. The sync point puts the sum in
-    ``.grad`` (commit) or the set-aside gradients back (rollback). No replica may write these
-    parameters: a moved version counter raises when the replica finishes.
+    it finishes (or parked while it waits in a rendezvous, and put back when it runs on).
+    The sync point adds them, in replica order, to the set-aside gradients, in place where
+    those exist (commit), or puts the set-aside gradients back untouched (rollback). No
+    replica may write these parameters: a moved version counter raises when the replica
+    finishes or hands the baton on.
     """
 
-    __slots__ = ("_old", "_sums", "_versions", "tensors")
+    __slots__ = ("_grads", "_old", "_open", "_versions", "tensors")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
@@ -119,9 +103,8 @@ class DirectReplicas:
             for tensor, old in zip(tensors, self._old):
                 if old is not None:
                     tensor.grad = None
-        # the set-aside gradient plus those of the replicas that finished (the old one
-        # itself until a replica adds to it: it is never written, so rollback can return it)
-        self._sums: list[torch.Tensor | None] = list(self._old)
+        self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
+        self._open = True  # until the sync point commits or rolls back
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
@@ -131,38 +114,67 @@ class DirectReplicas:
             t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
         )
 
-    def take_gradients(self) -> None:
-        """A replica finished: its gradients join the sum, and ``.grad`` is empty for the
-        next one."""
-        inplace: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for i, tensor in enumerate(self.tensors):
-            grad = tensor.grad
-            if grad is None:
-                continue
-            tensor.grad = None
-            held = self._sums[i]
-            if held is None:
-                self._sums[i] = grad
-            elif held is self._old[i] or held.is_sparse or grad.is_sparse:
-                self._sums[i] = held + grad
-            else:
-                inplace[0].append(held)
-                inplace[1].append(grad)
-        if inplace[0]:
-            with torch.no_grad():
-                torch._foreach_add_(*inplace)
+    def _take(self) -> list[torch.Tensor | None]:
+        grads = [t.grad for t in self.tensors]
+        if grads.count(None) != len(grads):
+            for tensor in self.tensors:
+                tensor.grad = None
+        return grads
+
+    def take_gradients(self, replica: int) -> None:
+        """Replica ``replica`` finished: its gradients are kept for the sync point, and
+        ``.grad`` is empty for the next one."""
+        self._grads[replica] = self._take()
+
+    park = take_gradients  # the replica waits in a rendezvous
+
+    def unpark(self, replica: int) -> None:
+        """Replica ``replica`` runs on: its own gradients are back in ``.grad``."""
+        grads = self._grads.pop(replica, None)
+        if grads is not None:
+            for tensor, grad in zip(self.tensors, grads):
+                tensor.grad = grad
 
     def commit(self) -> None:
-        """The sum goes to ``.grad``, after what a backward put there since the last replica
-        finished (the last replica's gradients, which were never taken off)."""
-        _add_to_grads(zip(self.tensors, self._sums))
+        """Each replica's gradients, in replica order, added to the set-aside ones (in
+        place: a ``.grad`` that existed stays the same tensor) and put in ``.grad``."""
+        if not self._open:  # committed already at this sync point
+            return
+        sums = list(self._old)
+        late = self._take()  # a backward since the last replica finished: added last
+        for grads in [*(self._grads[r] for r in sorted(self._grads)), late]:
+            add_in_order(sums, grads)
+        for tensor, total in zip(self.tensors, sums):
+            tensor.grad = total
         self._forget()
 
     def rollback(self) -> None:
         """The run failed: ``.grad`` as before it."""
+        if not self._open:
+            return
         for tensor, old in zip(self.tensors, self._old):
             tensor.grad = old
         self._forget()
 
     def _forget(self) -> None:
-        self._old, self._sums = [], []
+        self._old, self._grads, self._open = [], {}, False
+
+
+def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
+    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum."""
+    targets, sources = [], []
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        held = sums[i]
+        if held is None:
+            sums[i] = grad
+        elif held.is_sparse or grad.is_sparse:
+            sums[i] = held + grad
+        else:
+            targets.append(held)
+            sources.append(grad)
+    if targets:
+        with torch.no_grad():
+            torch._foreach_add_(targets, sources)

@@ -128,6 +128,36 @@ class Filled:
                 views.unseen.append(view)  # perhaps written by a kernel: see record_unseen
 
 
+# A module slot whose entry the replica's own code replaced (``functional_call``): the slot's
+# table, its name, and what the code put there.
+Replaced = tuple[dict[str, Any], str, Any]
+
+
+def keep_replaced(slots: list[Slot]) -> list[Replaced]:
+    """The entries of ``slots`` that replica code replaced (``torch.func.functional_call``,
+    a pre-hook), each given back its central variable while the replica waits in a
+    rendezvous, so that the next replica does not compute with them."""
+    kept: list[Replaced] = []
+    for module_ref, name, record, _ in slots:
+        module = module_ref()
+        if module is None:
+            continue
+        table: dict[str, Any] = module._buffers if record.is_buffer else module._parameters
+        current = table.get(name)
+        if current is not None and id(current) != record.key:
+            central = record.ref()
+            if central is not None:
+                kept.append((table, name, current))
+                table[name] = central
+    return kept
+
+
+def put_back(kept: list[Replaced]) -> None:
+    """What ``keep_replaced`` took, back in the slots: the replica runs on."""
+    for table, name, value in kept:
+        table[name] = value
+
+
 def record_unseen(replicas: list[ReplicaViews]) -> None:
     """Record the writes that kernels made to buffers in slots behind their version counter
     (batch norm's running statistics): each buffer a replica left unchanged by its counter is

@@ -31,17 +31,11 @@ from .. import _context
 from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding, steps
-from .direct import DirectReplicas, Undo, shared_parameters
-from .modules import Filled, raise_shared_write, record_unseen, slots_of
+from .direct import shared_parameters
+from .modules import record_unseen, slots_of
 from .records import Central, check_aggregation, default_buffer_aggregation
-from .views import (
-    GradientReceiver,
-    ReplicaViews,
-    View,
-    lend_class,
-    resolving,
-    restore_class,
-)
+from .runs import EMPTY, OwnRun, ReplicasRun, Run
+from .views import GradientReceiver, ReplicaViews, View
 
 
 class Exchange(Protocol):
@@ -88,24 +82,20 @@ class VariableStore:
             ReplicaViews(self.records, r, device, placement.num_replicas, receiver)
             for r, device in enumerate(placement.storage_devices)
         ]
+        self.run: Run = EMPTY  # the run in progress, or the last one
         self.in_run = False
         self._collecting = False  # a collection of gradients is queued after a backward
         self.pending: list[View] = []  # views with gradients that arrived outside run
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
-        self._lent: list[torch.Tensor] = []  # variables with the resolving class, in a run
         self._plan: _Plan | None = None  # how replicas see the records, while they stay
         # whether each replica computes where the parameters live (and so may use them
         # directly, ``DirectReplicas``): only in one process of several replicas
         several = 1 < placement.local_replicas == placement.num_replicas
-        self._on_parameters = tuple(
+        self.on_parameters = tuple(
             several and device == placement.parameter_storage
             for device in placement.storage_devices
         )
-        self._shared: DirectReplicas | None = None  # the parameters used directly, in a run
-        self._shared_lent = False  # whether they have the resolving class now
-        self._filled: Filled | None = None  # the slots filled by the replica running now
-        self._undo: Undo | None = None  # what the direct run in progress changed
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
         self._user: threading.Thread | None = None  # the thread inside a run or sync point
         self._doing = ""
@@ -244,167 +234,52 @@ class VariableStore:
     @property
     def direct(self) -> bool:
         """Whether runs use the variables themselves, without views: one replica, computing
-        where every variable lives (``direct.py``)."""
+        where every variable lives (``OwnRun``)."""
         return self.placement.num_replicas == 1 and not self._foreign
 
-    @property
-    def uses_views(self) -> bool:
-        """Whether replicas of a run see views: there are variables and the run is not
-        direct."""
-        return bool(self.records) and not self.direct
-
-    def replica_mode(self, replica: int, fill: bool) -> contextlib.AbstractContextManager[Any]:
-        """Central variables resolve to ``replica``'s views while this is active, and with
-        ``fill`` (the replica runs on the calling thread) the module slots hold them
-        (``modules.py``); a no-op when there is nothing to resolve or the run is direct."""
-        if not self.uses_views:
-            return contextlib.nullcontext()
-        return _ReplicaMode(self, self.replicas[replica], fill)
+    def live(self) -> list[torch.Tensor]:
+        """The central variables still alive, in registration order."""
+        return _live(self.records.values())
 
     def plan(self) -> _Plan:
         if self._plan is None:
             self._plan = _Plan(self)
         return self._plan
 
-    def enter_replica(self, views: ReplicaViews) -> None:
-        """Replica ``views.replica`` starts on the calling thread: it uses the shared
-        parameters directly if it computes where they live (``DirectReplicas``), and fills
-        the other slots with its views."""
-        plan = self.plan()
-        direct = self._shared is not None and self._on_parameters[views.replica]
-        if self._shared is not None:
-            self._lend_shared(not direct)
-        slots = plan.direct_slots if direct else plan.slots
-        if slots:
-            self._filled = Filled(views, slots)
-
-    def leave_replica(self, views: ReplicaViews, finished: bool) -> None:
-        """Replica ``views.replica``, on the calling thread, ends (``finished``: it returned):
-        its slots are emptied and its writes recorded, and the gradients it left on the
-        shared parameters are set aside for the next replica."""
-        filled, self._filled = self._filled, None
-        try:
-            if filled is not None:
-                try:
-                    filled.empty(check=finished)
-                except BaseException:
-                    finished = False
-                    raise
-        finally:
-            shared = self._shared
-            if finished and shared is not None and not self._shared_lent:  # used directly
-                self._check_shared(shared, views.replica)
-                if views.replica < len(self.replicas) - 1:
-                    shared.take_gradients()
-
-    def before_threads(self) -> None:
-        """The run is about to start replica threads, which cannot share module slots or
-        parameters: the replica on the calling thread (replica 0) gives its slots back, moves
-        the gradients it left on the shared parameters to its views, and resolves through the
-        class from now on."""
-        filled, self._filled = self._filled, None
-        shared = None if self._shared_lent else self._shared
-        try:
-            if filled is not None:
-                filled.empty(check=True)
-            if shared is not None:
-                self._check_shared(shared, 0)
-                self._to_views(shared.tensors, self.replicas[0])
-        finally:
-            self._lend_shared(True)
-
-    def _check_shared(self, shared: DirectReplicas, replica: int) -> None:
-        written = shared.written()
-        if written is not None:
-            raise_shared_write(replica, self.records[id(written)].owners[0][1], written)
-
-    def _to_views(self, tensors: list[torch.Tensor], views: ReplicaViews) -> None:
-        """Move the gradients on ``tensors`` to their views in ``views``."""
-        for tensor in tensors:
-            grad = tensor.grad
-            if grad is not None:
-                view = views.resolve(self.records[id(tensor)], write=False)
-                tensor.grad = None
-                view.tensor.grad = grad
-
-    def _lend_shared(self, lent: bool) -> None:
-        """Give the shared parameters the resolving class, or take it back."""
-        if lent == self._shared_lent or self._shared is None:
-            return
-        tensors = self._shared.tensors
-        if lent:
-            lend_class(tensors)  # their class was checked when the run began
-            self._lent = self._lent + tensors
-        else:
-            restore_class(tensors)
-            keys = {id(t) for t in tensors}
-            self._lent = [t for t in self._lent if id(t) not in keys]
-        self._shared_lent = lent
-
-    @contextlib.contextmanager
-    def cross_replica(self) -> Iterator[None]:
-        """Central variables as themselves, for ``merge_call`` on a replica's thread. Back in
-        the replicas, a direct run's transaction starts afresh (the merge's sync point
-        committed what came before), and a replica that had filled the module slots fills
-        them again."""
-        filled, self._filled = self._filled, None
-        if filled is not None:
-            filled.empty(check=True)  # its writes are recorded before the sync point
-        lent = self._lent
-        restore_class(lent)
-        try:
-            with resolving(None):
-                yield
-        finally:
-            lend_class(lent)
-            self._lent = lent  # a run nested in the merge has taken its own back
-            if self.in_run and self.direct and self.records:
-                self._undo = Undo(_live(self.records.values()))
-            if filled is not None:
-                self._filled = Filled(filled.views, self.plan().slots)
-
-    def begin_run(self) -> None:
-        self.in_run = True
+    def open_run(self) -> Run:
+        """Begin a run: the object of its mode (``runs.py``), which holds its state until its
+        sync point."""
         if not self.records:
-            return
-        if self.direct:
-            self._undo = Undo(_live(self.records.values()))
-            return
-        plan = self.plan()
-        lent = _live(plan.others)
-        shared: list[torch.Tensor] = []
-        for tensor in _live(plan.shared):  # another class must take the resolving one
-            (shared if type(tensor) is torch.nn.Parameter else lent).append(tensor)
-        try:
-            lend_class(lent)
-        except TypeError:
-            self.in_run = False
-            raise
-        self._lent = lent
-        self._shared = DirectReplicas(shared) if shared else None
-        self._shared_lent = False
-        self._next_epoch()
+            run: Run = EMPTY
+        elif self.direct:
+            run = OwnRun(self)
+        else:
+            run = ReplicasRun(self, self.plan())
+            self._next_epoch()
+        self.run = run
+        self.in_run = True
+        return run
 
-    def end_run(self, error: BaseException | None) -> None:
-        """The sync point at the end of ``run``; ``error``: a replica raised, so the run's
-        work is discarded."""
+    def close_run(self, error: BaseException | None) -> BaseException | None:
+        """The replicas are done (``error``: one raised it); the sync point follows
+        (``Workers.sync``), with the error this returns: ``error``, or else a write that a
+        kernel made behind a variable's version counter and its aggregation forbids."""
         self.in_run = False
-        if self._filled is not None:  # only if interrupted between entering and leaving
-            self._filled.empty(check=False)
-            self._filled = None
-        if self._lent:
-            restore_class(self._lent)
-            self._lent = []
-        self._shared_lent = False
-        found = None
+        self.run.close()
         if error is None and any(replica.unseen for replica in self.replicas):
             try:
                 record_unseen(self.replicas)
-            except ValueError as unseen_write:  # a write the variable's aggregation forbids
-                error = found = unseen_write
-        self.exchange.sync(self, error)
-        if found is not None:
-            raise found
+            except ValueError as unseen_write:
+                return unseen_write
+        return error
+
+    @contextlib.contextmanager
+    def cross_replica(self) -> Iterator[None]:
+        """Central variables as themselves, for ``merge_call``'s function."""
+        with self.run.cross_replica():
+            yield
+        if self.in_run:
+            self._next_epoch()
 
     def sync(self) -> None:
         """A sync point outside the end of ``run`` (``merge_call``, an optimizer step)."""
@@ -424,12 +299,8 @@ class VariableStore:
             with torch.no_grad():
                 folding.fold_gradients(self.pending)
             self.pending.clear()
-        if self._undo is not None:  # a direct run: its sync point commits or rolls back
-            undo, self._undo = self._undo, None
-            undo.rollback() if discard else undo.commit()
-        if self._shared is not None:  # before the views' gradients: replica order
-            shared, self._shared = self._shared, None
-            shared.rollback() if discard else shared.commit()
+        run = self.run  # what it did to the variables themselves: before the views' work
+        run.rollback() if discard else run.commit()
         touched = [replica.touched for replica in self.replicas]
         if not any(touched):
             return
@@ -502,7 +373,7 @@ class _Plan:
         records = store.records
         self.slots = slots_of(records)
         self.shared: list[Central] = []
-        if any(store._on_parameters):
+        if any(store.on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
                 self.shared = shared_parameters(
                     list(records.values()), store.placement.parameter_storage
@@ -510,34 +381,6 @@ class _Plan:
         keys = {record.key for record in self.shared}
         self.others = [record for record in records.values() if record.key not in keys]
         self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
-
-
-class _ReplicaMode:
-    """What ``VariableStore.replica_mode`` returns for a run with views."""
-
-    __slots__ = ("_fill", "_resolving", "_store", "_views")
-
-    def __init__(self, store: VariableStore, views: ReplicaViews, fill: bool) -> None:
-        self._store = store
-        self._views = views
-        self._fill = fill
-        self._resolving = resolving(views)
-
-    def __enter__(self) -> None:
-        self._resolving.__enter__()
-        if self._fill:
-            try:
-                self._store.enter_replica(self._views)
-            except BaseException:
-                self._resolving.__exit__()
-                raise
-
-    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        try:
-            if self._fill:
-                self._store.leave_replica(self._views, finished=kind is None)
-        finally:
-            self._resolving.__exit__()
 
 
 def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:

@@ -1,0 +1,330 @@
+"""A run of a store's variables, as an object of one of three modes.
+
+The store opens one per ``strategy.run`` (``VariableStore.open_run``); it holds what that run
+changed and exposes one small interface, whatever the mode:
+
+* ``enter`` / ``leave``: a replica starts or ends, on whichever thread it runs;
+* ``suspend`` / ``resume``: the replica hands the baton on at a rendezvous, or gets it back
+  (``_replicas.py``): its state is taken off the modules and the parameters, and put back;
+* ``cross_replica``: the region of ``merge_call``, where the variables are themselves;
+* ``commit`` / ``rollback``: the run's sync point keeps its work, or drops it.
+
+The modes:
+
+* ``EmptyRun``: the store has no variables.
+* ``OwnRun``: one replica computing where every variable lives (R = 1 on the parameter
+  device): it uses them directly and keeps only an ``Undo`` record.
+* ``ReplicasRun``: several replicas, or one away from the variables. A replica that computes
+  where the parameters live uses those no replica may write directly (``DirectReplicas``);
+  every other variable, and every variable of the other replicas, is seen through views, in
+  the module slots (``modules.py``) and through the variables' class (``views.py``).
+
+Replicas run one at a time, so each mode's state is that of the replica holding the baton.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, final
+
+import torch
+
+from .direct import DirectReplicas, Undo
+from .modules import Filled, Replaced, keep_replaced, put_back, raise_shared_write
+from .views import lend_class, resolving, restore_class
+
+if TYPE_CHECKING:
+    from .store import VariableStore, _Plan
+
+
+class Run(abc.ABC):
+    """The variables of one ``run``: how its replicas see them, and what its sync point does
+    with their work."""
+
+    @abc.abstractmethod
+    def enter(self, replica: int) -> None:
+        """Replica ``replica`` starts, on the current thread."""
+
+    @abc.abstractmethod
+    def leave(self, replica: int, finished: bool) -> None:
+        """Replica ``replica`` ends (``finished``: it returned). Its writes are recorded,
+        which raises for a write its variable's aggregation forbids."""
+
+    @abc.abstractmethod
+    def suspend(self, replica: int) -> None:
+        """Replica ``replica`` waits in a rendezvous: its state comes off."""
+
+    @abc.abstractmethod
+    def resume(self, replica: int) -> None:
+        """Replica ``replica`` runs on after a rendezvous: its state goes back."""
+
+    @abc.abstractmethod
+    def cross_replica(self) -> contextlib.AbstractContextManager[None]:
+        """The cross-replica region of ``merge_call`` (every replica suspended): central
+        variables are themselves, and the region's sync point starts the run afresh."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """The sync point keeps what the run's replicas did to the variables themselves."""
+
+    @abc.abstractmethod
+    def rollback(self) -> None:
+        """The run failed: the variables themselves, and their ``.grad``, as before it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The replicas are done (before the sync point): variables are plain again."""
+
+    @property
+    def uses_views(self) -> bool:
+        """Whether some replica sees views (whose gradients a backward after ``run`` may
+        still reach)."""
+        return False
+
+    def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
+        """While replica ``replica``'s code runs: entered, then left (a forbidden write
+        found when it leaves raises here, as the replica's error)."""
+        return _InReplica(self, replica)
+
+
+class _InReplica:
+    __slots__ = ("_replica", "_run")
+
+    def __init__(self, run: Run, replica: int) -> None:
+        self._run = run
+        self._replica = replica
+
+    def __enter__(self) -> None:
+        self._run.enter(self._replica)
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self._run.leave(self._replica, finished=kind is None)
+
+
+@final
+class EmptyRun(Run):
+    """A run of a store without variables."""
+
+    def enter(self, replica: int) -> None:
+        pass
+
+    def leave(self, replica: int, finished: bool) -> None:
+        pass
+
+    def suspend(self, replica: int) -> None:
+        pass
+
+    def resume(self, replica: int) -> None:
+        pass
+
+    def cross_replica(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+EMPTY = EmptyRun()
+
+
+@final
+class OwnRun(Run):
+    """One replica on the device of every variable: it computes on them directly, as on one
+    device, and its writes apply at once (R = 1). ``Undo`` sets ``.grad`` aside and copies
+    the small state without gradients, so that a failed run can be rolled back."""
+
+    def __init__(self, store: VariableStore) -> None:
+        self._store = store
+        self._undo = Undo(store.live())
+
+    def enter(self, replica: int) -> None:
+        pass
+
+    def leave(self, replica: int, finished: bool) -> None:
+        pass
+
+    def suspend(self, replica: int) -> None:
+        pass
+
+    def resume(self, replica: int) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def cross_replica(self) -> Iterator[None]:
+        try:
+            with resolving(None):
+                yield
+        finally:
+            self._undo = Undo(self._store.live())  # the merge's sync point committed
+
+    def commit(self) -> None:
+        self._undo.commit()
+
+    def rollback(self) -> None:
+        self._undo.rollback()
+
+    def close(self) -> None:
+        pass
+
+
+@final
+class ReplicasRun(Run):
+    """Several replicas, or one computing away from its variables.
+
+    ``_lent``: the variables with the resolving class while replica code runs;
+    ``_shared``: the parameters that replicas computing where they live use directly;
+    ``_filled``: the module slots the replica holding the baton has filled with its views.
+    """
+
+    def __init__(self, store: VariableStore, plan: _Plan) -> None:
+        self._store = store
+        self._plan = plan
+        lent = [t for record in plan.others if (t := record.ref()) is not None]
+        shared: list[torch.Tensor] = []
+        for record in plan.shared:  # another class must take the resolving one
+            tensor = record.ref()
+            if tensor is not None:
+                (shared if type(tensor) is torch.nn.Parameter else lent).append(tensor)
+        lend_class(lent)  # TypeError for a variable of another class
+        self._lent = lent
+        self._shared = DirectReplicas(shared) if shared else None
+        self._shared_lent = False  # whether the shared parameters have the class now
+        self._filled: Filled | None = None
+        # what each suspended replica's own code had put in module slots (functional_call)
+        self._kept: dict[int, list[Replaced]] = {}
+
+    @property
+    def uses_views(self) -> bool:
+        return True
+
+    def _direct(self, replica: int) -> bool:
+        return self._shared is not None and self._store.on_parameters[replica]
+
+    def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
+        return _Resolving(self, replica, resolving(self._store.replicas[replica]))
+
+    def enter(self, replica: int) -> None:
+        direct = self._direct(replica)
+        if self._shared is not None:
+            self._lend_shared(not direct)
+        slots = self._plan.direct_slots if direct else self._plan.slots
+        if slots:
+            self._filled = Filled(self._store.replicas[replica], slots)
+
+    def leave(self, replica: int, finished: bool) -> None:
+        filled, self._filled = self._filled, None
+        try:
+            if filled is not None:
+                try:
+                    filled.empty(check=finished)
+                except BaseException:
+                    finished = False
+                    raise
+        finally:
+            shared = self._shared
+            if finished and shared is not None and self._direct(replica):
+                self._check_shared(shared, replica)
+                shared.take_gradients(replica)
+
+    def suspend(self, replica: int) -> None:
+        filled, self._filled = self._filled, None
+        if filled is not None:
+            filled.empty(check=True)
+        self._kept[replica] = keep_replaced(self._plan.slots)
+        shared = self._shared
+        if shared is not None and self._direct(replica):
+            self._check_shared(shared, replica)
+            shared.park(replica)
+
+    def resume(self, replica: int) -> None:
+        shared = self._shared
+        direct = self._direct(replica)
+        if shared is not None:
+            self._lend_shared(not direct)
+            if direct:
+                shared.unpark(replica)
+        slots = self._plan.direct_slots if direct else self._plan.slots
+        if slots:
+            self._filled = Filled(self._store.replicas[replica], slots)
+        put_back(self._kept.pop(replica, []))
+
+    @contextlib.contextmanager
+    def cross_replica(self) -> Iterator[None]:
+        lent = self._lent + (self._shared.tensors if self._shared_lent and self._shared else [])
+        restore_class(lent)
+        try:
+            with resolving(None):
+                yield
+        finally:
+            lend_class(lent)
+            if self._shared is not None:  # the merge's sync point committed what came before
+                self._shared = DirectReplicas(self._shared.tensors)
+
+    def _check_shared(self, shared: DirectReplicas, replica: int) -> None:
+        written = shared.written()
+        if written is not None:
+            record = self._store.records[id(written)]
+            raise_shared_write(replica, record.owners[0][1], written)
+
+    def _lend_shared(self, lent: bool) -> None:
+        """Give the shared parameters the resolving class (for a replica that sees views of
+        them), or take it back (for one that uses them directly)."""
+        if lent == self._shared_lent or self._shared is None:
+            return
+        tensors = self._shared.tensors
+        if lent:
+            lend_class(tensors)  # their class was checked when the run began
+        else:
+            restore_class(tensors)
+        self._shared_lent = lent
+
+    def commit(self) -> None:
+        if self._shared is not None:  # before the views' gradients: replica order
+            self._shared.commit()
+
+    def rollback(self) -> None:
+        if self._shared is not None:
+            self._shared.rollback()
+
+    def close(self) -> None:
+        if self._filled is not None:  # only if interrupted between entering and leaving
+            self._filled.empty(check=False)
+            self._filled = None
+        restore_class(self._lent)
+        if self._shared is not None and self._shared_lent:
+            restore_class(self._shared.tensors)
+        self._shared_lent = False
+
+
+class _Resolving:
+    """``ReplicasRun.replica``: central variables resolve to the replica's views on this
+    thread while it runs."""
+
+    __slots__ = ("_replica", "_resolving", "_run")
+
+    def __init__(self, run: Run, replica: int, views: resolving) -> None:
+        self._run = run
+        self._replica = replica
+        self._resolving = views
+
+    def __enter__(self) -> None:
+        self._resolving.__enter__()
+        try:
+            self._run.enter(self._replica)
+        except BaseException:
+            self._resolving.__exit__()
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        try:
+            self._run.leave(self._replica, finished=kind is None)
+        finally:
+            self._resolving.__exit__()
