@@ -103,7 +103,8 @@ class OneProcess(Workers):
 
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         with torch.no_grad():  # folded at once, so that .grad is complete after backward
-            folding.fold_gradients([view])
+            received = folding.fold_gradients([view])
+        folding.run_post_accumulate_hooks(received)
 
     def describe(self) -> str:
         return ""

@@ -22,13 +22,14 @@ from __future__ import annotations
 import torch
 
 from .._aggregation import VariableAggregation
+from .folding import hold_post_accumulate_hooks, release_post_accumulate_hooks
 from .records import Central
 
 
 class Undo:
     """What one run without views changed, and how to take it back."""
 
-    __slots__ = ("_grads", "_state")
+    __slots__ = ("_grads", "_hooks", "_state")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
@@ -40,16 +41,20 @@ class Undo:
                     tensor.grad = None
                 elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
                     self._state.append((tensor, tensor.detach().clone()))
+        self._hooks = hold_post_accumulate_hooks([t for t, _ in self._grads])
 
-    def commit(self) -> None:
+    def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
-        ``.grad`` that existed before the run stays the same tensor, as in plain PyTorch)."""
+        ``.grad`` that existed before the run stays the same tensor, as in plain PyTorch).
+        Returns the tensors that received gradients."""
         tensors = [tensor for tensor, _ in self._grads]
         sums = [held for _, held in self._grads]
-        add_in_order(sums, [tensor.grad for tensor in tensors])
+        new = [tensor.grad for tensor in tensors]
+        add_in_order(sums, new)
         for tensor, total in zip(tensors, sums):
             tensor.grad = total
         self._forget()
+        return [tensor for tensor, grad in zip(tensors, new) if grad is not None]
 
     def rollback(self) -> None:
         """Drop the run's work: gradients and the variables without grad as before it."""
@@ -62,6 +67,8 @@ class Undo:
 
     def _forget(self) -> None:
         self._grads, self._state = [], []
+        release_post_accumulate_hooks(self._hooks)
+        self._hooks = []
 
 
 def shared_parameters(records: list[Central], storage: torch.device) -> list[Central]:
@@ -93,7 +100,7 @@ class DirectReplicas:
     finishes or hands the baton on.
     """
 
-    __slots__ = ("_grads", "_old", "_open", "_versions", "tensors")
+    __slots__ = ("_grads", "_hooks", "_old", "_open", "_versions", "tensors")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
@@ -105,6 +112,7 @@ class DirectReplicas:
                     tensor.grad = None
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
+        self._hooks = hold_post_accumulate_hooks(tensors)
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
@@ -135,18 +143,22 @@ class DirectReplicas:
             for tensor, grad in zip(self.tensors, grads):
                 tensor.grad = grad
 
-    def commit(self) -> None:
+    def commit(self) -> list[torch.Tensor]:
         """Each replica's gradients, in replica order, added to the set-aside ones (in
-        place: a ``.grad`` that existed stays the same tensor) and put in ``.grad``."""
+        place: a ``.grad`` that existed stays the same tensor) and put in ``.grad``.
+        Returns the parameters that received gradients."""
         if not self._open:  # committed already at this sync point
-            return
+            return []
         sums = list(self._old)
         late = self._take()  # a backward since the last replica finished: added last
+        received = [False] * len(self.tensors)
         for grads in [*(self._grads[r] for r in sorted(self._grads)), late]:
             add_in_order(sums, grads)
+            received = [seen or grad is not None for seen, grad in zip(received, grads)]
         for tensor, total in zip(self.tensors, sums):
             tensor.grad = total
         self._forget()
+        return [tensor for tensor, got in zip(self.tensors, received) if got]
 
     def rollback(self) -> None:
         """The run failed: ``.grad`` as before it."""
@@ -158,6 +170,8 @@ class DirectReplicas:
 
     def _forget(self) -> None:
         self._old, self._grads, self._open = [], {}, False
+        release_post_accumulate_hooks(self._hooks)
+        self._hooks = []
 
 
 def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:

@@ -66,9 +66,11 @@ def gradients_of(view: View) -> list[torch.Tensor]:
     return grads
 
 
-def fold_gradients(views: list[View]) -> None:
-    """Add the views' gradients to their central ``.grad`` (one ``_foreach_add_``)."""
+def fold_gradients(views: list[View]) -> list[torch.Tensor]:
+    """Add the views' gradients to their central ``.grad`` (one ``_foreach_add_``); returns
+    the central variables whose ``.grad`` received some."""
     targets, sources = [], []
+    received: list[torch.Tensor] = []
     queued: set[int] = set()
     for view in views:
         tensor = view.tensor
@@ -85,6 +87,7 @@ def fold_gradients(views: list[View]) -> None:
         central = view.record.ref()
         if central is None:
             continue
+        received.append(central)
         for grad in grads:
             if grad.device != central.device or grad.dtype != central.dtype:
                 grad = grad.to(central.device, central.dtype)
@@ -99,6 +102,44 @@ def fold_gradients(views: list[View]) -> None:
                 sources.append(grad)
     if targets:
         torch._foreach_add_(targets, sources)
+    return received
+
+
+# A tensor's dict of post-accumulate-grad hooks, and what it held.
+HeldHooks = list[tuple[dict[Any, Any], dict[Any, Any]]]
+
+
+def hold_post_accumulate_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
+    """Keep the post-accumulate-grad hooks of ``tensors``, which replicas compute on
+    directly, from firing at each replica's backward: they fire once, when the sync point
+    has accumulated the replicas' gradients into ``.grad`` (``run_post_accumulate_hooks``),
+    as once per backward on one device. (Their dicts are emptied and refilled, since the
+    hook that autograd calls holds the dict itself.)"""
+    held: HeldHooks = []
+    for tensor in tensors:
+        hooks = tensor._post_accumulate_grad_hooks
+        if hooks:
+            held.append((hooks, dict(hooks)))
+            hooks.clear()
+    return held
+
+
+def release_post_accumulate_hooks(held: HeldHooks) -> None:
+    for hooks, saved in held:
+        hooks.update(saved)
+
+
+def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
+    """Call the post-accumulate-grad hooks of the central variables whose ``.grad`` a sync
+    point has just accumulated into, once each, in cross-replica context (an optimizer step
+    in such a hook updates the variable once, with the replicas' summed gradient)."""
+    seen: set[int] = set()
+    for tensor in tensors:
+        hooks = tensor._post_accumulate_grad_hooks
+        if hooks and id(tensor) not in seen:
+            seen.add(id(tensor))
+            for hook in list(hooks.values()):
+                hook(tensor)
 
 
 def apply_writes(touched: list[list[View]], num_replicas: int) -> None:

@@ -66,8 +66,9 @@ class Run(abc.ABC):
         variables are themselves, and the region's sync point starts the run afresh."""
 
     @abc.abstractmethod
-    def commit(self) -> None:
-        """The sync point keeps what the run's replicas did to the variables themselves."""
+    def commit(self) -> list[torch.Tensor]:
+        """The sync point keeps what the run's replicas did to the variables themselves;
+        returns the variables whose ``.grad`` received gradients."""
 
     @abc.abstractmethod
     def rollback(self) -> None:
@@ -122,8 +123,8 @@ class EmptyRun(Run):
     def cross_replica(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def commit(self) -> None:
-        pass
+    def commit(self) -> list[torch.Tensor]:
+        return []
 
     def rollback(self) -> None:
         pass
@@ -165,8 +166,8 @@ class OwnRun(Run):
         finally:
             self._undo = Undo(self._store.live())  # the merge's sync point committed
 
-    def commit(self) -> None:
-        self._undo.commit()
+    def commit(self) -> list[torch.Tensor]:
+        return self._undo.commit()
 
     def rollback(self) -> None:
         self._undo.rollback()
@@ -286,9 +287,10 @@ class ReplicasRun(Run):
             restore_class(tensors)
         self._shared_lent = lent
 
-    def commit(self) -> None:
-        if self._shared is not None:  # before the views' gradients: replica order
-            self._shared.commit()
+    def commit(self) -> list[torch.Tensor]:
+        if self._shared is None:
+            return []
+        return self._shared.commit()  # before the views' gradients: replica order
 
     def rollback(self) -> None:
         if self._shared is not None:

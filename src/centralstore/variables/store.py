@@ -289,32 +289,39 @@ class VariableStore:
 
     def fold(self, discard: bool = False) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
-        last one into the central variables, in replica order, or drop it (``discard``)."""
+        last one into the central variables, in replica order, or drop it (``discard``);
+        then the post-accumulate-grad hooks of the variables whose ``.grad`` received some
+        run, once each."""
         for replica in self.replicas:
             replica.wait_for_copies()
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)
+        received: list[torch.Tensor] = []
         if self.pending:
             with torch.no_grad():
-                folding.fold_gradients(self.pending)
+                received += folding.fold_gradients(self.pending)
             self.pending.clear()
         run = self.run  # what it did to the variables themselves: before the views' work
-        run.rollback() if discard else run.commit()
-        touched = [replica.touched for replica in self.replicas]
-        if not any(touched):
-            return
         if discard:
-            for replica in self.replicas:
-                replica.unseen.clear()
-            folding.discard(touched)
+            run.rollback()
         else:
-            with torch.no_grad():
-                for views in touched:
-                    folding.fold_gradients(views)
-                folding.apply_writes(touched, self.placement.num_replicas)
-            folding.finish(touched)
-        self._next_epoch()
+            received += run.commit()
+        touched = [replica.touched for replica in self.replicas]
+        if any(touched):
+            if discard:
+                for replica in self.replicas:
+                    replica.unseen.clear()
+                folding.discard(touched)
+            else:
+                with torch.no_grad():
+                    for views in touched:
+                        received += folding.fold_gradients(views)
+                    folding.apply_writes(touched, self.placement.num_replicas)
+                folding.finish(touched)
+            self._next_epoch()
+        if received:
+            folding.run_post_accumulate_hooks(received)
 
     def _next_epoch(self) -> None:
         for views in self.replicas:
@@ -409,6 +416,7 @@ class _RegistrationMode(TorchFunctionMode):
         if (
             isinstance(out, torch.Tensor)
             and out.requires_grad
+            and out._base is None  # a view is no leaf (and no_grad views forbid asking)
             and out.is_leaf
             and id(out) not in self._store.records
             and self._mine()

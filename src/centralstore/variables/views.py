@@ -175,7 +175,10 @@ class ReplicaViews:
             view = self._create(record, central)
         else:
             tensor = view.tensor
-            if tensor.shape != central.shape or tensor.dtype != central.dtype:
+            if (
+                tensor.shape != central.shape or tensor.dtype != central.dtype
+                or tensor.requires_grad != central.requires_grad  # read when a run begins
+            ):
                 view = self._create(record, central)
             elif not view.private:
                 if tensor.data_ptr() != central.data_ptr():  # storage replaced (.data = ...)
@@ -184,6 +187,9 @@ class ReplicaViews:
                 with torch.no_grad():
                     tensor.copy_(central, non_blocking=True)
                 self._copied(central)
+        hooks = central._backward_hooks  # the variable's tensor hooks run on each view
+        if view.tensor._backward_hooks is not hooks and view.tensor.requires_grad:
+            view.tensor._backward_hooks = hooks
         view.central_version = central._version
         view.start_version = view.tensor._version
         view.assigned = False
@@ -192,6 +198,9 @@ class ReplicaViews:
         return view
 
     def _create(self, record: Central, central: torch.Tensor) -> View:
+        if torch.is_inference_mode_enabled():  # views are normal tensors: they track versions
+            with torch.inference_mode(False):
+                return self._create(record, central)
         if central.device == self.device and not record.is_buffer:
             view = View(record, central.detach(), private=False)
         else:
@@ -233,7 +242,8 @@ class ReplicaViews:
         self._check_aggregation(view)
         central = view.record.ref()
         assert central is not None
-        private = central.detach().clone()
+        with torch.inference_mode(False):
+            private = central.detach().clone()
         self._make_leaf(view, private, central.requires_grad)
         view.alias, view.tensor, view.private = view.tensor, private, True
         view.start_version = private._version
