@@ -37,6 +37,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two C
 COMPUTE_DEVICES = [
     pytest.param(("cuda:0",), id="cuda:0"),
     pytest.param(("cuda:0", "cuda:1"), marks=two_gpus, id="cuda:0+cuda:1"),
+    # a GPU named twice: two replicas on it, as TensorFlow runs two on ["/cpu:0", "/cpu:0"]
+    pytest.param(("cuda:0", "cuda:0"), id="cuda:0+cuda:0"),
 ]
 
 CLASSES = 5
@@ -274,6 +276,42 @@ def test_two_gpu_replicas_with_batchnorm_train_like_two_replicas_on_the_host(
     expected, host_optimizer = _central_model(on_host, _cnn, state)
     _train_central(on_host, expected, host_optimizer, batches, torch.device("cpu"))
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device=parameter_device)
+    model, optimizer = _central_model(strategy, _cnn, state)
+    _train_central(strategy, model, optimizer, batches, torch.device(parameter_device))
+    _assert_same_state(model, expected)
+
+
+@pytest.mark.parametrize("parameter_device", ["cpu", "cuda:0"])
+def test_two_replicas_on_one_gpu_train_like_one_device(parameter_device: str) -> None:
+    """A GPU named twice is two replicas on it (docs/design.md §3.1.3; TensorFlow 2.21 gives
+    ``["/cpu:0", "/cpu:0"]`` two replicas on CPU:0), each on half the global batch. With the
+    variables on cuda:0 both replicas use them directly; on the CPU both compute on views on
+    cuda:0, their gradients copied back on one side stream."""
+    batches = _batches()
+    reference, state = _reference(_mlp)
+    _train_on_cpu(reference, batches)
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:0"], parameter_device=parameter_device)
+    assert strategy.compute_devices == ("cuda:0", "cuda:0")
+    assert strategy.num_replicas_in_sync == 2
+    model, optimizer = _central_model(strategy, _mlp, state)
+    home = torch.device(parameter_device)
+    _train_central(strategy, model, optimizer, batches, home)
+    _assert_stored_on(model, home)
+    _assert_same_state(model, reference)
+
+
+@pytest.mark.parametrize("parameter_device", ["cpu", "cuda:0"])
+def test_two_replicas_on_one_gpu_with_batchnorm_train_like_two_on_one_host_device(
+    parameter_device: str
+) -> None:
+    """BatchNorm normalizes each replica's slice (§3.6.4): the reference is two replicas on
+    the host's cpu:0, named twice too."""
+    batches = _batches()
+    _, state = _reference(_cnn)
+    on_host = cs.CentralStorageStrategy(["cpu:0", "cpu:0"])
+    expected, host_optimizer = _central_model(on_host, _cnn, state)
+    _train_central(on_host, expected, host_optimizer, batches, torch.device("cpu"))
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:0"], parameter_device=parameter_device)
     model, optimizer = _central_model(strategy, _cnn, state)
     _train_central(strategy, model, optimizer, batches, torch.device(parameter_device))
     _assert_same_state(model, expected)

@@ -119,7 +119,7 @@ def test_a_missing_parameter_device_raises() -> None:
         cs.CentralStorageStrategy(["cpu:0"], parameter_device=f"GPU:{GPUS}")
 
 
-# -- order, and no duplicates (3.1.3) --------------------------------------------------------------
+# -- order, and duplicates (3.1.3) ----------------------------------------------------------------
 
 
 def test_order_is_kept() -> None:
@@ -131,22 +131,92 @@ def test_order_is_kept() -> None:
 
 
 @pytest.mark.parametrize(
-    ("devices", "name", "where"),
+    ("devices", "names"),
     [
-        (["cpu:0", "cpu:0"], "cpu:0", "('cpu:0' at position 0 and 'cpu:0' at position 1)"),
-        (["cpu", "cpu:0"], "cpu:0", "('cpu' at position 0 and 'cpu:0' at position 1)"),
-        (["cpu:0", "/cpu:0", torch.device("cpu")], "cpu:0", "'/cpu:0' at position 1"),
-        (["CPU:2", "cpu:1", "/device:CPU:2"], "cpu:2", "'/device:CPU:2' at position 2"),
+        (["/cpu:0", "/cpu:0"], ("cpu:0", "cpu:0")),  # TensorFlow 2.21: 2 replicas on CPU:0
+        (["cpu:0", "cpu:0"], ("cpu:0", "cpu:0")),
+        (["cpu", "cpu:0"], ("cpu:0", "cpu:0")),
+        (["cpu:0", "/cpu:0", torch.device("cpu")], ("cpu:0", "cpu:0", "cpu:0")),
+        (["cpu:0", "cpu:0", "cpu:1"], ("cpu:0", "cpu:0", "cpu:1")),
+        (["CPU:2", "cpu:1", "/device:CPU:2"], ("cpu:2", "cpu:1", "cpu:2")),
     ],
 )
-def test_a_device_named_twice_raises(devices: list[object], name: str, where: str) -> None:
-    match = f"compute_devices names the device '{name}' twice"
-    with pytest.raises(ValueError, match=match) as info:
-        cs.CentralStorageStrategy(devices)  # type: ignore[arg-type]
-    message = str(info.value)
-    assert where in message
-    assert "'cpu:0', 'cpu:1', ..." in message  # the fix: logical CPU devices
-    assert message.endswith(f"Received: compute_devices={devices!r}")
+def test_a_device_named_twice_runs_a_replica_for_each_entry(
+    devices: list[object], names: tuple[str, ...]
+) -> None:
+    """As TensorFlow measured: ``CentralStorageStrategy(["/cpu:0", "/cpu:0"])`` has 2
+    replicas, both on CPU:0. Every entry is a replica, in order, duplicates kept."""
+    strategy = cs.CentralStorageStrategy(devices)  # type: ignore[arg-type]
+    assert strategy.compute_devices == names
+    assert strategy.num_replicas_in_sync == len(devices)
+    assert strategy.extended.worker_devices == names
+    assert strategy.parameter_device == "cpu:0"  # several compute devices: the CPU
+    assert strategy.extended.parameter_devices == ("cpu:0",)
+    assert repr(strategy) == (
+        f"CentralStorageStrategy(compute_devices={list(names)}, parameter_device='cpu:0')"
+    )
+
+    def where() -> tuple[int, torch.device]:
+        rc = cs.get_replica_context()
+        assert rc is not None
+        return rc.replica_id_in_sync_group, rc.device
+
+    ids, places = strategy.run(where)
+    assert strategy.experimental_local_results(ids) == tuple(range(len(devices)))
+    assert strategy.experimental_local_results(places) == tuple(
+        _devices.torch_device(name) for name in names
+    )
+
+
+def test_two_replicas_on_one_device_keep_their_own_values() -> None:
+    """Nothing is keyed by device: run, local results, reduce, gather, all_reduce,
+    all_gather and merge_call see one component per replica, on ``["cpu:0", "cpu:0",
+    "cpu:1"]`` as on three devices."""
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:0", "cpu:1"])
+    inputs = cs.PerReplica([torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([])])
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rc = cs.get_replica_context()
+        assert rc is not None
+        total = rc.all_reduce("SUM", x.sum())
+        gathered = rc.all_gather(x, axis=0)
+        merged = rc.merge_call(
+            lambda s, v: tuple(t.tolist() for t in s.experimental_local_results(v)), args=(x,)
+        )
+        assert merged == ([1.0, 2.0], [3.0], [])
+        return x * 10, total, gathered, torch.tensor(float(rc.replica_id_in_sync_group))
+
+    scaled, total, gathered, ids = strategy.run(step, args=(inputs,))
+    assert [t.tolist() for t in strategy.experimental_local_results(scaled)] == [
+        [10.0, 20.0], [30.0], []
+    ]
+    assert [t.item() for t in strategy.experimental_local_results(total)] == [6.0] * 3
+    assert [t.tolist() for t in strategy.experimental_local_results(gathered)] == [
+        [1.0, 2.0, 3.0]
+    ] * 3
+    assert strategy.reduce("SUM", ids, axis=None).item() == 3.0
+    assert strategy.reduce("MEAN", ids, axis=None).item() == 1.0
+    assert strategy.reduce("SUM", scaled, axis=0).item() == 60.0
+    assert strategy.reduce("MEAN", scaled, axis=0).item() == 20.0
+    assert strategy.gather(scaled, axis=0).tolist() == [10.0, 20.0, 30.0]
+
+
+@pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")
+def test_a_gpu_named_twice_runs_two_replicas_on_it() -> None:
+    """The same rule on a GPU: ``["cuda:0", "cuda:0"]`` is two replicas on cuda:0, and with
+    several compute devices the variables default to the CPU, as in TensorFlow."""
+    strategy = cs.CentralStorageStrategy(["cuda:0", "GPU:0"])
+    assert strategy.compute_devices == ("cuda:0", "cuda:0")
+    assert strategy.num_replicas_in_sync == 2
+    assert strategy.extended.worker_devices == ("cuda:0", "cuda:0")
+    assert strategy.parameter_device == "cpu:0"
+    places = strategy.run(lambda: cs.get_replica_context().device)  # type: ignore[union-attr]
+    assert strategy.experimental_local_results(places) == (torch.device("cuda", 0),) * 2
+    x = strategy.run(
+        lambda: torch.full((2,), float(cs.get_replica_context().replica_id_in_sync_group))  # type: ignore[union-attr]
+    )
+    assert [t.device.type for t in strategy.experimental_local_results(x)] == ["cuda", "cuda"]
+    assert strategy.reduce("SUM", x, axis=0).item() == 2.0
 
 
 def test_canonical_names_appear_in_repr() -> None:

@@ -81,13 +81,18 @@ def canonical(device: DeviceLike) -> str:
 
 
 def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
-    """Canonical names for a list of devices, in order; a device named twice raises.
+    """Canonical names for a list of devices, in order, duplicates kept.
 
-    TensorFlow rejects duplicates too (each device runs one replica, and a replica is known by
-    its device). Several replicas on one host use logical CPU devices ``cpu:0``, ``cpu:1``, ...
+    As in TensorFlow (measured on 2.21: ``CentralStorageStrategy(["/cpu:0", "/cpu:0"])`` has
+    2 replicas, both on CPU:0), a device named twice runs two replicas: replica ``i`` runs on
+    ``names[i]``, and placement, input slices, results and reductions are kept per replica,
+    never merged by device.
+    ``"cpu"`` and ``"cpu:0"`` are one device, so ``["cpu", "cpu:0"]`` is two replicas on it.
 
     >>> canonical_list(["CPU:1", "/device:CPU:0"], "compute_devices")
     ('cpu:1', 'cpu:0')
+    >>> canonical_list(["/cpu:0", "cpu"], "compute_devices")
+    ('cpu:0', 'cpu:0')
     """
     if isinstance(devices, (str, torch.device)):
         raise TypeError(
@@ -104,20 +109,7 @@ def canonical_list(devices: Sequence[DeviceLike], what: str) -> tuple[str, ...]:
             f"{what} is empty; name at least one device, e.g. ['cpu:0', 'cpu:1']. "
             f"Visible devices: {visible_devices()}. Received: {what}={devices!r}"
         )
-    names = tuple(canonical(d) for d in devices)
-    first: dict[str, int] = {}
-    for i, name in enumerate(names):
-        if name in first:
-            earlier = devices[first[name]]
-            raise ValueError(
-                f"{what} names the device {name!r} twice ({earlier!r} at position "
-                f"{first[name]} and {devices[i]!r} at position {i}); each compute device "
-                f"runs one replica. For several replicas on one host, use the logical CPU "
-                f"devices 'cpu:0', 'cpu:1', ... Visible devices: {visible_devices()}. "
-                f"Received: {what}={list(devices)!r}"
-            )
-        first[name] = i
-    return names
+    return tuple(canonical(d) for d in devices)
 
 
 def torch_device(name: str) -> torch.device:

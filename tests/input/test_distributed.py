@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import centralstore as cs
 from centralstore._values import PerReplica
 from centralstore.input.data_options import AutoShardPolicy, Options
 from centralstore.input.dataset import Dataset
@@ -374,10 +375,76 @@ def test_string_batches_are_split_and_never_placed() -> None:
     assert whole == ["a", "b", "c", "d", "e"]
 
 
-def test_a_global_batch_with_leaves_of_different_sizes_raises() -> None:
-    mispaired = [(torch.zeros(4), torch.zeros(2))]
-    with pytest.raises(ValueError, match=r"experimental_distribute_dataset\(dataset\).*\[4, 2\]"):
-        list(distribute_dataset(mispaired, TWO))
+OPTIONS = [None, INLINE, InputOptions(experimental_per_replica_buffer_size=3)]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_zip_of_differently_batched_datasets_splits_each_component_on_its_own(
+    options: InputOptions | None,
+) -> None:
+    """Measured on TensorFlow 2.21: zip(range(8).batch(4), range(8).batch(2)) over 2
+    replicas gives ([0, 1], [0]) and ([2, 3], [1]): each component is cut by the split rule
+    applied to its own first dimension."""
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    zipped = Dataset.zip(Dataset.range(8).batch(4), Dataset.range(8).batch(2))
+    dist = strategy.experimental_distribute_dataset(zipped, options)
+    steps = [[per_replica(component) for component in step] for step in dist]
+    assert steps == [
+        [[[0, 1], [2, 3]], [[0], [1]]],
+        [[[4, 5], [6, 7]], [[2], [3]]],
+    ]
+    assert dist.element_spec == (TensorSpec((None,), torch.int64),) * 2
+
+
+def test_components_of_5_and_2_rows_over_3_replicas_get_2_2_1_and_1_1_0() -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    zipped = Dataset.zip((Dataset.range(5).batch(5), Dataset.range(10, 12).batch(2)))
+    ((x, y),) = list(strategy.experimental_distribute_dataset(zipped))
+    assert per_replica(x) == [[0, 1], [2, 3], [4]]
+    assert per_replica(y) == [[10], [11], []]
+
+
+def test_a_dataloader_of_tuples_of_different_first_dimensions() -> None:
+    """A loader whose batches hold B images and a variable number of targets (as detection
+    loaders do): each leaf is cut on its own."""
+
+    def collate(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        return torch.stack([x for x, _ in items]), torch.cat([t for _, t in items])
+
+    items = [(torch.full((2,), float(i)), torch.arange(i + 1)) for i in range(5)]
+    loader = DataLoader(items, batch_size=3, collate_fn=collate)  # type: ignore[arg-type]
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    steps = list(strategy.experimental_distribute_dataset(loader))
+    assert [[c.shape[0] for c in strategy.experimental_local_results(x)] for x, _ in steps] == [
+        [2, 1], [1, 1]
+    ]
+    assert [per_replica(t) for _, t in steps] == [
+        [[0, 0, 1], [0, 1, 2]],  # 6 targets: 3 / 3
+        [[0, 1, 2, 3, 0], [1, 2, 3, 4]],  # 9 targets: 5 / 4
+    ]
+    assert per_replica(steps[1][0]) == [[[3.0, 3.0]], [[4.0, 4.0]]]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_distributed_datasets_on_a_device_named_twice(options: InputOptions | None) -> None:
+    """Two replicas on cpu:0 (TensorFlow 2.21 accepts ["/cpu:0", "/cpu:0"]): each gets its
+    own slice or element, as on two devices; nothing is merged by device."""
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:0", "cpu:1"])
+    dist = strategy.experimental_distribute_dataset(Dataset.range(7).batch(4), options)
+    assert [per_replica(step) for step in dist] == [[[0, 1], [2, 3], []], [[4], [5], [6]]]
+    assert dist.element_spec == TensorSpec((None,), torch.int64)
+    iterator = iter(dist)
+    assert per_replica(next(iterator)) == [[0, 1], [2, 3], []]
+    state = iterator.state_dict()
+    again = iter(dist)
+    again.load_state_dict(state)
+    assert per_replica(next(again)) == [[4], [5], [6]]
+    dealt = strategy.distribute_datasets_from_function(
+        lambda ctx: Dataset.range(4 * ctx.num_replicas_in_sync).batch(4), options
+    )
+    assert [per_replica(step) for step in dealt] == [
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    ]
 
 
 def test_element_spec_of_a_distributed_dataset() -> None:

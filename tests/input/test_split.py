@@ -98,12 +98,55 @@ def test_every_leaf_is_cut_at_the_same_rows_keeping_the_structure() -> None:
     assert [second["pair"].x.shape, second["other"].shape] == [(2, 3), (2, 4)]
 
 
-def test_leaves_of_different_batch_sizes_raise_naming_the_sizes() -> None:
-    with pytest.raises(ValueError, match=r"same batch \(first\) dimension.*sizes=\[4, 2\]"):
-        split_leaves((torch.zeros(4), torch.zeros(2)), 2)
-    with pytest.raises(ValueError, match=r"sizes=\[3, 2\]"):
-        split_leaves((torch.zeros(3), Strings(["a", "b"])), 2)
-    assert split_leaves((torch.zeros(4), torch.zeros(2)), 1)[0][1][0].shape == (2,)
+@pytest.mark.parametrize(
+    ("sizes", "replicas", "expected"),
+    [
+        # TensorFlow 2.21: zip(range(8).batch(4), range(8).batch(2)) over 2 replicas
+        ((4, 2), 2, [([0, 1], [0]), ([2, 3], [1])]),
+        ((5, 2), 3, [([0, 1], [0]), ([2, 3], [1]), ([4], [])]),  # 2/2/1 and 1/1/0
+        ((2, 5), 3, [([0], [0, 1]), ([1], [2, 3]), ([], [4])]),
+        ((3, 7), 2, [([0, 1], [0, 1, 2, 3]), ([2], [4, 5, 6])]),
+        ((1, 4), 3, [([0], [0, 1]), ([], [2, 3]), ([], [])]),
+        ((0, 3), 2, [([], [0, 1]), ([], [2])]),
+        ((6, 4, 1), 4, [([0, 1], [0], [0]), ([2, 3], [1], []), ([4, 5], [2], []),
+                        ([], [3], [])]),
+    ],
+)
+def test_leaves_of_different_batch_sizes_are_each_split_on_their_own(
+    sizes: tuple[int, ...], replicas: int, expected: list[tuple[list[int], ...]]
+) -> None:
+    """TensorFlow's rule, measured: every leaf is cut by the split rule applied to its own
+    first dimension g (slices of ceil(g / R), the last short or empty)."""
+    batch = tuple(torch.arange(size) for size in sizes)
+    assert [tuple(t.tolist() for t in r) for r in replicas_of(batch, replicas)] == expected
+
+
+def test_leaves_of_different_sizes_in_a_nested_batch_with_strings_and_local_replicas() -> None:
+    batch = {"x": torch.zeros(5, 3), "tokens": np.arange(2), "words": Strings(["a", "b", "c"])}
+    shapes = [
+        (tuple(r["x"].shape), r["tokens"].tolist(), r["words"]) for r in replicas_of(batch, 3)
+    ]
+    assert shapes == [((2, 3), [0], ["a"]), ((2, 3), [1], ["b"]), ((1, 3), [], ["c"])]
+    # a worker holding replicas 1 and 2 of 3 keeps their slices of every leaf
+    local = replicas_of(batch, 3, replica_offset=1, local_replicas=2)
+    assert [(len(r["x"]), r["tokens"].tolist(), r["words"]) for r in local] == [
+        (2, [1], ["b"]), (1, [], ["c"])
+    ]
+    # a scalar leaf still cannot be split, whatever the other leaves' sizes (3.7.4)
+    with pytest.raises(ValueError, match=r"Cannot split a scalar tensor \(shape \[\]\)"):
+        split_leaves((torch.zeros(4), torch.zeros(2), torch.tensor(1.0)), 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 12), min_size=1, max_size=4), replicas=st.integers(1, 5))
+def test_each_leaf_is_cut_by_the_split_sizes_of_its_own_first_dimension(
+    sizes: list[int], replicas: int
+) -> None:
+    batch = [torch.arange(size) for size in sizes]
+    columns, _ = split_leaves(batch, replicas)
+    for size, column in zip(sizes, columns, strict=True):
+        assert [len(piece) for piece in column] == split_sizes(size, replicas)
+        assert torch.cat(column).tolist() == list(range(size))
 
 
 def test_string_batches_split_into_lists_by_the_split_rule() -> None:

@@ -3,8 +3,10 @@
 TensorFlow's rule, measured: a global batch of actual size ``g`` over ``R`` replicas is cut
 into consecutive slices of ``c = ceil(g / R)`` rows; replica ``i`` gets rows
 ``[min(i*c, g), min((i+1)*c, g))``. Slices may be short or empty. Every leaf of a nested
-batch is cut at the same rows, so all leaves must share the first dimension (else examples
-would be mispaired). These are pure functions (no devices, no threads) so that the rule is
+batch is cut by this rule applied to *its own* first dimension ``g``, as in TensorFlow
+(measured: ``zip(range(8).batch(4), range(8).batch(2))`` over 2 replicas gives ``([0, 1],
+[0])`` and ``([2, 3], [1])``); leaves that share their first dimension are therefore cut at
+the same rows. These are pure functions (no devices, no threads) so that the rule is
 tested on literal tables; every tensor slice is a view (``split_with_sizes``), never a copy,
 and a batch of strings (``Strings``) is cut into lists.
 
@@ -77,11 +79,19 @@ def split_leaves(
     ``columns[k][i]`` is leaf ``k`` of local replica ``i`` (global replica
     ``replica_offset + i``). This column layout is what the distributed iterator needs: each
     column becomes one ``PerReplica`` leaf. With ``num_replicas == 1`` the leaves are returned
-    whole (numpy arrays become tensors), scalars included.
+    whole (numpy arrays become tensors), scalars included; with more, a scalar leaf raises
+    ``ValueError``.
+
+    Each leaf is cut by ``split_sizes`` of its own first dimension, as TensorFlow does: leaves
+    of one size are cut at the same rows, and leaves of different sizes each on their own
+    (leaves of 5 and 2 rows over 3 replicas give 2/2/1 and 1/1/0 rows).
 
     >>> columns, spec = split_leaves((torch.arange(5), torch.zeros(5, 2)), 2)
     >>> [[tuple(s.shape) for s in column] for column in columns]
     [[(3,), (2,)], [(3, 2), (2, 2)]]
+    >>> columns, spec = split_leaves((torch.arange(5), torch.arange(2)), 3)
+    >>> [[s.tolist() for s in column] for column in columns]
+    [[[0, 1], [2, 3], [4]], [[0], [1], []]]
     """
     if local_replicas is None:
         local_replicas = num_replicas - replica_offset
@@ -90,10 +100,16 @@ def split_leaves(
     leaves = [Strings(leaf) if _is_string_batch(leaf) else from_numpy(leaf) for leaf in leaves]
     if num_replicas == 1:
         return [[leaf] for leaf in leaves], spec
-    sizes = split_sizes(_batch_size(leaves, num_replicas), num_replicas)
     first, stop = replica_offset, replica_offset + local_replicas
     whole = local_replicas == num_replicas
-    columns = [_split_leaf(leaf, sizes, first, stop, whole) for leaf in leaves]
+    by_size: dict[int, list[int]] = {}  # most leaves share one first dimension
+    columns = []
+    for leaf in leaves:
+        size = _rows(leaf, num_replicas)
+        sizes = by_size.get(size)
+        if sizes is None:
+            sizes = by_size[size] = split_sizes(size, num_replicas)
+        columns.append(_split_leaf(leaf, sizes, first, stop, whole))
     return columns, spec
 
 
@@ -175,28 +191,20 @@ def _empty_like(element: Any) -> Any:
     return _tree.unflatten([leaf[:0] for leaf in leaves], spec)
 
 
-def _batch_size(leaves: list[Any], num_replicas: int) -> int:
-    """The first dimension that every leaf of a global batch shares; else a ValueError."""
-    sizes = [num_rows(leaf) for leaf in leaves]
-    if None in sizes:
-        leaf = leaves[sizes.index(None)]
-        if isinstance(leaf, (torch.Tensor, bool, int, float, complex, np.generic, str, bytes)):
-            _raise_scalar(leaf, num_replicas)
-        raise TypeError(
-            f"experimental_distribute_dataset(dataset) cannot split a leaf of type "
-            f"{type(leaf).__name__} over {num_replicas} replicas: the leaves of a global batch "
-            "must be tensors, numpy arrays or lists of strings with a batch dimension. "
-            f"Received: {leaf!r}"
-        )
-    if len(set(sizes)) > 1:
-        raise ValueError(
-            "experimental_distribute_dataset(dataset) needs every leaf of a global batch to "
-            "have the same batch (first) dimension: the split rule cuts all of them at the "
-            "same rows, so leaves of different sizes would pair the wrong examples. Batch "
-            "components of one length together (e.g. from_tensor_slices((x, y)).batch(n)). "
-            f"Received: leaf sizes={sizes}"
-        )
-    return sizes[0] or 0 if sizes else 0
+def _rows(leaf: Any, num_replicas: int) -> int:
+    """The first dimension of one leaf of a global batch, which the split rule cuts; a
+    ``ValueError`` for a scalar (design 3.7.4), a ``TypeError`` for a leaf without rows."""
+    size = num_rows(leaf)
+    if size is not None:
+        return size
+    if isinstance(leaf, (torch.Tensor, bool, int, float, complex, np.generic, str, bytes)):
+        _raise_scalar(leaf, num_replicas)
+    raise TypeError(
+        f"experimental_distribute_dataset(dataset) cannot split a leaf of type "
+        f"{type(leaf).__name__} over {num_replicas} replicas: the leaves of a global batch "
+        "must be tensors, numpy arrays or lists of strings with a batch dimension. "
+        f"Received: {leaf!r}"
+    )
 
 
 def _split_leaf(
