@@ -6,11 +6,12 @@ the split rule (slices of ceil(g / R) rows, consecutive, the last ones short or 
 slice is moved to its replica's device (a view, on the host).
 
 The outputs of the replicas that had examples are put together as one device's output on the
-whole batch would be: a tensor with one row per example is concatenated in replica order
-(the batch's order); a scalar (a tensor of no dimension or a number) is taken to be a mean
-over the slice, like a loss, and averaged weighted by the slice sizes; anything else that
-every replica returned equal is returned once, and otherwise as the list of the replicas'
-values.
+whole batch would be, leaf by leaf: a tensor with one row per example is concatenated in
+replica order (the batch's order); a floating scalar (a tensor of no dimension, or a float)
+is taken to be a mean over the slice, like a loss, and averaged weighted by the slice sizes;
+an integer scalar is taken to be a count and summed; a value other than a tensor that every
+replica returned equal (``batch_idx``, a name) is returned once; anything else comes back as
+the list of the replicas' values.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def combine(outputs: Sequence[Any], sizes: Sequence[int], device: torch.device) 
     >>> rows = combine([torch.ones(2, 3), torch.zeros(1, 3)], [2, 1], torch.device("cpu"))
     >>> tuple(rows.shape)
     (3, 3)
-    >>> combine([{"n": "a"}, {"n": "a"}], [2, 1], torch.device("cpu"))
-    {'n': 'a'}
+    >>> combine([{"n": "a", "k": 2}, {"n": "a", "k": 1}], [2, 1], torch.device("cpu"))
+    {'n': 'a', 'k': 3}
     """
     if not outputs or all(output is None for output in outputs):
         return None
@@ -140,16 +141,19 @@ def _combine_leaf(values: list[Any], sizes: Sequence[int], device: torch.device)
         return values[0]
     if all(isinstance(v, torch.Tensor) for v in values):
         if all(v.dim() == 0 for v in values):
-            return weighted_mean(values, sizes, device)
+            if all(v.is_floating_point() or v.is_complex() for v in values):
+                return weighted_mean(values, sizes, device)
+            return total(values, device)
         if all(v.dim() >= 1 and v.shape[0] == n for v, n in zip(values, sizes)):
             return torch.cat([v.to(device) for v in values])
-    elif all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
-    ):
-        return float(weighted_mean(values, sizes, device))
+        return list(values)
     first = values[0]
     if all(_same(first, v) for v in values[1:]):
         return first
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return sum(values)
+    if all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+        return float(weighted_mean(values, sizes, device))
     return list(values)
 
 
