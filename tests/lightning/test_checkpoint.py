@@ -20,7 +20,7 @@ def test_save_and_resume_equal_uninterrupted_training(tmp_path: Path) -> None:
     # (no shuffling: a new DataLoader's generator would not continue the old one's)
     whole, _ = fit(2, max_epochs=3, val=False, shuffle=False)
     # two epochs, a checkpoint, then the third epoch in a new Trainer
-    first, run = fit(2, max_epochs=2, val=False, shuffle=False)
+    _, run = fit(2, max_epochs=2, val=False, shuffle=False)
     path = tmp_path / "two.ckpt"
     run.save_checkpoint(path)
     torch.manual_seed(123)  # a fresh model, different weights: the checkpoint must restore

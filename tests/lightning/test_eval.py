@@ -60,9 +60,10 @@ def test_predict_plain_tensors() -> None:
 
 
 def test_validation_during_fit_equals_one_device() -> None:
-    from lightning_models import fit, metrics
+    from lightning_models import fit, max_difference, metrics
 
     one, one_run = fit(0, rows=23, check_val_every_n_epoch=1)
     many, many_run = fit(3, rows=23, check_val_every_n_epoch=1)
     assert metrics(many_run)["val_loss"] == pytest.approx(metrics(one_run)["val_loss"],
                                                           abs=TOLERANCE)
+    assert max_difference(one, many) < TOLERANCE
