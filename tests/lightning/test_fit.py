@@ -131,3 +131,39 @@ def test_model_built_in_configure_model_lives_in_scope() -> None:
     assert max_difference(one, many) < TOLERANCE
     assert many.head is not None
     assert run.strategy.cs_strategy.extended.variable_created_in_scope(many.head.weight)
+
+
+def test_replicas_on_threads_after_a_rendezvous() -> None:
+    """A training_step that meets the other replicas (an all_reduce) makes them run on
+    replica threads; logging, backward and the result stay as on one device."""
+    import centralstore as cs
+
+    class Meets(MLP):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            replicas = cs.get_replica_context().all_reduce("SUM", torch.ones(()))
+            self.log("replicas", replicas, reduce_fx="max")
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    one, one_run = fit(0, Meets(), val=False, rows=20)
+    torch.manual_seed(0)
+    many, many_run = fit(3, Meets(), val=False, rows=20)  # 2/2/1: no replica without rows
+    assert max_difference(one, many) < TOLERANCE
+    assert metrics(many_run)["train_loss_epoch"] == pytest.approx(
+        metrics(one_run)["train_loss_epoch"], abs=TOLERANCE
+    )
+    assert metrics(one_run)["replicas"] == 1.0
+    assert metrics(many_run)["replicas"] == 3.0
+
+
+def test_collectives_need_examples_on_every_replica() -> None:
+    import centralstore as cs
+
+    class Meets(MLP):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            cs.get_replica_context().all_reduce("SUM", torch.ones(()))
+            return super().training_step(batch, batch_idx)
+
+    with pytest.raises(RuntimeError, match="without calling all_reduce") as info:
+        fit(3, Meets(), val=False, rows=21)  # the last batch of 1 row: 1/0/0
+    assert any("drop_last=True" in note for note in info.value.__notes__)

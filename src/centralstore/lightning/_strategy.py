@@ -311,7 +311,19 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 results[r] = fn(slices[r], sizes[r], total, rest)
 
         with recorder.installed(module):
-            self._strategy.run(replica)
+            try:
+                self._strategy.run(replica)
+            except Exception as error:
+                empty = [r for r, n in enumerate(sizes) if not n]
+                if empty:
+                    error.add_note(
+                        f"(this batch of {total} rows left replicas {empty} of "
+                        f"{len(sizes)} without examples, and those did not run the step: a "
+                        "step that calls all_reduce, all_gather or merge_call needs examples "
+                        "on every replica; drop the short last batch, DataLoader("
+                        "drop_last=True), or choose a batch size that gives each replica some)"
+                    )
+                raise
         recorder.replay(module.log, sizes, self._root_device)
         return [c for c, n in zip(results, sizes) if n], sizes
 
