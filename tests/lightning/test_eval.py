@@ -67,3 +67,33 @@ def test_validation_during_fit_equals_one_device() -> None:
     assert metrics(many_run)["val_loss"] == pytest.approx(metrics(one_run)["val_loss"],
                                                           abs=TOLERANCE)
     assert max_difference(one, many) < TOLERANCE
+
+
+def test_torchmetrics_metrics_accumulate_over_replicas() -> None:
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Metered(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_mse = torchmetrics.MeanSquaredError()
+            self.val_mse = torchmetrics.MeanSquaredError()
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            self.train_mse.update(self(x), y)
+            self.log("train_mse", self.train_mse, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+        def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            self.val_mse.update(self(x), y)
+            self.log("val_mse", self.val_mse)
+
+    from lightning_models import fit, metrics
+
+    torch.manual_seed(0)
+    _, one_run = fit(0, Metered())
+    torch.manual_seed(0)
+    _, many_run = fit(3, Metered())
+    for key in ("train_mse", "val_mse"):  # float32 metric states
+        assert metrics(many_run)[key] == pytest.approx(metrics(one_run)[key], abs=1e-6), key

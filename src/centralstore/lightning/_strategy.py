@@ -232,7 +232,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         plugin = self.precision_plugin
 
         def replica(part: Any, size: int, total: int, rest: tuple[Any, ...]) -> Any:
-            with plugin.train_step_context():
+            with plugin.train_step_context(), self._replica_autocast():
                 output = module.training_step(part, *rest, **kwargs)
             loss = _loss_of(output)
             if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
@@ -281,12 +281,28 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         step = getattr(self.lightning_module, hook)
 
         def replica(part: Any, size: int, total: int, rest: tuple[Any, ...]) -> Any:
-            with context():
+            with context(), self._replica_autocast():
                 return _batches.detached(step(part, *rest, **kwargs))
 
         outputs, sizes = self._replicated(replica, args)
         present = [n for n in sizes if n]
         return _batches.combine(outputs, present, self._root_device)
+
+    def _replica_autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision on the running replica's device, where it is not the plugin's:
+        Lightning's autocast covers the parameter device's kind (its accelerator's), so GPU
+        replicas with parameters on the CPU autocast their own device too."""
+        plugin = self.precision_plugin
+        device = getattr(plugin, "device", None)
+        autocast = getattr(plugin, "autocast_context_manager", None)
+        context = get_replica_context()
+        if not isinstance(device, str) or autocast is None or context is None:
+            return contextlib.nullcontext()
+        replica = context.replica_id_in_sync_group
+        kind = storage_device(self.compute_devices[replica]).type
+        if kind == torch.device(device).type:
+            return contextlib.nullcontext()
+        return torch.autocast(kind, dtype=autocast().fast_dtype, cache_enabled=False)
 
     def _replicated(
         self, fn: Callable[[Any, int, int, tuple[Any, ...]], Any], args: tuple[Any, ...]
