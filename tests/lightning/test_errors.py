@@ -114,3 +114,12 @@ def test_core_does_not_import_the_integration() -> None:
                 continue
             assert not any(n.split(".")[-1] == "lightning" or n.startswith("lightning")
                            for n in names), (path, names)
+
+
+def test_accelerator_of_another_kind_than_the_parameter_device() -> None:
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    chosen = strategy()
+    chosen.accelerator = CUDAAccelerator()  # as Trainer(accelerator="gpu") would set it
+    with pytest.raises(ValueError, match=r"Pass Trainer\(accelerator='cpu', devices=1\)"):
+        chosen.setup_environment()
