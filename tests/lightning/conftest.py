@@ -19,4 +19,4 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     warnings.filterwarnings("ignore", ".*number of training batches.*smaller than the logging.*")
     warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\).*")
-    warnings.filterwarnings(".*but have no `val_dataloader`.*")
+    warnings.filterwarnings("ignore", ".*but have no `val_dataloader`.*")

@@ -167,3 +167,35 @@ def test_collectives_need_examples_on_every_replica() -> None:
     with pytest.raises(RuntimeError, match="without calling all_reduce") as info:
         fit(3, Meets(), val=False, rows=21)  # the last batch of 1 row: 1/0/0
     assert any("drop_last=True" in note for note in info.value.__notes__)
+
+
+def test_model_built_in_the_strategys_scope() -> None:
+    """A module built in ``strategy.cs_strategy.scope()`` trains the same; ``self.log`` may
+    take its options positionally."""
+    import centralstore as cs
+
+    class Positional(MLP):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self(x), y)
+            self.log("train_loss", loss, True, None, True, True)  # prog_bar, logger, steps
+            return loss
+
+    torch.manual_seed(0)
+    one, one_run = fit(0, Positional(), val=False)
+    chosen = cs.lightning.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    torch.manual_seed(0)
+    with chosen.cs_strategy.scope():
+        model = Positional()
+    assert chosen.cs_strategy.extended.variable_created_in_scope(model.net[0].weight)
+    import lightning.pytorch as pl
+    from lightning_models import loader
+
+    run = pl.Trainer(strategy=chosen, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+                     enable_progress_bar=False, enable_checkpointing=False,
+                     enable_model_summary=False)
+    run.fit(model, loader(shuffle=True))
+    assert max_difference(one, model) < TOLERANCE
+    assert metrics(run)["train_loss_epoch"] == pytest.approx(
+        metrics(one_run)["train_loss_epoch"], abs=TOLERANCE
+    )
