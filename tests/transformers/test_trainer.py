@@ -63,15 +63,22 @@ def test_gpt2_matches_one_device(replicas: int, tmp_path: Path) -> None:
     assert many.args.n_gpu <= 1 and many.model is many.model_wrapped
 
 
-def test_gpt2_gradient_accumulation(tmp_path: Path) -> None:
+def test_gpt2_gradient_accumulation_and_evaluation_while_training(tmp_path: Path) -> None:
     data = lm_data()
-    overrides = {"gradient_accumulation_steps": 2, "max_steps": 2}
-    one = one_device(gpt2, tmp_path / "one", 4, train_dataset=data, overrides=overrides)
-    many = replicated(gpt2, tmp_path / "many", 2, 2, train_dataset=data, overrides=overrides)
+    overrides = {
+        "gradient_accumulation_steps": 2, "max_steps": 2, "eval_strategy": "steps", "eval_steps": 1,
+    }
+    kwargs: dict[str, Any] = {
+        "train_dataset": data, "eval_dataset": data[:9], "overrides": overrides,
+    }
+    one = one_device(gpt2, tmp_path / "one", 4, **kwargs)
+    many = replicated(gpt2, tmp_path / "many", 2, 2, **kwargs)
     one.train()
     many.train()
     assert weight_gap(one.model, many.model) < WEIGHTS
     assert logged(many, "loss") == pytest.approx(logged(one, "loss"), rel=LOGGED)
+    assert len(logged(one, "eval_loss")) == 2
+    assert logged(many, "eval_loss") == pytest.approx(logged(one, "eval_loss"), rel=LOGGED)
 
 
 def _bert_case(replicas: int, tmp_path: Path, pad_token_id: int | None) -> None:
