@@ -81,6 +81,23 @@ def test_gpt2_gradient_accumulation_and_evaluation_while_training(tmp_path: Path
     assert logged(many, "eval_loss") == pytest.approx(logged(one, "eval_loss"), rel=LOGGED)
 
 
+def test_a_compute_loss_func_dividing_by_num_items_in_batch(tmp_path: Path) -> None:
+    # The user's loss, in float64: token cross-entropy summed, over the count it is handed
+    # (the global one, on every replica), so the logged losses are float64 sums too.
+    def token_loss(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        logits = outputs.logits[:, :-1].reshape(-1, outputs.logits.shape[-1])
+        summed = torch.nn.functional.cross_entropy(
+            logits, labels[:, 1:].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        return summed / num_items_in_batch
+
+    data = lm_data()
+    kwargs: dict[str, Any] = {"train_dataset": data, "compute_loss_func": token_loss}
+    one = one_device(gpt2, tmp_path / "one", 6, **kwargs)
+    many = replicated(gpt2, tmp_path / "many", 3, 2, **kwargs)
+    compare(one, many, data)
+
+
 def _bert_case(replicas: int, tmp_path: Path, pad_token_id: int | None) -> None:
     data = classification_data()
 

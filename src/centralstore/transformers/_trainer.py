@@ -56,7 +56,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
     metrics and predictions of ``transformers.Trainer`` on one device with R times the batch
     size (see docs/huggingface.md for what differs).
 
-    >>> import torch, centralstore as cs, centralstore.transformers
+    >>> import tempfile, torch, centralstore as cs, centralstore.transformers
     >>> from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
     >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
     >>> with strategy.scope():
@@ -64,7 +64,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
     ...         vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2,
     ...         bos_token_id=0, eos_token_id=0))
     >>> data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 8))]
-    >>> args = TrainingArguments("/tmp/cs_doctest", per_device_train_batch_size=2,
+    >>> args = TrainingArguments(tempfile.mkdtemp(), per_device_train_batch_size=2,
     ...     max_steps=2, report_to=[], save_strategy="no", dataloader_pin_memory=False)
     >>> trainer = cs.transformers.Trainer(model=model, args=args, train_dataset=data,
     ...     strategy=strategy)
