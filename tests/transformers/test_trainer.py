@@ -10,6 +10,7 @@ import torch
 import transformers
 from hf_models import (
     LOGGED,
+    VOCAB,
     WEIGHTS,
     accuracy,
     arguments,
@@ -162,6 +163,23 @@ def test_a_model_built_outside_the_scope_is_refused(tmp_path: Path) -> None:
     strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
     with pytest.raises(ValueError, match=r"inside `with strategy.scope\(\):`.*transformer\.wte"):
         cs.transformers.Trainer(model=gpt2(), args=arguments(tmp_path, 2), strategy=strategy)
+
+
+def test_parameters_created_outside_the_scope_later_are_refused(tmp_path: Path) -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = gpt2()
+    trainer = cs.transformers.Trainer(
+        model=model, args=arguments(tmp_path, 2), train_dataset=lm_data(), strategy=strategy
+    )
+    model.lm_head = torch.nn.Linear(32, VOCAB, bias=False).double()  # outside the scope
+    with pytest.raises(ValueError, match=r"add any module to it there too.*lm_head\.weight"):
+        trainer.train()
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        trainer.evaluate(lm_data())
+    with strategy.scope():
+        model.lm_head = torch.nn.Linear(32, VOCAB, bias=False).double()
+    trainer.train()
 
 
 def test_no_data_parallel_even_when_the_arguments_count_gpus(tmp_path: Path) -> None:

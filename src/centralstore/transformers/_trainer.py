@@ -100,6 +100,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
             )
         self.strategy = strategy
         self._eval_batch_scaled = False
+        self._model_checked = False
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         args = _one_process_arguments(args)
@@ -158,11 +159,19 @@ class Trainer(_Trainer):  # type: ignore[misc]
         _check_central(model, self.strategy)
         return model
 
-    # ---- batch sizes ---------------------------------------------------------------------
+    # ---- entry points --------------------------------------------------------------------
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers.Trainer.train`` on the strategy's replicas."""
+        # The model may have changed since __init__ (a head replaced, model_init called
+        # again by train()): the first step checks it again.
+        self._model_checked = False
+        return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """``transformers.Trainer.evaluate`` with batches of R x ``per_device_eval_batch_size``
         rows, each split over the replicas."""
+        _check_central(self.model, self.strategy)
         with self._global_eval_batch():
             metrics: dict[str, float] = super().evaluate(*args, **kwargs)
         return metrics
@@ -170,6 +179,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         """``transformers.Trainer.predict`` with batches of R x ``per_device_eval_batch_size``
         rows, each split over the replicas; the predictions come in the dataset's order."""
+        _check_central(self.model, self.strategy)
         with self._global_eval_batch():
             return super().predict(*args, **kwargs)
 
@@ -200,6 +210,9 @@ class Trainer(_Trainer):  # type: ignore[misc]
     ) -> torch.Tensor:
         """One global batch: forward, loss and backward on each replica's slice inside
         ``strategy.run``; returns the batch's loss (detached) on ``args.device``."""
+        if not self._model_checked:
+            _check_central(model, self.strategy)
+            self._model_checked = True
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
@@ -349,7 +362,8 @@ def _check_central(model: nn.Module, strategy: Strategy) -> None:
             "The model's parameters and buffers must be central variables of the strategy, "
             "but some were created outside its scope. Build the model inside "
             "`with strategy.scope():` (or pass model_init=, which the Trainer calls inside "
-            f"it). Outside the scope: {shown}. Received: strategy={strategy!r}"
+            "it), and add any module to it there too. "
+            f"Outside the scope: {shown}. Received: strategy={strategy!r}"
         )
 
 
