@@ -153,7 +153,8 @@ def test_save_and_resume_give_one_device_checkpoints(tmp_path: Path) -> None:
 def test_model_init_builds_inside_the_scope(tmp_path: Path) -> None:
     strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
     trainer = cs.transformers.Trainer(
-        model_init=gpt2, args=arguments(tmp_path, 2), train_dataset=lm_data(), strategy=strategy
+        model_init=gpt2, args=arguments(tmp_path, 2, max_steps=1), train_dataset=lm_data(),
+        strategy=strategy,
     )
     trainer.train()
     assert all(strategy.extended.variable_created_in_scope(p) for p in trainer.model.parameters())
@@ -170,7 +171,8 @@ def test_parameters_created_outside_the_scope_later_are_refused(tmp_path: Path) 
     with strategy.scope():
         model = gpt2()
     trainer = cs.transformers.Trainer(
-        model=model, args=arguments(tmp_path, 2), train_dataset=lm_data(), strategy=strategy
+        model=model, args=arguments(tmp_path, 2, max_steps=1), train_dataset=lm_data(),
+        strategy=strategy,
     )
     model.lm_head = torch.nn.Linear(32, VOCAB, bias=False).double()  # outside the scope
     with pytest.raises(ValueError, match=r"add any module to it there too.*lm_head\.weight"):
