@@ -1,8 +1,8 @@
 """Each replica's random numbers: its own generator, derived from the global one.
 
-With several replicas, replica 0 draws from the global generators, as one device would;
-every other replica draws from its own stream, seeded from one number drawn from the global
-CPU generator in each run and the replica's global id. So two identical programs give
+With several replicas, each run begins by drawing one number from the global CPU generator;
+replica 0 then draws from the global generators, and every other replica from its own
+stream, seeded from that number and the replica's global id. So two identical programs give
 identical results on every path (replicas one after another, or passing the baton on
 threads), and no two replicas share a dropout mask or a noise sample, on logical CPU devices
 and on GPUs alike (``torch.manual_seed`` gives every GPU the same seed). A replica's
@@ -55,7 +55,10 @@ class ReplicaRandomness:
             device.index if device.type == "cuda" else None
             for device in placement.storage_devices
         )
-        self._base: int | None = None  # drawn when the first replica after 0 starts
+        # drawn as the run begins, whatever happens in it, so that every path agrees
+        self._base = int(
+            torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator)
+        )
         self._global: dict[Any, Any] = {}  # generator -> the global state it had
         self._saved: dict[int, list[tuple[Any, Any]]] = {}  # replica -> its own states
 
@@ -79,10 +82,6 @@ class ReplicaRandomness:
             for generator, state in saved:
                 generator.set_state(state)
             return
-        if self._base is None:
-            self._base = int(
-                torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator)
-            )
         seed = replica_seed(self._base, global_id)
         for generator in generators:
             generator.manual_seed(seed)
