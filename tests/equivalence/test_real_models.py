@@ -28,11 +28,6 @@ transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-10
 VOCAB, LENGTH, CLASSES = 96, 8, 3
-PADDING_IDX = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="padding_idx in scope: core defect being fixed"
-)
-
-
 @pytest.fixture(autouse=True)
 def _float64() -> Iterator[None]:
     saved = torch.get_default_dtype()
@@ -251,7 +246,6 @@ def test_bert_without_padding_idx(replicas: int) -> None:
     check(bert(None), sequence_batches(N, BATCH), replicas)
 
 
-@PADDING_IDX
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_bert(replicas: int) -> None:
     check(bert(0), sequence_batches(N, BATCH), replicas)

@@ -39,20 +39,6 @@ def test_bad_loss_reduction() -> None:
         cs.lightning.CentralStorageStrategy(["cpu:0"], loss_reduction="none")  # type: ignore[arg-type]
 
 
-def test_batch_leaves_of_different_lengths() -> None:
-    class Odd(MLP):
-        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-            return super().training_step(batch, batch_idx)
-
-    x = torch.randn(6, 4, dtype=torch.float64)
-    batches = [(x, torch.zeros(5, 1, dtype=torch.float64))]
-    run = pl.Trainer(strategy=strategy(), accelerator="cpu", devices=1, max_epochs=1,
-                     logger=False, enable_progress_bar=False, enable_checkpointing=False)
-    with pytest.raises(ValueError, match="same batch") as info:
-        run.fit(Odd(), batches)
-    assert any("centralstore.lightning splits" in note for note in info.value.__notes__)
-
-
 def test_unsupported_reduce_fx() -> None:
     class Median(MLP):
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]

@@ -28,10 +28,6 @@ from hf_models import (
 import centralstore as cs
 import centralstore.transformers
 
-PADDING_IDX = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="padding_idx in scope: core defect being fixed"
-)
-
 
 def compare(one: transformers.Trainer, many: cs.transformers.Trainer, data: Any) -> None:
     """Train both, then compare weights, logs, evaluate() and predict()."""
@@ -118,7 +114,6 @@ def test_bert_without_padding_idx_matches_one_device(replicas: int, tmp_path: Pa
     _bert_case(replicas, tmp_path, None)
 
 
-@PADDING_IDX
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_bert_matches_one_device(replicas: int, tmp_path: Path) -> None:
     _bert_case(replicas, tmp_path, 0)
