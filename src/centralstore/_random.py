@@ -12,8 +12,9 @@ when the replica runs and out when it waits or ends, so code between replicas an
 
 >>> import torch
 >>> from centralstore._placement import Placement
+>>> randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 >>> def draws():
-...     randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
+...     randomness.begin()
 ...     out = []
 ...     for replica in range(2):
 ...         randomness.enter(replica)
@@ -45,39 +46,40 @@ def replica_seed(base: int, replica: int) -> int:
 
 
 class ReplicaRandomness:
-    """The generators of the replicas of one run (see the module's docstring)."""
+    """The generators of a strategy's replicas (see the module's docstring): one per
+    strategy; ``begin`` starts each run of several replicas."""
 
-    __slots__ = ("_base", "_cuda", "_global", "_offset", "_saved")
+    __slots__ = ("_base", "_buffer", "_generators", "_global", "_ids", "_saved")
 
     def __init__(self, placement: Placement) -> None:
-        self._offset = placement.replica_offset
-        self._cuda: tuple[int | None, ...] = tuple(
-            device.index if device.type == "cuda" else None
+        self._ids = tuple(placement.replica_offset + r for r in range(placement.local_replicas))
+        self._generators: tuple[tuple[Any, ...], ...] = tuple(
+            (torch.default_generator,)
+            + ((torch.cuda.default_generators[device.index],) if device.type == "cuda" else ())
             for device in placement.storage_devices
+        ) if any(d.type == "cuda" for d in placement.storage_devices) else tuple(
+            (torch.default_generator,) for _ in placement.storage_devices
         )
-        # drawn as the run begins, whatever happens in it, so that every path agrees
-        self._base = int(
-            torch.empty((), dtype=torch.int64).random_(generator=torch.default_generator)
-        )
+        self._buffer = torch.empty((), dtype=torch.int64, device="cpu")
+        self._base = 0
         self._global: dict[Any, Any] = {}  # generator -> the global state it had
         self._saved: dict[int, list[tuple[Any, Any]]] = {}  # replica -> its own states
 
-    def _generators(self, replica: int) -> list[Any]:
-        index = self._cuda[replica]
-        generators: list[Any] = [torch.default_generator]
-        if index is not None:
-            generators.append(torch.cuda.default_generators[index])
-        return generators
+    def begin(self) -> None:
+        """A run begins: one draw from the global CPU generator seeds its replicas' streams,
+        whatever happens in the run, so that every path agrees."""
+        self._base = int(self._buffer.random_(generator=torch.default_generator))
+        self._saved.clear()
 
     def enter(self, replica: int) -> None:
         """Replica ``replica`` starts or runs on: its streams in place of the global ones."""
-        global_id = self._offset + replica
+        global_id = self._ids[replica]
         if global_id == 0:
             return
-        generators = self._generators(replica)
-        saved = self._saved.pop(replica, None)
+        generators = self._generators[replica]
         for generator in generators:
             self._global[generator] = generator.get_state()
+        saved = self._saved.pop(replica, None)
         if saved is not None:
             for generator, state in saved:
                 generator.set_state(state)
@@ -88,13 +90,13 @@ class ReplicaRandomness:
 
     def leave(self, replica: int) -> None:
         """Replica ``replica`` ends: the global streams are back."""
-        if self._offset + replica != 0:
-            for generator in self._generators(replica):
+        if self._ids[replica] != 0:
+            for generator in self._generators[replica]:
                 generator.set_state(self._global.pop(generator))
 
     def suspend(self, replica: int) -> None:
         """Replica ``replica`` waits in a rendezvous: its streams are kept for ``enter``,
         and the global ones are back."""
-        if self._offset + replica != 0:
-            self._saved[replica] = [(g, g.get_state()) for g in self._generators(replica)]
+        if self._ids[replica] != 0:
+            self._saved[replica] = [(g, g.get_state()) for g in self._generators[replica]]
             self.leave(replica)

@@ -35,6 +35,8 @@ from ..variables.runs import EMPTY, Run
 from ..variables.store import VariableStore
 from .extended import StrategyExtended
 
+_NOTHING = contextlib.nullcontext()  # reusable
+
 
 def _cross_replica_only(call: str) -> None:
     if _context.in_replica_of_strategy():
@@ -72,6 +74,9 @@ class Strategy(abc.ABC):
             self._workers.num_workers > 1 and self._placement.local_replicas == 1
         )
         self._pool = _replicas.new_pool(self, type(self).__name__)
+        self._randomness = (
+            ReplicaRandomness(self._placement) if self._placement.local_replicas > 1 else None
+        )
         self._store = VariableStore(self._placement, self._workers)
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
@@ -181,7 +186,9 @@ class Strategy(abc.ABC):
             self._workers.begin_run(store)
             outer = store.run  # a run inside merge_call: the run it is nested in
             run = store.open_run()
-            randomness = ReplicaRandomness(self._placement) if local > 1 else None
+            randomness = self._randomness
+            if randomness is not None:
+                randomness.begin()
             environment = _replicas.Environment()
 
             def body(state: _replicas.RunState, replica: int) -> None:
@@ -255,7 +262,7 @@ class Strategy(abc.ABC):
             randomness.enter(replica)
         try:
             with (
-                environment.applied() if on_thread else contextlib.nullcontext(),
+                environment.applied() if on_thread else _NOTHING,
                 self._device_guard(replica),
                 run.replica(replica),
             ):
@@ -310,7 +317,7 @@ class Strategy(abc.ABC):
     def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
         device = self._placement.storage_devices[replica]
         if device.type != "cuda":
-            return contextlib.nullcontext()
+            return _NOTHING
         stack = contextlib.ExitStack()
         stack.enter_context(torch.cuda.device(device))
         stack.enter_context(torch.device(device))

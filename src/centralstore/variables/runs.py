@@ -90,6 +90,9 @@ class Run(abc.ABC):
         return _InReplica(self, replica)
 
 
+_NOTHING = contextlib.nullcontext()  # reusable
+
+
 class _InReplica:
     __slots__ = ("_replica", "_run")
 
@@ -108,6 +111,9 @@ class _InReplica:
 class EmptyRun(Run):
     """A run of a store without variables."""
 
+    def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
+        return _NOTHING
+
     def enter(self, replica: int) -> None:
         pass
 
@@ -121,7 +127,7 @@ class EmptyRun(Run):
         pass
 
     def cross_replica(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
+        return _NOTHING
 
     def commit(self) -> list[torch.Tensor]:
         return []
