@@ -26,17 +26,48 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, final
+from collections.abc import Iterator, Sequence
+from typing import Protocol, final
 
 import torch
+from torch._C import DisableTorchFunctionSubclass
 
-from .direct import DirectReplicas, Undo
-from .modules import Filled, Replaced, keep_replaced, put_back, raise_shared_write
-from .views import lend_class, resolving, restore_class
+from .direct import DirectReplicas, Undo, shared_parameters
+from .modules import Filled, Replaced, keep_replaced, put_back, raise_shared_write, slots_of
+from .records import Central
+from .views import ReplicaViews, lend_class, resolving, restore_class
 
-if TYPE_CHECKING:
-    from .store import VariableStore, _Plan
+
+class Store(Protocol):
+    """What a run needs of its ``VariableStore``."""
+
+    records: dict[int, Central]
+    replicas: list[ReplicaViews]
+    on_parameters: tuple[bool, ...]
+
+    def live(self) -> list[torch.Tensor]: ...
+
+
+class Plan:
+    """How the replicas of a run see the records, kept while the records stay the same:
+    the module slots (``slots``); the parameters that replicas computing where they live
+    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
+    slots such a replica fills (``direct_slots``)."""
+
+    __slots__ = ("direct_slots", "others", "shared", "slots")
+
+    def __init__(
+        self, records: dict[int, Central], on_parameters: Sequence[bool],
+        parameter_storage: torch.device,
+    ) -> None:
+        self.slots = slots_of(records)
+        self.shared: list[Central] = []
+        if any(on_parameters):
+            with DisableTorchFunctionSubclass():  # the devices of the variables themselves
+                self.shared = shared_parameters(list(records.values()), parameter_storage)
+        keys = {record.key for record in self.shared}
+        self.others = [record for record in records.values() if record.key not in keys]
+        self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
 
 
 class Run(abc.ABC):
@@ -148,7 +179,7 @@ class OwnRun(Run):
     device, and its writes apply at once (R = 1). ``Undo`` sets ``.grad`` aside and copies
     the small state without gradients, so that a failed run can be rolled back."""
 
-    def __init__(self, store: VariableStore) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
         self._undo = Undo(store.live())
 
@@ -191,7 +222,7 @@ class ReplicasRun(Run):
     ``_filled``: the module slots the replica holding the baton has filled with its views.
     """
 
-    def __init__(self, store: VariableStore, plan: _Plan) -> None:
+    def __init__(self, store: Store, plan: Plan) -> None:
         self._store = store
         self._plan = plan
         lent = [t for record in plan.others if (t := record.ref()) is not None]

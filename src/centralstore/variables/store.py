@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any, Protocol, cast
 
 import torch
-from torch._C import DisableTorchFunctionSubclass
 from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
@@ -31,10 +30,9 @@ from .. import _context
 from .._aggregation import VariableAggregation
 from .._placement import Placement
 from . import folding, steps
-from .direct import shared_parameters
-from .modules import record_unseen, slots_of
+from .modules import record_unseen
 from .records import Central, check_aggregation, default_buffer_aggregation
-from .runs import EMPTY, OwnRun, ReplicasRun, Run
+from .runs import EMPTY, OwnRun, Plan, ReplicasRun, Run
 from .views import GradientReceiver, ReplicaViews, View
 
 
@@ -88,7 +86,7 @@ class VariableStore:
         self.pending: list[View] = []  # views with gradients that arrived outside run
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
-        self._plan: _Plan | None = None  # how replicas see the records, while they stay
+        self._plan: Plan | None = None  # how replicas see the records, while they stay
         # whether each replica computes where the parameters live (and so may use them
         # directly, ``DirectReplicas``): only in one process of several replicas
         several = 1 < placement.local_replicas == placement.num_replicas
@@ -241,9 +239,11 @@ class VariableStore:
         """The central variables still alive, in registration order."""
         return _live(self.records.values())
 
-    def plan(self) -> _Plan:
+    def plan(self) -> Plan:
         if self._plan is None:
-            self._plan = _Plan(self)
+            self._plan = Plan(
+                self.records, self.on_parameters, self.placement.parameter_storage
+            )
         return self._plan
 
     def open_run(self) -> Run:
@@ -366,28 +366,6 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
 
 def _live(records: Any) -> list[torch.Tensor]:
     return [t for record in records if (t := record.ref()) is not None]
-
-
-class _Plan:
-    """How the replicas of a run see the records, kept while the records stay the same:
-    the module slots (``slots``); the parameters that replicas computing where they live
-    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
-    slots such a replica fills (``direct_slots``)."""
-
-    __slots__ = ("direct_slots", "others", "shared", "slots")
-
-    def __init__(self, store: VariableStore) -> None:
-        records = store.records
-        self.slots = slots_of(records)
-        self.shared: list[Central] = []
-        if any(store.on_parameters):
-            with DisableTorchFunctionSubclass():  # the devices of the variables themselves
-                self.shared = shared_parameters(
-                    list(records.values()), store.placement.parameter_storage
-                )
-        keys = {record.key for record in self.shared}
-        self.others = [record for record in records.values() if record.key not in keys]
-        self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
 
 
 def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:
