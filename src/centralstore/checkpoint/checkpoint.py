@@ -27,7 +27,7 @@ import torch
 
 from ..input.iterator import DistributedIterator
 from ._files import read_verified, write_atomic
-from ._workers import Workers
+from ._writers import Writers
 from .rng import RNGState
 
 FORMAT = "centralstore.Checkpoint/1"
@@ -176,7 +176,7 @@ class Checkpoint:
         is complete (or raises if the chief failed).
         """
         path = Path(os.fspath(file_prefix))
-        workers = Workers()
+        workers = Writers()
         objects = self._collect(workers)
         error: BaseException | None = None
         if workers.is_chief:
@@ -212,7 +212,7 @@ class Checkpoint:
     def _read(self, save_path: PathLike) -> dict[str, Any]:
         path = Path(os.fspath(save_path))
         payload = read_verified(path, FORMAT)
-        workers = Workers()
+        workers = Writers()
         states = _own_states(payload["objects"], _per_worker(self, ""), workers)
         try:
             self.load_state_dict(states)
@@ -221,7 +221,7 @@ class Checkpoint:
             raise
         return payload
 
-    def _collect(self, workers: Workers) -> dict[str, Any]:
+    def _collect(self, workers: Writers) -> dict[str, Any]:
         """The states to write: the chief's, with per-worker states from every worker."""
         per_worker = _per_worker(self, "")
         local = {name: _state_of(value) for name, value in per_worker.items()}
@@ -270,7 +270,7 @@ def _place(states: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def _own_states(
-    states: dict[str, Any], per_worker: Mapping[str, Any], workers: Workers
+    states: dict[str, Any], per_worker: Mapping[str, Any], workers: Writers
 ) -> dict[str, Any]:
     """``states`` with each per-worker entry (by dotted name) replaced by this worker's state.
 

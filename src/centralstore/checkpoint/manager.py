@@ -23,7 +23,7 @@ from typing import Any, final
 import torch
 
 from ._files import TEMPORARY_SUFFIX, sync_directory, write_text_atomic
-from ._workers import Workers
+from ._writers import Writers
 from .checkpoint import Checkpoint, PathLike
 
 STATE_FILE = "checkpoint"
@@ -102,7 +102,7 @@ class CheckpointManager:
         self._init_fn = init_fn
         self._last_step: int | None = None
         self._pattern = re.compile(rf"{re.escape(checkpoint_name)}-(\d+)")
-        self._workers = Workers()
+        self._workers = Writers()
         self._managed: dict[str, float] = {}  # file name -> time saved, oldest first
         self._preserved: list[str] = []
         self._last_preserved = time.time()

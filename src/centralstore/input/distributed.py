@@ -2,7 +2,7 @@
 
 Three stages. A *cut* turns source elements into steps of per-replica slices (``split_steps``
 applies the split rule to global batches, ``deal_steps`` deals whole elements round-robin;
-both in ``split.py``). A ``_Placement`` puts each slice on its replica's device. When
+both in ``split.py``). A ``_Mover`` puts each slice on its replica's device. When
 replicas compute on GPUs, a ``PrefetchIterator`` (``prefetch.py``) runs both ahead of the
 training loop on a background thread with a bounded queue, so that the host-to-device copies
 overlap the step; the thread holds the source iterator and the stages, never the
@@ -112,7 +112,7 @@ class _CudaReady:
             tensor.record_stream(stream)
 
 
-class _Placement:
+class _Mover:
     """Puts each local replica's slices on its device and builds the step's value."""
 
     def __init__(self, devices: tuple[str, ...], fetch_to_device: bool) -> None:
@@ -144,7 +144,7 @@ class _Placement:
 
 
 def _steps(
-    elements: Iterator[Any], cut: Cut, place: _Placement, mark: Callable[[], Any]
+    elements: Iterator[Any], cut: Cut, place: _Mover, mark: Callable[[], Any]
 ) -> Generator[Step, None, None]:
     """The steps of one pass. ``mark()``, called once a step's elements are pulled (by the
     prefetch thread, if any), is the source's position after them."""
@@ -195,7 +195,7 @@ class DistributedDataset:
         options = self._options
         # A pipeline placed on the device puts its steps there too, only without prefetching.
         fetch = options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
-        place = _Placement(self._devices, fetch)
+        place = _Mover(self._devices, fetch)
         steps = _steps(elements, self._cut, place, self._position.mark)
         if options.experimental_place_dataset_on_device or not (fetch and self._to_gpu):
             return steps
@@ -215,7 +215,7 @@ class DistributedDataset:
         (TensorSpec(shape=(None, 3), dtype=torch.float64), TensorSpec(shape=(None,), dtype=str))
         """
         if self._spec is None:
-            place = _Placement(self._devices, False)
+            place = _Mover(self._devices, False)
             steps = _steps(iter(self._source), self._cut, place, lambda: None)
             first = next(steps, None)
             steps.close()

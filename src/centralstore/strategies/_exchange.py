@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 
 from .._aggregation import VariableAggregation
+from ..variables.folding import add_in_order
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
@@ -97,8 +98,10 @@ def _local_writes(store: VariableStore, layout: _Layout) -> dict[int, tuple[int,
 
 def _restore(trainable: list[torch.Tensor], stash: list[Any], fresh: list[Any]) -> None:
     """Put back the set-aside gradients, plus this worker's fresh ones, unexchanged."""
-    for tensor, old, new in zip(trainable, stash, fresh, strict=True):
-        tensor.grad = old if new is None else (new if old is None else old + new)
+    sums = list(stash)
+    add_in_order(sums, fresh)
+    for tensor, total in zip(trainable, sums, strict=True):
+        tensor.grad = total
 
 
 @final
@@ -228,21 +231,17 @@ def _exchange_gradients(
     for bucket in buckets:  # pack the next bucket while the previous one travels
         flat = torch.cat([_flat(fresh[i], trainable[i]) for i in bucket]).to(workers.device)
         started.append((bucket, flat, workers.start_all_reduce("gradient all-reduce", flat)))
-    targets, sources = [], []
+    exchanged: list[torch.Tensor | None] = [None] * len(trainable)
     for bucket, flat, wait in started:
         wait()
         home = trainable[bucket[0]].device
         pieces = torch.split(flat.to(home), [trainable[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces, strict=True):
-            grad = piece.view(trainable[i].shape)  # a view of the bucket: no further copy
-            if stash[i] is None:
-                trainable[i].grad = grad
-            else:
-                targets.append(stash[i])
-                sources.append(grad)
-                trainable[i].grad = stash[i]
-    if targets:
-        torch._foreach_add_(targets, sources)
+            exchanged[i] = piece.view(trainable[i].shape)  # a view of the bucket: no copy
+    sums = list(stash)
+    add_in_order(sums, exchanged)
+    for i in {i for bucket in buckets for i in bucket}:
+        trainable[i].grad = sums[i]
 
 
 def _exchange_writes(

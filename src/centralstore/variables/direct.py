@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .._aggregation import VariableAggregation
-from .folding import hold_post_accumulate_hooks, release_post_accumulate_hooks
+from .folding import add_in_order, hold_post_accumulate_hooks, release_post_accumulate_hooks
 from .records import Central
 
 
@@ -172,23 +172,3 @@ class DirectReplicas:
         self._old, self._grads, self._open = [], {}, False
         release_post_accumulate_hooks(self._hooks)
         self._hooks = []
-
-
-def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
-    """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
-    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum."""
-    targets, sources = [], []
-    for i, grad in enumerate(grads):
-        if grad is None:
-            continue
-        held = sums[i]
-        if held is None:
-            sums[i] = grad
-        elif held.is_sparse or grad.is_sparse:
-            sums[i] = held + grad
-        else:
-            targets.append(held)
-            sources.append(grad)
-    if targets:
-        with torch.no_grad():
-            torch._foreach_add_(targets, sources)

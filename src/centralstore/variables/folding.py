@@ -66,12 +66,33 @@ def gradients_of(view: View) -> list[torch.Tensor]:
     return grads
 
 
-def fold_gradients(views: list[View]) -> list[torch.Tensor]:
-    """Add the views' gradients to their central ``.grad`` (one ``_foreach_add_``); returns
-    the central variables whose ``.grad`` received some."""
+def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+    """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
+    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum."""
     targets, sources = [], []
+    for i, grad in enumerate(grads):
+        if grad is None:
+            continue
+        held = sums[i]
+        if held is None:
+            sums[i] = grad
+        elif held.is_sparse or grad.is_sparse:
+            sums[i] = held + grad
+        else:
+            targets.append(held)
+            sources.append(grad)
+    if targets:
+        with torch.no_grad():
+            torch._foreach_add_(targets, sources)
+
+
+def fold_gradients(views: list[View]) -> list[torch.Tensor]:
+    """Add the views' gradients to their central ``.grad`` (in place where it exists: one
+    ``_foreach_add_`` per round of gradients); returns the central variables that received
+    some."""
     received: list[torch.Tensor] = []
-    queued: set[int] = set()
+    index: dict[int, int] = {}  # id of a central variable -> its place in ``received``
+    rounds: list[list[torch.Tensor | None]] = []  # round k: each central's k-th gradient
     for view in views:
         tensor = view.tensor
         if view.pending or view.alias is not None:
@@ -87,21 +108,25 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
         central = view.record.ref()
         if central is None:
             continue
-        received.append(central)
-        for grad in grads:
+        i = index.get(id(central))
+        if i is None:
+            i = index[id(central)] = len(received)
+            received.append(central)
+            for earlier in rounds:
+                earlier.append(None)
+        start = next((k for k, grads_k in enumerate(rounds) if grads_k[i] is None), len(rounds))
+        for k, grad in enumerate(grads, start):
             if grad.device != central.device or grad.dtype != central.dtype:
                 grad = grad.to(central.device, central.dtype)
-            held = central.grad
-            if held is None:
-                central.grad = grad
-            elif grad.is_sparse or held.is_sparse or id(central) in queued:
-                central.grad = held + grad
-            else:
-                queued.add(id(central))
-                targets.append(held)
-                sources.append(grad)
-    if targets:
-        torch._foreach_add_(targets, sources)
+            if k == len(rounds):
+                rounds.append([None] * len(received))
+            rounds[k][i] = grad
+    if rounds:
+        sums: list[torch.Tensor | None] = [central.grad for central in received]
+        for grads_k in rounds:
+            add_in_order(sums, grads_k)
+        for central, total in zip(received, sums):
+            central.grad = total
     return received
 
 

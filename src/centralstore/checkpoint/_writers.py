@@ -19,7 +19,7 @@ from ..strategies._cross_worker import _exit_on_uncaught_error
 
 
 @final
-class Workers:
+class Writers:
     """This process's place among the workers: rank and count, 0 and 1 without a group."""
 
     def __init__(self) -> None:
