@@ -13,9 +13,11 @@ from .._aggregation import VariableAggregation
 class Central:
     """A central variable as its store knows it: held weakly, so that a dropped model leaves
     no trace; ``key`` is ``id`` of the tensor, the key of the store's records. ``owners``
-    are the modules (held weakly) and attribute names under which it was registered."""
+    are the modules (held weakly) and attribute names under which it was registered. ``stamp``
+moves at each optimizer step over it: fused kernels write without moving the version
+counter, and views must see the new value."""
 
-    __slots__ = ("aggregation", "is_buffer", "key", "owners", "ref")
+    __slots__ = ("aggregation", "is_buffer", "key", "owners", "ref", "stamp")
 
     def __init__(
         self, key: int, ref: weakref.ref[torch.Tensor], aggregation: VariableAggregation,
@@ -26,6 +28,7 @@ class Central:
         self.aggregation = aggregation
         self.is_buffer = is_buffer
         self.owners: list[tuple[weakref.ref[torch.nn.Module], str]] = []
+        self.stamp = 0  # moved by every optimizer step over the variable (steps.py)
 
     def add_owner(self, module: torch.nn.Module, name: str) -> bool:
         """Note that ``module`` holds this variable as ``name``; False if already known."""

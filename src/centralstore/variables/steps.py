@@ -12,7 +12,10 @@ import weakref
 from typing import Any, Protocol, cast
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from .. import _context
 
@@ -21,6 +24,7 @@ class Store(Protocol):
     """What the hook needs of a ``VariableStore``."""
 
     def owns_any(self, tensors: list[torch.Tensor]) -> bool: ...
+    def stamp(self, tensors: list[torch.Tensor]) -> None: ...
     def claim(self, doing: str) -> None: ...
     def release(self) -> None: ...
     def sync(self) -> None: ...
@@ -38,10 +42,11 @@ def track(store: Store) -> None:
     weakref.finalize(store, _release)
     if not _handle:
         _handle.append(register_optimizer_step_pre_hook(_before_step))
+        _handle.append(register_optimizer_step_post_hook(_after_step))
 
 
 def _release() -> None:
-    if not _stores and _handle:
+    while not _stores and _handle:
         _handle.pop().remove()
 
 
@@ -63,3 +68,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 store.sync()
             finally:
                 store.release()
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The step changed its parameters, perhaps without moving their version counters (fused
+    kernels): the stores' views of them refresh before their next use."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for store in list(_stores):
+        store.stamp(params)

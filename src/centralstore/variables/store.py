@@ -134,6 +134,15 @@ class VariableStore:
     def record(self, tensor: Any) -> Central | None:
         return self.records.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
 
+    def stamp(self, tensors: list[torch.Tensor]) -> None:
+        """An optimizer stepped ``tensors``: the views of those that are central variables
+        refresh before their next use."""
+        records = self.records
+        for tensor in tensors:
+            record = records.get(id(tensor))
+            if record is not None:
+                record.stamp += 1
+
     def owns_any(self, tensors: list[torch.Tensor]) -> bool:
         records = self.records
         return any(id(t) in records for t in tensors)

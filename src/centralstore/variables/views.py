@@ -98,8 +98,8 @@ class View:
     """One replica's view of one central variable."""
 
     __slots__ = (
-        "__weakref__", "alias", "assigned", "central_version", "epoch", "pending", "private",
-        "record", "start_version", "tensor",
+        "__weakref__", "alias", "assigned", "central_ptr", "central_version", "epoch", "pending",
+        "private", "record", "stamp", "start_version", "tensor",
     )
 
     def __init__(self, record: Central, tensor: torch.Tensor, private: bool) -> None:
@@ -109,6 +109,8 @@ class View:
         self.alias: torch.Tensor | None = None  # the shared view, while routed to a copy
         self.assigned = False
         self.central_version = -1
+        self.central_ptr = -1
+        self.stamp = -1
         self.start_version = tensor._version
         self.epoch = -1
         self.pending: list[tuple[torch.Tensor, Any]] = []  # (host gradient, CUDA event)
@@ -170,7 +172,10 @@ class ReplicaViews:
 
     def validate(self, record: Central, central: torch.Tensor, view: View | None) -> View:
         """``view`` (or a new one) made current for this epoch: recreated when ``central``
-        changed shape, dtype or storage, refreshed when a private copy is stale."""
+        changed shape, dtype, ``requires_grad`` or storage; a private copy is refreshed
+        unless its central value provably did not change: a frozen variable whose version
+        counter, data pointer and optimizer stamp stayed (a trained parameter changes at every
+        step, and writes through ``.data`` move none of the three)."""
         if view is None:
             view = self._create(record, central)
         else:
@@ -183,7 +188,15 @@ class ReplicaViews:
             elif not view.private:
                 if tensor.data_ptr() != central.data_ptr():  # storage replaced (.data = ...)
                     view = self._create(record, central)
-            elif central._version != view.central_version or view.written():
+            elif (
+                central.requires_grad  # trained: changed every step, also through .data
+                or central._version != view.central_version
+                or central.data_ptr() != view.central_ptr
+                or record.stamp != view.stamp  # stepped by a fused optimizer
+                or view.written()
+            ):
+                if central.data_ptr() != view.central_ptr:
+                    self._pin(central)
                 with torch.no_grad():
                     tensor.copy_(central, non_blocking=True)
                 self._copied(central)
@@ -191,6 +204,8 @@ class ReplicaViews:
         if view.tensor._backward_hooks is not hooks and view.tensor.requires_grad:
             view.tensor._backward_hooks = hooks
         view.central_version = central._version
+        view.central_ptr = central.data_ptr()
+        view.stamp = record.stamp
         view.start_version = view.tensor._version
         view.assigned = False
         view.epoch = self.epoch
@@ -210,6 +225,17 @@ class ReplicaViews:
         self._make_leaf(view, view.tensor, central.requires_grad)
         self.views[record.key] = view
         return view
+
+    def _pin(self, central: torch.Tensor) -> None:
+        """A central variable on the host whose storage was replaced (``p.data = t``,
+        ``vector_to_parameters``) is pinned again, so that its copies to the GPU stay
+        asynchronous."""
+        if (
+            self.device.type == "cuda" and central.device.type == "cpu"
+            and not central.is_pinned()
+        ):
+            with torch.no_grad():
+                central.data = central.data.pin_memory()
 
     def _copied(self, central: torch.Tensor) -> None:
         """A copy from ``central`` to this replica's GPU was queued without waiting."""
