@@ -60,13 +60,16 @@ class _NoSwitch:
 
 class Environment:
     """Thread-local torch state the calling thread had, re-established on replica threads:
-    grad mode, inference mode, autocast and the number of intra-op threads (replicas run one
-    at a time, so each may use them all)."""
+    grad mode, inference mode, autocast, the current CUDA stream of each replica's GPU (so
+    that replica threads are ordered with the caller's work) and the number of intra-op
+    threads (replicas run one at a time, so each may use them all)."""
 
-    __slots__ = ("autocast", "grad_enabled", "inference", "threads")
+    __slots__ = ("autocast", "grad_enabled", "inference", "streams", "threads")
 
-    def __init__(self) -> None:
+    def __init__(self, devices: Sequence[torch.device] = ()) -> None:
         self.threads = torch.get_num_threads()
+        cuda = {device for device in devices if device.type == "cuda"}
+        self.streams = [torch.cuda.current_stream(device) for device in cuda] if cuda else []
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         # Captured on every run, so the common case (no autocast) is one cheap query.
@@ -86,6 +89,8 @@ class Environment:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for kind, dtype in self.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
+            for stream in self.streams:
+                stack.enter_context(torch.cuda.stream(stream))
             yield
 
 

@@ -189,7 +189,7 @@ class Strategy(abc.ABC):
             randomness = self._randomness
             if randomness is not None:
                 randomness.begin()
-            environment = _replicas.Environment()
+            environment = _replicas.Environment(self._placement.storage_devices)
 
             def body(state: _replicas.RunState, replica: int) -> None:
                 self._run_replica(
@@ -284,8 +284,8 @@ class Strategy(abc.ABC):
         """``merge_fn(self, *args, **kwargs)`` once, in cross-replica context, after a sync
         point (``merge_call``)."""
         _context.push(_context.Entry(self, None, self._store))
-        try:
-            with self._store.cross_replica():
+        try:  # on the parameter device, as in scope(): optimizer state lands beside the weights
+            with torch.device(self._placement.parameter_storage), self._store.cross_replica():
                 self._store.sync()
                 return merge_fn(self, *args, **kwargs)
         finally:

@@ -28,7 +28,7 @@ def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
 def start_copy(view: View, tensor: torch.Tensor) -> None:
     """Start copying the gradient just accumulated on ``tensor`` to pinned host memory."""
     grad = tensor.grad
-    if grad is None:
+    if grad is None or grad.is_sparse:  # a sparse gradient waits on the view for the fold
         return
     tensor.grad = None
     stream = _side_stream(grad.device)
