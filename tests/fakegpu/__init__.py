@@ -1,0 +1,35 @@
+"""Fake CUDA devices for the test suite: logical ``cuda:i`` devices over real CPU tensors.
+
+``with fakegpu.devices(2) as gpus:`` makes ``torch.cuda`` report two GPUs. Tensors created
+on or moved to ``cuda:i`` are ``FakeCudaTensor`` wrappers that report ``cuda:i`` and compute
+on the CPU tensors they hold, with real autograd; mixing devices in one op raises as CUDA
+does; moves between devices are real copies. Streams, events and pinned memory behave as
+their CUDA counterparts order work, and a happens-before checker over the host and every
+stream (``_order``) records each access of device memory and of pinned host memory by the
+stream that issued it: unordered conflicting accesses, and blocks freed while another
+stream may still use them, are hazards (``gpus.hazards``, ``gpus.check()``).
+
+The fake GPUs check placement and synchronization, not numerics or speed: kernels are the
+CPU's, every stream runs at once, and there is no NCCL. See docs/design.md, "The fake-GPU
+model".
+
+Usage (``tests/conftest.py`` has the ``fake_gpus`` fixture, which checks at teardown)::
+
+    def test_copy(fake_gpus):
+        x = torch.randn(4, device="cuda:1")
+        assert x.device == torch.device("cuda:1") and x.is_cuda
+        assert torch.equal(x.cpu(), x.to("cuda:0").cpu())
+"""
+
+from __future__ import annotations
+
+from ._harness import FakeGPUs, HazardError
+from ._order import Hazard
+from ._tensor import FakeCudaTensor, is_fake
+
+__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "devices", "is_fake"]
+
+
+def devices(count: int = 2) -> FakeGPUs:
+    """``count`` fake CUDA devices for a ``with`` block (see ``FakeGPUs``)."""
+    return FakeGPUs(count)

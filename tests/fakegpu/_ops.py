@@ -1,0 +1,734 @@
+"""What a torch call does on the fake GPUs: placement, CUDA's device rules, stream accesses.
+
+``handle`` sees every torch call that receives a fake tensor (through ``FakeCudaTensor``'s
+``__torch_function__``), and every torch call on a thread where the fake-GPU mode or a
+``torch.device`` context is active (factories, host tensors moving to a fake device, pinned
+memory). It
+
+* runs the call on the CPU tensors inside, under the device's generator if it is random, and
+  wraps the tensors it returns on the device (``_tensor.wrap``);
+* raises as CUDA would when a call mixes devices (a 0-dim CPU tensor is a scalar and mixes);
+* turns ``.to``, ``.cuda``, ``.cpu`` and ``copy_`` across devices into real copies;
+* records, on the thread's current stream of the device, which blocks the call reads and
+  writes (a view reads nothing; a new result is allocated on that stream), and what the host
+  reads and writes of pinned memory; blocking reads (``.item()``, printing, a copy to the host
+  without ``non_blocking``) order the host after the stream.
+
+Backward runs on the CPU tensors without passing here: the accesses of its kernels are not
+recorded, except that a gradient accumulated into a fake leaf counts as written by the
+device's current stream when its post-accumulate-grad hooks run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
+from torch.utils._pytree import tree_flatten, tree_map
+
+from . import _cuda, _tensor
+from ._order import HOST, Block
+from ._tensor import FakeCudaTensor, index_of, inner_of, is_fake, unwrap, wrap
+
+PINNED = "cpu (pinned)"
+
+_RANDOM = frozenset({
+    "dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout",
+    "feature_alpha_dropout_", "feature_dropout", "feature_dropout_", "dropout1d", "dropout2d",
+    "dropout3d", "native_dropout", "bernoulli", "bernoulli_", "normal", "normal_", "uniform_",
+    "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+    "multinomial", "exponential_", "geometric_", "cauchy_", "log_normal_", "random_",
+    "poisson", "rrelu", "rrelu_", "gumbel_softmax",
+})
+# Calls that read the data on the host: CUDA waits for the stream first.
+_SYNC = frozenset({
+    "item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__",
+    "__repr__", "__str__", "__format__", "equal", "allclose", "nonzero", "unique",
+    "masked_select", "__reduce_ex__", "__array__", "numpy",
+})
+# Calls that may take tensors on several devices (or CPU index tensors) without raising.
+_MIXING = frozenset({
+    "to", "cuda", "cpu", "copy_", "__getitem__", "__setitem__", "backward", "grad",
+    "__deepcopy__", "_has_compatible_shallow_copy_type", "register_hook",
+    "register_post_accumulate_grad_hook", "is_same_size", "set_",
+})
+_IN_PLACE_DUNDERS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
+    "__imatmul__", "__setitem__",
+})
+_NATIVE_GETTERS = frozenset({"device", "is_cuda", "is_cpu"})
+
+
+class _Local(threading.local):
+    inside = False  # this thread is inside a call the handler is running on CPU tensors
+
+
+_local = _Local()
+
+
+def name_of(func: Any) -> str:
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        return str(owner.__name__)
+    return str(getattr(func, "__name__", ""))
+
+
+def _is_accessor(func: Any) -> str | None:
+    """"get" or "set" for a tensor attribute's getter or setter, else None."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ != "getset_descriptor":
+        return None
+    return "get" if getattr(func, "__name__", "") == "__get__" else "set"
+
+
+_ALLOWED_TF = {torch._C._disabled_torch_function_impl}
+
+
+def _foreign(types: Any) -> bool:
+    """Whether a tensor subclass with a ``__torch_function__`` of its own is among the
+    arguments (``centralstore``'s central variables): it gets to handle the call first."""
+    for cls in types or ():
+        if cls is torch.Tensor or cls is FakeCudaTensor:
+            continue
+        tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
+        if tf not in _ALLOWED_TF and tf is not FakeCudaTensor.__torch_function__.__func__:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def _running_inside() -> Iterator[None]:
+    previous, _local.inside = _local.inside, True
+    try:
+        yield
+    finally:
+        _local.inside = previous
+
+
+@contextlib.contextmanager
+def user_code() -> Iterator[None]:
+    """Run user code called back from inside a handled call (a hook) with the fake-GPU
+    mode active again on this thread."""
+    previous, _local.inside = _local.inside, False
+    mode = Interceptor()
+    try:
+        with mode:
+            yield
+    finally:
+        _local.inside = previous
+
+
+class Interceptor(TorchFunctionMode):
+    """The fake-GPU mode: every torch call on this thread goes through ``handle``."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        return handle(func, types, tuple(args), dict(kwargs or {}))
+
+
+def device_context_torch_function(
+    self: DeviceContext, func: Any, types: Any, args: Any = (), kwargs: Any = None
+) -> Any:
+    """``torch.device(d)``'s ``__torch_function__`` while the fake GPUs are active: factories
+    get ``d`` (the CPU where the handler is running a call on CPU tensors), then ``handle``."""
+    kwargs = dict(kwargs or {})
+    if func in _device_constructors() and kwargs.get("device") is None:
+        kwargs["device"] = "cpu" if _local.inside else self.device
+    return handle(func, types, tuple(args), kwargs)
+
+
+def _ambient_device() -> torch.device | None:
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    return None
+
+
+def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run one torch call on the fake GPUs (see the module docstring)."""
+    rt = _cuda._runtime
+    if _local.inside:  # a call made while running one on CPU tensors
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if torch._C._is_torch_function_enabled() and _foreign(types):
+        return NotImplemented
+    with _running_inside():
+        if rt is None:  # a fake tensor outliving its context: plain forwarding, no rules
+            return _forward(func, args, kwargs, None)
+        return _Call(rt, func, args, kwargs).run()
+
+
+def _forward(func: Any, args: Any, kwargs: Any, index: int | None) -> Any:
+    out = func(*unwrap(args), **unwrap(kwargs))
+    if index is None:
+        index = next((x._fakegpu_index for x in tree_flatten((args, kwargs))[0] if is_fake(x)), 0)
+    return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr() if storage.nbytes() else None
+
+
+def _register(rt: _cuda.Runtime, inner: torch.Tensor, device: str,
+              stream: Any | None) -> Block | None:
+    """The block of ``inner``'s storage, created (allocated on ``stream``) if new."""
+    key = _storage_key(inner)
+    if key is None:
+        return None
+    block, new = rt.order.block(
+        key, device, tuple(inner.shape), str(inner.dtype).removeprefix("torch."), stream
+    )
+    if new:
+        weakref.finalize(inner.untyped_storage(), rt.order.free, key, block.serial)
+    return block
+
+
+def device_block(rt: _cuda.Runtime, fake: FakeCudaTensor) -> Block | None:
+    index = fake._fakegpu_index
+    return _register(rt, fake._fakegpu_inner, f"cuda:{index}", rt.current_stream(index))
+
+
+def host_block(rt: _cuda.Runtime, t: torch.Tensor) -> Block | None:
+    """The tracked (pinned) block of host tensor ``t``, if it is one."""
+    if not rt.order.blocks:
+        return None
+    key = _storage_key(t)
+    return None if key is None else rt.order.blocks.get(key)
+
+
+def pin(rt: _cuda.Runtime, t: torch.Tensor) -> None:
+    _register(rt, t, PINNED, None)
+
+
+def is_pinned(rt: _cuda.Runtime, t: torch.Tensor) -> bool:
+    block = host_block(rt, t)
+    return block is not None and block.device == PINNED
+
+
+def _mixing_error(a: str, b: str) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{a} and {b}! (fakegpu)"
+    )
+
+
+def _numpy_error(index: int) -> TypeError:
+    return TypeError(
+        f"can't convert cuda:{index} device type tensor to numpy. Use Tensor.cpu() to copy "
+        "the tensor to host memory first."
+    )
+
+
+def _parse_device(value: Any) -> torch.device:
+    if isinstance(value, int):
+        return torch.device("cuda", value)
+    return torch.device(value)
+
+
+def record_gradient_write(rt: _cuda.Runtime, leaf: FakeCudaTensor) -> None:
+    """A gradient was just accumulated into ``leaf.grad`` by the device's current stream."""
+    grad = leaf._fakegpu_inner.grad
+    if grad is None:
+        return
+    index = leaf._fakegpu_index
+    stream = rt.current_stream(index)
+    block = _register(rt, grad, f"cuda:{index}", stream)
+    if block is not None:
+        rt.order.launch(stream)
+        rt.order.access(stream, block, True, "AccumulateGrad (backward)")
+
+
+class _Call:
+    """One torch call being handled."""
+
+    def __init__(self, rt: _cuda.Runtime, func: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.rt = rt
+        self.func = func
+        self.args = args
+        self.kwargs = kwargs
+        self.name = name_of(func)
+        self.flat = tree_flatten((args, kwargs))[0]
+        self.fakes = [x for x in self.flat if is_fake(x)]
+
+    # -- entry -------------------------------------------------------------------------
+
+    def run(self) -> Any:
+        accessor = _is_accessor(self.func)
+        if accessor is not None:
+            return self._accessor(accessor)
+        special = _SPECIAL.get(self.name)
+        if special is not None:
+            result = special(self)
+            if result is not _DEFAULT:
+                return result
+        placed = self._placed_factory()
+        if placed is not _DEFAULT:
+            return placed
+        if not self.fakes:
+            return self._host_call()
+        return self._device_call()
+
+    # -- attributes --------------------------------------------------------------------
+
+    def _accessor(self, kind: str) -> Any:
+        owner = self.args[0]
+        if not is_fake(owner):
+            if kind == "set" and self.name == "data" and is_fake(self.args[1]):
+                raise NotImplementedError("fakegpu: host_tensor.data = fake_gpu_tensor")
+            return self.func(*self.args)
+        index = owner._fakegpu_index
+        if kind == "get":
+            if self.name in _NATIVE_GETTERS:
+                with torch._C.DisableTorchFunction():
+                    return self.func(owner)
+            value = self.func(owner._fakegpu_inner)
+            return wrap(value, index) if isinstance(value, torch.Tensor) else value
+        value = self.args[1]
+        if self.name in ("grad", "data") and isinstance(value, torch.Tensor):
+            if index_of(value) != index:
+                where = "cpu" if index_of(value) is None else f"cuda:{index_of(value)}"
+                raise RuntimeError(
+                    f"assigned {self.name} has data located on {where}, different from the "
+                    f"tensor's device cuda:{index} (fakegpu)"
+                )
+        return self.func(owner._fakegpu_inner, inner_of(value))
+
+    # -- factories ---------------------------------------------------------------------
+
+    def _placed_factory(self) -> Any:
+        """A call that names a device (or runs under a ``torch.device`` context) and
+        creates a tensor there, or pins host memory; _DEFAULT for every other call."""
+        func, kwargs = self.func, self.kwargs
+        constructor = func in _device_constructors()
+        device = kwargs.get("device")
+        if device is None and constructor:
+            device = _ambient_device()
+        pinned = bool(kwargs.get("pin_memory"))
+        if device is None and not pinned:
+            return _DEFAULT
+        target = _parse_device(device) if device is not None else None
+        if target is not None and target.type == "cuda":
+            index = self.rt.index(target)
+            if pinned:
+                raise RuntimeError("Only dense CPU tensors can be pinned (fakegpu)")
+            call_kwargs = dict(kwargs, device="cpu")
+            call_kwargs.pop("pin_memory", None)
+            out = self._call(index, unwrap(self.args), unwrap(call_kwargs))
+            return self._place_outputs(out, index, reads=[])
+        if target is not None and target.type not in ("cpu", "cuda"):
+            return _DEFAULT
+        if not pinned:
+            if not self.fakes:
+                return self._host_call()
+            return self.func(*unwrap(self.args), **unwrap(kwargs))  # e.g. zeros_like(x, "cpu")
+        call_kwargs = dict(kwargs)
+        call_kwargs.pop("pin_memory")
+        out = self.func(*unwrap(self.args), **unwrap(call_kwargs))
+        pin(self.rt, out)
+        return out
+
+    def _call(self, index: int | None, args: Any, kwargs: Any) -> Any:
+        if index is not None and self.name in _RANDOM:
+            with self.rt.rng(index):
+                return self.func(*args, **kwargs)
+        return self.func(*args, **kwargs)
+
+    def _place_outputs(self, out: Any, index: int, reads: list[Any]) -> Any:
+        """Wrap the tensors of ``out`` on device ``index``; new storage is allocated and
+        written on the current stream."""
+        rt = self.rt
+        stream = rt.current_stream(index)
+        rt.order.launch(stream)
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        for fake in reads:
+            block = device_block(rt, fake)
+            if block is not None:
+                rt.order.access(stream, block, False, self.label())
+        for inner in outputs:
+            if not is_fake(inner):
+                block = _register(rt, inner, f"cuda:{index}", stream)
+                if block is not None:
+                    rt.order.access(stream, block, True, self.label())
+        return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
+
+    def label(self) -> str:
+        return self.name or repr(self.func)
+
+    # -- ordinary calls ----------------------------------------------------------------
+
+    def _written(self) -> list[Any]:
+        """The arguments this call writes: the first for an in-place call, ``out=``."""
+        written: list[Any] = []
+        name = self.name
+        in_place = name in _IN_PLACE_DUNDERS or (
+            name.endswith("_") and not name.endswith("__")
+        )
+        if in_place and self.args:
+            first = self.args[0]
+            written += list(first) if isinstance(first, (list, tuple)) else [first]
+        out = self.kwargs.get("out")
+        if out is not None:
+            written += list(out) if isinstance(out, (list, tuple)) else [out]
+        return [t for t in written if isinstance(t, torch.Tensor)]
+
+    def _host_call(self) -> Any:
+        """A call on host tensors only: pinned blocks it touches are host accesses."""
+        rt = self.rt
+        if rt.order.blocks:
+            tensors = [x for x in self.flat if isinstance(x, torch.Tensor)]
+            if tensors:
+                written = {id(t) for t in self._written()}
+                out = self.func(*self.args, **self.kwargs)
+                self._host_accesses(tensors, written, out)
+                return out
+        return self.func(*self.args, **self.kwargs)
+
+    def _host_accesses(self, tensors: list[torch.Tensor], written: set[int], out: Any) -> None:
+        rt = self.rt
+        keys = {_storage_key(x) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)}
+        for t in tensors:
+            block = host_block(rt, t)
+            if block is None:
+                continue
+            write = id(t) in written
+            if not write and _storage_key(t) in keys and self.name not in _SYNC:
+                continue  # a view: no data is read
+            rt.order.access(HOST, block, write, self.label())
+
+    def _check_devices(self) -> int:
+        devices = {f._fakegpu_index for f in self.fakes}
+        first = min(devices)
+        if self.name in _MIXING:
+            return self.fakes[0]._fakegpu_index
+        if len(devices) > 1:
+            a, b = sorted(devices)[:2]
+            raise _mixing_error(f"cuda:{a}", f"cuda:{b}")
+        for x in self.flat:
+            if isinstance(x, torch.Tensor) and not is_fake(x) and x.dim() > 0:
+                raise _mixing_error(f"cuda:{first}", str(x.device))
+        return first
+
+    def _device_call(self) -> Any:
+        rt = self.rt
+        index = self._check_devices()
+        stream = rt.current_stream(index)
+        args, kwargs = self.args, self.kwargs
+        if self.name in ("register_hook", "register_post_accumulate_grad_hook"):
+            args = (args[0], _hook(self.name, args[1], args[0]._fakegpu_index), *args[2:])
+        if self.name in ("numpy", "__array__"):
+            raise _numpy_error(index)
+        written = self._written()
+        in_args = [x for x in self.flat if isinstance(x, torch.Tensor)]
+        out = self._call(index, unwrap(args), unwrap(kwargs))
+        if self.name in ("backward", "grad", "register_hook",
+                         "register_post_accumulate_grad_hook"):
+            return self._wrap_autograd(out)
+        rt.order.launch(stream)
+        in_keys = {_storage_key(inner_of(t)) for t in in_args}
+        outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        out_keys = {_storage_key(x) for x in outputs}
+        written_ids = {id(t) for t in written}
+        view_only = (bool(outputs) and out_keys <= in_keys and not written) or (
+            self.name.endswith("_like") or self.name.startswith("new_")
+        )
+        sync = self.name in _SYNC
+        label = self.label()
+        for t in in_args:
+            write = id(t) in written_ids
+            if view_only and not write and not sync:
+                continue
+            if is_fake(t):
+                block = device_block(rt, t)
+                if block is not None:
+                    rt.order.access(stream, block, write, label)
+            else:
+                block = host_block(rt, t)
+                if block is not None:
+                    rt.order.access(HOST, block, write, label)
+        for inner in outputs:
+            key = _storage_key(inner)
+            if key is not None and key not in in_keys:
+                block = _register(rt, inner, f"cuda:{index}", stream)
+                if block is not None:
+                    rt.order.access(stream, block, True, label)
+        if sync:
+            rt.order.join(HOST, stream)
+        if self.name in ("__repr__", "__str__"):
+            return _device_repr(out, index)
+        if self.name in ("__reduce_ex__", "tolist", "item"):
+            return out
+        return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
+
+    def _wrap_autograd(self, out: Any) -> Any:
+        if self.name == "grad":  # torch.autograd.grad: each gradient on its input's device
+            inputs = self.kwargs.get("inputs", self.args[1] if len(self.args) > 1 else ())
+            inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+            return tuple(
+                g if g is None or index_of(x) is None else wrap(g, index_of(x))  # type: ignore[arg-type]
+                for g, x in zip(out, inputs, strict=True)
+            )
+        return out
+
+
+def _hook(kind: str, fn: Callable[..., Any], index: int) -> Callable[..., Any]:
+    """A hook on a CPU tensor that calls ``fn`` with the fake tensors, the mode active."""
+    if kind == "register_post_accumulate_grad_hook":
+
+        def post(inner: torch.Tensor) -> None:
+            leaf = wrap(inner, index)
+            rt = _cuda._runtime
+            if rt is not None:
+                record_gradient_write(rt, leaf)
+            with user_code():
+                fn(leaf)
+
+        return post
+
+    def hook(grad: torch.Tensor) -> Any:
+        with user_code():
+            result = fn(wrap(grad, index))
+        return inner_of(result)
+
+    return hook
+
+
+def _device_repr(text: str, index: int) -> str:
+    marks = [text.find(m) for m in (", size=", ", dtype=", ", grad_fn=", ", requires_grad=")]
+    found = [m for m in marks if m >= 0]
+    cut = min(found) if found else len(text) - 1
+    return f"{text[:cut]}, device='cuda:{index}'{text[cut:]}"
+
+
+# -- calls with a meaning of their own ---------------------------------------------------
+
+_DEFAULT = object()
+
+
+def _move(call: _Call, source: torch.Tensor, target: torch.device | None, dtype: Any,
+          non_blocking: bool, copy: bool, memory_format: Any) -> torch.Tensor:
+    """``source.to(target, dtype)``: across devices always a copy, with CUDA's ordering."""
+    rt = call.rt
+    src_index = index_of(source)
+    if target is None:
+        dst_index = src_index
+    elif target.type == "cuda":
+        dst_index = rt.index(target)
+    elif target.type == "cpu":
+        dst_index = None
+    else:
+        raise NotImplementedError(f"fakegpu: .to({target})")
+    inner = inner_of(source)
+    options: dict[str, Any] = {"dtype": dtype or inner.dtype}
+    if memory_format is not None:
+        options["memory_format"] = memory_format
+    label = call.label()
+    if dst_index == src_index:
+        out = torch._C.TensorBase.to(inner, copy=copy, **options)
+        if out is inner or src_index is None:
+            return source if out is inner else out
+        return call._place_outputs(out, src_index, reads=[source])
+    out = torch._C.TensorBase.to(inner, copy=True, **options)
+    if src_index is None:  # host to device
+        assert dst_index is not None
+        return _host_to_device(call, inner, out, dst_index, non_blocking, label)
+    if dst_index is None:  # device to host
+        stream = rt.current_stream(src_index)
+        rt.order.launch(stream)
+        block = device_block(rt, source)  # type: ignore[arg-type]
+        if block is not None:
+            rt.order.access(stream, block, False, label)
+        if non_blocking:  # torch puts the result in pinned memory and does not wait
+            pinned = _register(rt, out, PINNED, None)
+            if pinned is not None:
+                rt.order.access(stream, pinned, True, label)
+        else:
+            rt.order.join(HOST, stream)
+        return out
+    return _device_to_device(call, source, out, dst_index, label)  # type: ignore[arg-type]
+
+
+def _host_to_device(call: _Call, src: torch.Tensor, dst_inner: torch.Tensor, index: int,
+                    non_blocking: bool, label: str, dst: Any = None) -> Any:
+    rt = call.rt
+    stream = rt.current_stream(index)
+    rt.order.launch(stream)
+    block = host_block(rt, src)
+    async_read = non_blocking and block is not None and block.device == PINNED
+    if block is not None:
+        rt.order.access(stream if async_read else HOST, block, False, label)
+    target = device_block(rt, dst) if dst is not None else _register(
+        rt, dst_inner, f"cuda:{index}", stream
+    )
+    if target is not None:
+        rt.order.access(stream, target, True, label)
+    if not non_blocking:
+        rt.order.join(HOST, stream)
+    return dst if dst is not None else wrap(dst_inner, index)
+
+
+def _device_to_device(call: _Call, source: FakeCudaTensor, dst_inner: torch.Tensor,
+                      index: int, label: str, dst: Any = None) -> Any:
+    rt = call.rt
+    src_stream = rt.current_stream(source._fakegpu_index)
+    dst_stream = rt.current_stream(index)
+    rt.order.launch(src_stream)
+    rt.order.launch(dst_stream)
+    rt.order.join(src_stream, dst_stream)
+    block = device_block(rt, source)
+    if block is not None:
+        rt.order.access(src_stream, block, False, label)
+    target = device_block(rt, dst) if dst is not None else _register(
+        rt, dst_inner, f"cuda:{index}", dst_stream
+    )
+    if target is not None:
+        rt.order.access(src_stream, target, True, label)
+    rt.order.join(dst_stream, src_stream)
+    return dst if dst is not None else wrap(dst_inner, index)
+
+
+def _to(call: _Call) -> Any:
+    kwargs = dict(call.kwargs)
+    copy = bool(kwargs.pop("copy", False))
+    source = call.args[0]
+    rest = unwrap(call.args[1:])
+    other = next((a for a in call.args[1:] if isinstance(a, torch.Tensor)), None)
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
+    if other is not None:
+        device, dtype = other.device, other.dtype
+    return _move(call, source, device, dtype, bool(non_blocking), copy, memory_format)
+
+
+def _cuda_method(call: _Call) -> Any:
+    kwargs = dict(call.kwargs)
+    device = call.args[1] if len(call.args) > 1 else kwargs.pop("device", None)
+    target = torch.device("cuda", call.rt.index(device))
+    return _move(call, call.args[0], target, None, bool(kwargs.get("non_blocking")), False,
+                 kwargs.get("memory_format"))
+
+
+def _cpu(call: _Call) -> Any:
+    return _move(call, call.args[0], torch.device("cpu"), None, False, False,
+                 call.kwargs.get("memory_format"))
+
+
+def _copy_(call: _Call) -> Any:
+    dst, src = call.args[0], call.args[1]
+    non_blocking = bool(call.args[2] if len(call.args) > 2 else call.kwargs.get("non_blocking"))
+    di, si = index_of(dst), index_of(src)
+    if di == si or (si is None and src.dim() == 0):
+        return _DEFAULT
+    rt, label = call.rt, call.label()
+    inner_of(dst).copy_(inner_of(src))
+    if si is None:
+        return _host_to_device(call, src, inner_of(dst), di, non_blocking, label, dst=dst)  # type: ignore[arg-type]
+    if di is None:  # device to host
+        stream = rt.current_stream(si)
+        rt.order.launch(stream)
+        block = device_block(rt, src)
+        if block is not None:
+            rt.order.access(stream, block, False, label)
+        host = host_block(rt, dst)
+        async_write = non_blocking and host is not None and host.device == PINNED
+        if not async_write:
+            rt.order.join(HOST, stream)
+        if host is not None:
+            rt.order.access(stream if async_write else HOST, host, True, label)
+        return dst
+    return _device_to_device(call, src, inner_of(dst), di, label, dst=dst)
+
+
+def _pin_memory(call: _Call) -> Any:
+    t = call.args[0]
+    if is_fake(t):
+        raise RuntimeError(
+            f"cannot pin '{_type_name(t)}' only dense CPU tensors can be pinned (fakegpu)"
+        )
+    if is_pinned(call.rt, t):
+        return t
+    out = t.clone()
+    pin(call.rt, out)
+    return out
+
+
+def _is_pinned(call: _Call) -> Any:
+    t = call.args[0]
+    return False if is_fake(t) else is_pinned(call.rt, t)
+
+
+def _record_stream(call: _Call) -> Any:
+    t, stream = call.args[0], call.args[1]
+    if not is_fake(t):
+        return None
+    if not call.rt.skipped("record_stream"):
+        block = device_block(call.rt, t)
+        if block is not None:
+            block.recorded.add(stream)
+    return None
+
+
+def _type_name(t: FakeCudaTensor) -> str:
+    return "torch.cuda." + inner_of(t).type().rsplit(".", 1)[-1]
+
+
+def _type(call: _Call) -> Any:
+    if is_fake(call.args[0]) and len(call.args) == 1 and not call.kwargs:
+        return _type_name(call.args[0])
+    return _DEFAULT
+
+
+def _get_device(call: _Call) -> Any:
+    t = call.args[0]
+    return t._fakegpu_index if is_fake(t) else _DEFAULT
+
+
+def _deepcopy(call: _Call) -> Any:
+    t = call.args[0]
+    if not is_fake(t):
+        return _DEFAULT
+    memo = call.args[1] if len(call.args) > 1 else {}
+    inner = t._fakegpu_inner.__deepcopy__(memo)
+    out = call._place_outputs(inner, t._fakegpu_index, reads=[t])
+    for key, value in t.__dict__.items():
+        if not key.startswith("_fakegpu_"):
+            import copy
+
+            setattr(out, key, copy.deepcopy(value, memo))
+    return out
+
+
+def _compatible(call: _Call) -> Any:
+    """Module._apply replaces a parameter's ``.data`` only when this holds: never across
+    devices (a fake wrapper's device cannot change)."""
+    a, b = call.args[0], call.args[1]
+    return _DEFAULT if index_of(a) == index_of(b) else False
+
+
+_SPECIAL: dict[str, Callable[[_Call], Any]] = {
+    "_has_compatible_shallow_copy_type": _compatible,
+    "to": _to,
+    "cuda": _cuda_method,
+    "cpu": _cpu,
+    "copy_": _copy_,
+    "pin_memory": _pin_memory,
+    "is_pinned": _is_pinned,
+    "record_stream": _record_stream,
+    "type": _type,
+    "get_device": _get_device,
+    "__deepcopy__": _deepcopy,
+}
+
+
+_tensor.handler = handle
