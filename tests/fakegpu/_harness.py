@@ -29,7 +29,9 @@ from . import _centralstore, _cuda, _ops
 from ._order import Hazard
 
 _MISSING = object()
-_METHODS = ("to", "cuda", "pin_memory", "is_pinned")
+_METHODS = ("to", "cuda", "pin_memory", "is_pinned", "record_stream")
+# Methods whose C++ argument parser rejects a fake stream before any __torch_function__.
+_DIRECT = frozenset({"record_stream"})
 
 
 class HazardError(AssertionError):
@@ -75,13 +77,12 @@ class _Patches:
 
 def _host_method(orig: Any) -> Any:
     """``Tensor.<name>`` that reaches the handler on threads without the fake-GPU mode."""
+    direct = orig.__name__ in _DIRECT
 
     @functools.wraps(orig)
     def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if (
-            _ops._local.inside
-            or _cuda._runtime is None
-            or torch._C._is_torch_function_mode_enabled()
+        if _ops._local.inside or _cuda._runtime is None or (
+            not direct and torch._C._is_torch_function_mode_enabled()
         ):
             return orig(self, *args, **kwargs)
         return _ops.handle(orig, (), (self, *args), kwargs)
