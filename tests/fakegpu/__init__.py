@@ -23,13 +23,31 @@ Usage (``tests/conftest.py`` has the ``fake_gpus`` fixture, which checks at tear
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
 from ._harness import FakeGPUs, HazardError
 from ._order import Hazard
 from ._tensor import FakeCudaTensor, is_fake
 
-__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "devices", "is_fake"]
+__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "devices", "is_fake", "visible"]
 
 
 def devices(count: int = 2) -> FakeGPUs:
     """``count`` fake CUDA devices for a ``with`` block (see ``FakeGPUs``)."""
     return FakeGPUs(count)
+
+
+@contextlib.contextmanager
+def visible(count: int) -> Iterator[None]:
+    """Only ``torch.cuda.is_available()`` and ``device_count()`` report ``count`` GPUs:
+    enough for a test module's ``skipif`` marks while it is imported, nothing else."""
+    saved = torch.cuda.is_available, torch.cuda.device_count
+    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: count  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.is_available, torch.cuda.device_count = saved  # type: ignore[assignment]

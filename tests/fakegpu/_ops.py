@@ -63,6 +63,7 @@ _IN_PLACE_DUNDERS = frozenset({
     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
     "__imatmul__", "__setitem__",
 })
+_AUTOGRAD = frozenset({"backward", "grad", "run_backward"})
 _NATIVE_GETTERS = frozenset({"device", "is_cuda", "is_cpu"})
 
 
@@ -106,6 +107,17 @@ def _foreign(types: Any) -> bool:
 @contextlib.contextmanager
 def _running_inside() -> Iterator[None]:
     previous, _local.inside = _local.inside, True
+    try:
+        yield
+    finally:
+        _local.inside = previous
+
+
+@contextlib.contextmanager
+def _outside() -> Iterator[None]:
+    """A backward: the engine calls back into Python (hooks, ``queue_callback``) and those
+    calls are user code on fake tensors, not calls on CPU tensors."""
+    previous, _local.inside = _local.inside, False
     try:
         yield
     finally:
@@ -205,7 +217,8 @@ def host_block(rt: _cuda.Runtime, t: torch.Tensor) -> Block | None:
     if not rt.order.blocks:
         return None
     key = _storage_key(t)
-    return None if key is None else rt.order.blocks.get(key)
+    block = None if key is None else rt.order.blocks.get(key)
+    return block if block is not None and block.device == PINNED else None
 
 
 def pin(rt: _cuda.Runtime, t: torch.Tensor) -> None:
@@ -341,6 +354,9 @@ class _Call:
         return out
 
     def _call(self, index: int | None, args: Any, kwargs: Any) -> Any:
+        if self.name in _AUTOGRAD:
+            with _outside():
+                return self.func(*args, **kwargs)
         if index is not None and self.name in _RANDOM:
             with self.rt.rng(index):
                 return self.func(*args, **kwargs)
@@ -391,10 +407,10 @@ class _Call:
             tensors = [x for x in self.flat if isinstance(x, torch.Tensor)]
             if tensors:
                 written = {id(t) for t in self._written()}
-                out = self.func(*self.args, **self.kwargs)
+                out = self._call(None, self.args, self.kwargs)
                 self._host_accesses(tensors, written, out)
                 return out
-        return self.func(*self.args, **self.kwargs)
+        return self._call(None, self.args, self.kwargs)
 
     def _host_accesses(self, tensors: list[torch.Tensor], written: set[int], out: Any) -> None:
         rt = self.rt
