@@ -12,7 +12,6 @@ imported (so that their ``skipif`` marks see them), and each such test runs insi
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -45,12 +44,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, o
 
 
 def _checked(count: int) -> Iterator[fakegpu.FakeGPUs]:
-    with fakegpu.devices(count) as gpus:
-        yield gpus
-        gc.collect()  # frees of blocks still referenced from cycles, while the checker runs
-        report = gpus.report() if gpus.hazards else None
-    if report is not None:
-        pytest.fail(report, pytrace=False)
+    try:
+        with fakegpu.checked(count) as gpus:
+            yield gpus
+    except fakegpu.HazardError as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ Usage (``tests/conftest.py`` has the ``fake_gpus`` fixture, which checks at tear
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -32,12 +33,22 @@ from ._harness import FakeGPUs, HazardError
 from ._order import Hazard
 from ._tensor import FakeCudaTensor, is_fake
 
-__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "devices", "is_fake", "visible"]
+__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "checked", "devices", "is_fake", "visible"]
 
 
 def devices(count: int = 2) -> FakeGPUs:
     """``count`` fake CUDA devices for a ``with`` block (see ``FakeGPUs``)."""
     return FakeGPUs(count)
+
+
+@contextlib.contextmanager
+def checked(count: int = 2) -> Iterator[FakeGPUs]:
+    """``devices(count)`` that raises ``HazardError`` at the end of a block that did not
+    raise, if a hazard was recorded and not taken (``take_hazards``)."""
+    with devices(count) as gpus:
+        yield gpus
+        gc.collect()  # frees of blocks held by reference cycles, while the checker runs
+        gpus.check()
 
 
 @contextlib.contextmanager
