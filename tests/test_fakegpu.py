@@ -82,9 +82,9 @@ def test_values_and_gradients_are_the_cpus() -> None:
 @uses_gpus
 def test_an_op_that_mixes_devices_raises_as_cuda_does() -> None:
     a, b = torch.ones(3, device="cuda:0"), torch.ones(3, device="cuda:1")
-    with pytest.raises(RuntimeError, match="same device.*cuda:0 and cuda:1"):
+    with pytest.raises(RuntimeError, match=r"same device.*cuda:0 and cuda:1"):
         a + b
-    with pytest.raises(RuntimeError, match="same device.*cuda:0 and cpu"):
+    with pytest.raises(RuntimeError, match=r"same device.*cuda:0 and cpu"):
         torch.cat([a, torch.ones(3)])
     with pytest.raises(RuntimeError, match="same device"):
         nn.Linear(3, 1).to("cuda:1")(a)
@@ -190,7 +190,7 @@ def _torch_state() -> dict[str, Any]:
 @pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
 def test_torch_is_left_as_it_was_found(fails: bool) -> None:
     before = _torch_state()
-    with pytest.raises(RuntimeError, match="body|same device"), fakegpu.devices(3) as gpus:
+    with pytest.raises(RuntimeError, match=r"body|same device"), fakegpu.devices(3) as gpus:
         assert torch.cuda.is_available() and torch.cuda.device_count() == 3
         with pytest.raises(RuntimeError, match="already active"), fakegpu.devices(1):
             pass
@@ -311,11 +311,11 @@ def test_freeing_a_block_another_stream_uses_needs_record_stream(
 
 
 def test_the_checked_context_raises_with_a_report() -> None:
-    with pytest.raises(fakegpu.HazardError, match=r"(?s)1 stream hazard.*shape \(2,\)"):
-        with fakegpu.checked(1):
-            with torch.cuda.stream(torch.cuda.Stream()):
-                x = torch.ones(2, device="cuda")
-            x.add_(1)
+    report = r"(?s)1 stream hazard.*shape \(2,\)"
+    with pytest.raises(fakegpu.HazardError, match=report), fakegpu.checked(1):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            x = torch.ones(2, device="cuda")
+        x.add_(1)
 
 
 # -- centralstore on two fake GPUs ------------------------------------------------------

@@ -33,7 +33,10 @@ from ._harness import FakeGPUs, HazardError
 from ._order import Hazard
 from ._tensor import FakeCudaTensor, is_fake
 
-__all__ = ["FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "checked", "devices", "is_fake", "visible"]
+__all__ = [
+    "FakeCudaTensor", "FakeGPUs", "Hazard", "HazardError", "checked", "devices", "is_fake",
+    "visible",
+]
 
 
 def devices(count: int = 2) -> FakeGPUs:

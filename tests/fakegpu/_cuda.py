@@ -176,7 +176,7 @@ def stream(s: FakeStream | None) -> Iterator[None]:
         current.device = previous_device
 
 
-class device:  # noqa: N801 - torch.cuda.device's name
+class device:  # lower case: torch.cuda.device's name
     """``torch.cuda.device(d)``: ``d`` is this thread's current device until the block ends."""
 
     def __init__(self, device: Any) -> None:

@@ -310,13 +310,13 @@ class _Call:
             value = self.func(owner._fakegpu_inner)
             return wrap(value, index) if isinstance(value, torch.Tensor) else value
         value = self.args[1]
-        if self.name in ("grad", "data") and isinstance(value, torch.Tensor):
-            if index_of(value) != index:
-                where = "cpu" if index_of(value) is None else f"cuda:{index_of(value)}"
-                raise RuntimeError(
-                    f"assigned {self.name} has data located on {where}, different from the "
-                    f"tensor's device cuda:{index} (fakegpu)"
-                )
+        moved = isinstance(value, torch.Tensor) and index_of(value) != index
+        if self.name in ("grad", "data") and moved:
+            where = "cpu" if index_of(value) is None else f"cuda:{index_of(value)}"
+            raise RuntimeError(
+                f"assigned {self.name} has data located on {where}, different from the "
+                f"tensor's device cuda:{index} (fakegpu)"
+            )
         return self.func(owner._fakegpu_inner, inner_of(value))
 
     # -- factories ---------------------------------------------------------------------
