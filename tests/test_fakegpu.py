@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
+from torch.utils._device import DeviceContext, _device_constructors
 
 import centralstore as cs
 from centralstore.input import distributed
@@ -180,6 +180,9 @@ def _torch_state() -> dict[str, Any]:
         "tensor": {name: torch.Tensor.__dict__.get(name) for name in (
             "to", "cuda", "pin_memory", "is_pinned", "record_stream",
         )},
+        "factories": {name: getattr(torch, name) for name in ("empty", "zeros", "randn")},
+        "constructors": set(_device_constructors()),
+        "thread_run": threading.Thread.run,
         "device_context": DeviceContext.__dict__["__torch_function__"],
         "modes": len(_get_current_function_mode_stack()),
         "central": dict(views._CENTRAL_CLASS),
@@ -454,3 +457,33 @@ def test_each_synchronization_is_needed(
     hazards = fake_gpus.take_hazards()
     assert hazards, f"no hazard reported without {primitive} in {name}"
     assert any(h.kind.startswith(expected) for h in hazards), "\n".join(map(str, hazards))
+
+
+class _RefillingSource:
+    """A source that refills one pinned buffer for every batch (a ring of one)."""
+
+    def __iter__(self) -> Any:
+        buffer = torch.empty(BATCH, 6, pin_memory=True)
+        for i in range(3):
+            buffer.fill_(float(i))
+            yield (buffer,)
+
+    def __len__(self) -> int:
+        return 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "src/centralstore/input/distributed.py _CudaCopy.put: an already pinned slice is copied "
+    "without a private copy, and the prefetch thread moves on to the next element before "
+    "the copy has read it"
+))
+def test_a_source_that_refills_a_pinned_buffer_is_not_raced(fake_gpus: fakegpu.FakeGPUs) -> None:
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    dataset = strategy.experimental_distribute_dataset(_RefillingSource(), cs.InputOptions())
+    # The loop must not wait for the copies: the host is one agent in the model, so a wait
+    # on the loop's thread would order the producer thread's next fill after them too.
+    steps = [strategy.experimental_local_results(x) for (x,) in dataset]
+    firsts = [[part.cpu()[0, 0].item() for part in parts] for parts in steps]
+    assert firsts == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # eager copies: values are right
+    hazards = fake_gpus.take_hazards()
+    assert hazards == [], "\n".join(map(str, hazards))

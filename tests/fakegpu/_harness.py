@@ -6,8 +6,12 @@ Entering installs, and leaving removes, in reverse order and also when the block
 * the fake-GPU ``TorchFunctionMode`` on the entering thread (``_ops.Interceptor``);
 * ``torch.device(d)``'s ``__torch_function__``, so that factories under a ``torch.device``
   context on any thread (centralstore's replica threads enter one) reach the handler;
-* ``Tensor.to``, ``.cuda``, ``.pin_memory`` and ``.is_pinned``, so that a host tensor sent to
-  a fake GPU, or pinned, on a thread without the mode (an input-prefetch thread) is seen too;
+* ``Tensor.to``, ``.cuda``, ``.pin_memory``, ``.is_pinned``, ``.record_stream`` and the
+  factories that take a device (``torch.empty``, ...), so that a host tensor sent to a fake
+  GPU, or pinned, or a tensor created there, on a thread without the mode (an input-prefetch
+  thread) is seen too (a factory imported by name before activation is not);
+* ``threading.Thread.run``, so that threads started meanwhile (input prefetching, replica
+  threads) run with the mode, which does nothing once the context has ended;
 * the centralstore adapter (``_centralstore``), when centralstore is importable.
 
 One ``FakeGPUs`` may be active at a time in a process; nesting raises.
@@ -17,19 +21,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
-from torch.utils._device import DeviceContext
+from torch.utils._device import DeviceContext, _device_constructors
 
 from . import _centralstore, _cuda, _ops
 from ._order import Hazard
 
 _MISSING = object()
 _METHODS = ("to", "cuda", "pin_memory", "is_pinned", "record_stream")
+# Factories that take a device or pin_memory: reached on threads without the mode too.
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "rand", "randn", "randint", "randperm", "arange",
+    "eye", "linspace", "logspace", "tensor", "as_tensor", "asarray", "empty_strided",
+    "scalar_tensor", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+    "randn_like", "randint_like",
+)
 # Methods whose C++ argument parser rejects a fake stream before any __torch_function__.
 _DIRECT = frozenset({"record_stream"})
 
@@ -90,6 +102,35 @@ def _host_method(orig: Any) -> Any:
     return method
 
 
+def _host_function(orig: Any) -> Any:
+    """``torch.<factory>`` that reaches the handler on threads without the fake-GPU mode."""
+
+    @functools.wraps(orig)
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if _ops._local.inside or _cuda._runtime is None or (
+            torch._C._is_torch_function_mode_enabled()
+        ):
+            return orig(*args, **kwargs)
+        return _ops.handle(orig, (), args, kwargs)
+
+    return factory
+
+
+def _thread_run(orig: Any) -> Any:
+    """``Thread.run`` with the fake-GPU mode active on the new thread while it runs (it is
+    inert once the context has ended)."""
+
+    @functools.wraps(orig)
+    def run(self: threading.Thread) -> None:
+        if _cuda._runtime is None:
+            orig(self)
+            return
+        with _ops.Interceptor():
+            orig(self)
+
+    return run
+
+
 class FakeGPUs:
     """``count`` fake CUDA devices while active (``with FakeGPUs(2) as gpus: ...``)."""
 
@@ -116,6 +157,10 @@ class FakeGPUs:
             patches.setattr(DeviceContext, "__torch_function__", _ops.device_context_torch_function)
             for name in _METHODS:
                 patches.setattr(torch.Tensor, name, _host_method(getattr(torch.Tensor, name)))
+            _device_constructors()  # cached now, with torch's own factories in it
+            for name in _FACTORIES:
+                patches.setattr(torch, name, _host_function(getattr(torch, name)))
+            patches.setattr(threading.Thread, "run", _thread_run(threading.Thread.run))
             _centralstore.install(patches)
             self._mode = _ops.Interceptor()
             _push_mode(self._mode)

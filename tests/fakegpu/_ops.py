@@ -173,8 +173,10 @@ def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
     if torch._C._is_torch_function_enabled() and _foreign(types):
         return NotImplemented
     with _running_inside():
-        if rt is None:  # a fake tensor outliving its context: plain forwarding, no rules
-            return _forward(func, args, kwargs, None)
+        if rt is None:  # after the context: fake tensors outliving it are forwarded
+            if any(is_fake(x) for x in tree_flatten((args, kwargs))[0]):
+                return _forward(func, args, kwargs, None)
+            return func(*args, **kwargs)
         return _Call(rt, func, args, kwargs).run()
 
 
