@@ -8,7 +8,7 @@ memory). It
 * runs the call on the CPU tensors inside, under the device's generator if it is random, and
   wraps the tensors it returns on the device (``_tensor.wrap``);
 * raises as CUDA would when a call mixes devices (a 0-dim CPU tensor is a scalar and mixes);
-* turns ``.to``, ``.cuda``, ``.cpu`` and ``copy_`` across devices into real copies;
+* hands moves, copies, pinning and a few metadata calls to ``_moves``;
 * records, on the thread's current stream of the device, which blocks the call reads and
   writes (a view reads nothing; a new result is allocated on that stream), and what the host
   reads and writes of pinned memory; blocking reads (``.item()``, printing, a copy to the host
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,10 +32,10 @@ from torch.utils._device import DeviceContext, _device_constructors
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _cuda, _tensor
-from ._order import HOST, Block
+from ._blocks import device_block, host_block, pin, record_gradient_write, register, storage_key
+from ._moves import DEFAULT, SPECIAL
+from ._order import HOST
 from ._tensor import FakeCudaTensor, index_of, inner_of, is_fake, unwrap, wrap
-
-PINNED = "cpu (pinned)"
 
 _RANDOM = frozenset({
     "dropout", "dropout_", "alpha_dropout", "alpha_dropout_", "feature_alpha_dropout",
@@ -177,7 +176,7 @@ def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
             if any(is_fake(x) for x in tree_flatten((args, kwargs))[0]):
                 return _forward(func, args, kwargs, None)
             return func(*args, **kwargs)
-        return _Call(rt, func, args, kwargs).run()
+        return Call(rt, func, args, kwargs).run()
 
 
 def _forward(func: Any, args: Any, kwargs: Any, index: int | None) -> Any:
@@ -185,51 +184,6 @@ def _forward(func: Any, args: Any, kwargs: Any, index: int | None) -> Any:
     if index is None:
         index = next((x._fakegpu_index for x in tree_flatten((args, kwargs))[0] if is_fake(x)), 0)
     return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage.data_ptr() if storage.nbytes() else None
-
-
-def _register(rt: _cuda.Runtime, inner: torch.Tensor, device: str,
-              stream: Any | None) -> Block | None:
-    """The block of ``inner``'s storage, created (allocated on ``stream``) if new."""
-    key = _storage_key(inner)
-    if key is None:
-        return None
-    block, new = rt.order.block(
-        key, device, tuple(inner.shape), str(inner.dtype).removeprefix("torch."), stream
-    )
-    if new:
-        weakref.finalize(inner.untyped_storage(), rt.order.free, key, block.serial)
-    return block
-
-
-def device_block(rt: _cuda.Runtime, fake: FakeCudaTensor) -> Block | None:
-    index = fake._fakegpu_index
-    return _register(rt, fake._fakegpu_inner, f"cuda:{index}", rt.current_stream(index))
-
-
-def host_block(rt: _cuda.Runtime, t: torch.Tensor) -> Block | None:
-    """The tracked (pinned) block of host tensor ``t``, if it is one."""
-    if not rt.order.blocks:
-        return None
-    key = _storage_key(t)
-    block = None if key is None else rt.order.blocks.get(key)
-    return block if block is not None and block.device == PINNED else None
-
-
-def pin(rt: _cuda.Runtime, t: torch.Tensor) -> None:
-    _register(rt, t, PINNED, None)
-
-
-def is_pinned(rt: _cuda.Runtime, t: torch.Tensor) -> bool:
-    block = host_block(rt, t)
-    return block is not None and block.device == PINNED
 
 
 def _mixing_error(a: str, b: str) -> RuntimeError:
@@ -252,20 +206,7 @@ def _parse_device(value: Any) -> torch.device:
     return torch.device(value)
 
 
-def record_gradient_write(rt: _cuda.Runtime, leaf: FakeCudaTensor) -> None:
-    """A gradient was just accumulated into ``leaf.grad`` by the device's current stream."""
-    grad = leaf._fakegpu_inner.grad
-    if grad is None:
-        return
-    index = leaf._fakegpu_index
-    stream = rt.current_stream(index)
-    block = _register(rt, grad, f"cuda:{index}", stream)
-    if block is not None:
-        rt.order.launch(stream)
-        rt.order.access(stream, block, True, "AccumulateGrad (backward)")
-
-
-class _Call:
+class Call:
     """One torch call being handled."""
 
     def __init__(self, rt: _cuda.Runtime, func: Any, args: tuple[Any, ...],
@@ -284,13 +225,13 @@ class _Call:
         accessor = _is_accessor(self.func)
         if accessor is not None:
             return self._accessor(accessor)
-        special = _SPECIAL.get(self.name)
+        special = SPECIAL.get(self.name)
         if special is not None:
             result = special(self)
-            if result is not _DEFAULT:
+            if result is not DEFAULT:
                 return result
         placed = self._placed_factory()
-        if placed is not _DEFAULT:
+        if placed is not DEFAULT:
             return placed
         if not self.fakes:
             return self._host_call()
@@ -325,7 +266,7 @@ class _Call:
 
     def _placed_factory(self) -> Any:
         """A call that names a device (or runs under a ``torch.device`` context) and
-        creates a tensor there, or pins host memory; _DEFAULT for every other call."""
+        creates a tensor there, or pins host memory; DEFAULT for every other call."""
         func, kwargs = self.func, self.kwargs
         constructor = func in _device_constructors()
         device = kwargs.get("device")
@@ -333,7 +274,7 @@ class _Call:
             device = _ambient_device()
         pinned = bool(kwargs.get("pin_memory"))
         if device is None and not pinned:
-            return _DEFAULT
+            return DEFAULT
         target = _parse_device(device) if device is not None else None
         if target is not None and target.type == "cuda":
             index = self.rt.index(target)
@@ -342,9 +283,9 @@ class _Call:
             call_kwargs = dict(kwargs, device="cpu")
             call_kwargs.pop("pin_memory", None)
             out = self._call(index, unwrap(self.args), unwrap(call_kwargs))
-            return self._place_outputs(out, index, reads=[])
+            return self.place_outputs(out, index, reads=[])
         if target is not None and target.type not in ("cpu", "cuda"):
-            return _DEFAULT
+            return DEFAULT
         if not pinned:
             if not self.fakes:
                 return self._host_call()
@@ -364,7 +305,7 @@ class _Call:
                 return self.func(*args, **kwargs)
         return self.func(*args, **kwargs)
 
-    def _place_outputs(self, out: Any, index: int, reads: list[Any]) -> Any:
+    def place_outputs(self, out: Any, index: int, reads: list[Any]) -> Any:
         """Wrap the tensors of ``out`` on device ``index``; new storage is allocated and
         written on the current stream."""
         rt = self.rt
@@ -377,7 +318,7 @@ class _Call:
                 rt.order.access(stream, block, False, self.label())
         for inner in outputs:
             if not is_fake(inner):
-                block = _register(rt, inner, f"cuda:{index}", stream)
+                block = register(rt, inner, f"cuda:{index}", stream)
                 if block is not None:
                     rt.order.access(stream, block, True, self.label())
         return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
@@ -416,13 +357,13 @@ class _Call:
 
     def _host_accesses(self, tensors: list[torch.Tensor], written: set[int], out: Any) -> None:
         rt = self.rt
-        keys = {_storage_key(x) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)}
+        keys = {storage_key(x) for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)}
         for t in tensors:
             block = host_block(rt, t)
             if block is None:
                 continue
             write = id(t) in written
-            if not write and _storage_key(t) in keys and self.name not in _SYNC:
+            if not write and storage_key(t) in keys and self.name not in _SYNC:
                 continue  # a view: no data is read
             rt.order.access(HOST, block, write, self.label())
 
@@ -455,9 +396,9 @@ class _Call:
                          "register_post_accumulate_grad_hook"):
             return self._wrap_autograd(out)
         rt.order.launch(stream)
-        in_keys = {_storage_key(inner_of(t)) for t in in_args}
+        in_keys = {storage_key(inner_of(t)) for t in in_args}
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
-        out_keys = {_storage_key(x) for x in outputs}
+        out_keys = {storage_key(x) for x in outputs}
         written_ids = {id(t) for t in written}
         view_only = (bool(outputs) and out_keys <= in_keys and not written) or (
             self.name.endswith("_like") or self.name.startswith("new_")
@@ -477,9 +418,9 @@ class _Call:
                 if block is not None:
                     rt.order.access(HOST, block, write, label)
         for inner in outputs:
-            key = _storage_key(inner)
+            key = storage_key(inner)
             if key is not None and key not in in_keys:
-                block = _register(rt, inner, f"cuda:{index}", stream)
+                block = register(rt, inner, f"cuda:{index}", stream)
                 if block is not None:
                     rt.order.access(stream, block, True, label)
         if sync:
@@ -528,225 +469,6 @@ def _device_repr(text: str, index: int) -> str:
     found = [m for m in marks if m >= 0]
     cut = min(found) if found else len(text) - 1
     return f"{text[:cut]}, device='cuda:{index}'{text[cut:]}"
-
-
-# -- calls with a meaning of their own ---------------------------------------------------
-
-_DEFAULT = object()
-
-
-def _move(call: _Call, source: torch.Tensor, target: torch.device | None, dtype: Any,
-          non_blocking: bool, copy: bool, memory_format: Any) -> torch.Tensor:
-    """``source.to(target, dtype)``: across devices always a copy, with CUDA's ordering."""
-    rt = call.rt
-    src_index = index_of(source)
-    if target is None:
-        dst_index = src_index
-    elif target.type == "cuda":
-        dst_index = rt.index(target)
-    elif target.type == "cpu":
-        dst_index = None
-    else:
-        raise NotImplementedError(f"fakegpu: .to({target})")
-    inner = inner_of(source)
-    options: dict[str, Any] = {"dtype": dtype or inner.dtype}
-    if memory_format is not None:
-        options["memory_format"] = memory_format
-    label = call.label()
-    if dst_index == src_index:
-        out = torch._C.TensorBase.to(inner, copy=copy, **options)
-        if out is inner or src_index is None:
-            return source if out is inner else out
-        return call._place_outputs(out, src_index, reads=[source])
-    out = torch._C.TensorBase.to(inner, copy=True, **options)
-    if src_index is None:  # host to device
-        assert dst_index is not None
-        return _host_to_device(call, inner, out, dst_index, non_blocking, label)
-    if dst_index is None:  # device to host
-        stream = rt.current_stream(src_index)
-        rt.order.launch(stream)
-        block = device_block(rt, source)  # type: ignore[arg-type]
-        if block is not None:
-            rt.order.access(stream, block, False, label)
-        if non_blocking:  # torch puts the result in pinned memory and does not wait
-            pinned = _register(rt, out, PINNED, None)
-            if pinned is not None:
-                rt.order.access(stream, pinned, True, label)
-        else:
-            rt.order.join(HOST, stream)
-        return out
-    return _device_to_device(call, source, out, dst_index, label)  # type: ignore[arg-type]
-
-
-def _host_to_device(call: _Call, src: torch.Tensor, dst_inner: torch.Tensor, index: int,
-                    non_blocking: bool, label: str, dst: Any = None) -> Any:
-    rt = call.rt
-    stream = rt.current_stream(index)
-    rt.order.launch(stream)
-    block = host_block(rt, src)
-    async_read = non_blocking and block is not None and block.device == PINNED
-    if block is not None:
-        rt.order.access(stream if async_read else HOST, block, False, label)
-    target = device_block(rt, dst) if dst is not None else _register(
-        rt, dst_inner, f"cuda:{index}", stream
-    )
-    if target is not None:
-        rt.order.access(stream, target, True, label)
-    if not non_blocking:
-        rt.order.join(HOST, stream)
-    return dst if dst is not None else wrap(dst_inner, index)
-
-
-def _device_to_device(call: _Call, source: FakeCudaTensor, dst_inner: torch.Tensor,
-                      index: int, label: str, dst: Any = None) -> Any:
-    rt = call.rt
-    src_stream = rt.current_stream(source._fakegpu_index)
-    dst_stream = rt.current_stream(index)
-    rt.order.launch(src_stream)
-    rt.order.launch(dst_stream)
-    rt.order.join(src_stream, dst_stream)
-    block = device_block(rt, source)
-    if block is not None:
-        rt.order.access(src_stream, block, False, label)
-    target = device_block(rt, dst) if dst is not None else _register(
-        rt, dst_inner, f"cuda:{index}", dst_stream
-    )
-    if target is not None:
-        rt.order.access(src_stream, target, True, label)
-    rt.order.join(dst_stream, src_stream)
-    return dst if dst is not None else wrap(dst_inner, index)
-
-
-def _to(call: _Call) -> Any:
-    kwargs = dict(call.kwargs)
-    copy = bool(kwargs.pop("copy", False))
-    source = call.args[0]
-    rest = unwrap(call.args[1:])
-    other = next((a for a in call.args[1:] if isinstance(a, torch.Tensor)), None)
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
-    if other is not None:
-        device, dtype = other.device, other.dtype
-    return _move(call, source, device, dtype, bool(non_blocking), copy, memory_format)
-
-
-def _cuda_method(call: _Call) -> Any:
-    kwargs = dict(call.kwargs)
-    device = call.args[1] if len(call.args) > 1 else kwargs.pop("device", None)
-    target = torch.device("cuda", call.rt.index(device))
-    return _move(call, call.args[0], target, None, bool(kwargs.get("non_blocking")), False,
-                 kwargs.get("memory_format"))
-
-
-def _cpu(call: _Call) -> Any:
-    return _move(call, call.args[0], torch.device("cpu"), None, False, False,
-                 call.kwargs.get("memory_format"))
-
-
-def _copy_(call: _Call) -> Any:
-    dst, src = call.args[0], call.args[1]
-    non_blocking = bool(call.args[2] if len(call.args) > 2 else call.kwargs.get("non_blocking"))
-    di, si = index_of(dst), index_of(src)
-    if di == si or (si is None and src.dim() == 0):
-        return _DEFAULT
-    rt, label = call.rt, call.label()
-    inner_of(dst).copy_(inner_of(src))
-    if si is None:
-        return _host_to_device(call, src, inner_of(dst), di, non_blocking, label, dst=dst)  # type: ignore[arg-type]
-    if di is None:  # device to host
-        stream = rt.current_stream(si)
-        rt.order.launch(stream)
-        block = device_block(rt, src)
-        if block is not None:
-            rt.order.access(stream, block, False, label)
-        host = host_block(rt, dst)
-        async_write = non_blocking and host is not None and host.device == PINNED
-        if not async_write:
-            rt.order.join(HOST, stream)
-        if host is not None:
-            rt.order.access(stream if async_write else HOST, host, True, label)
-        return dst
-    return _device_to_device(call, src, inner_of(dst), di, label, dst=dst)
-
-
-def _pin_memory(call: _Call) -> Any:
-    t = call.args[0]
-    if is_fake(t):
-        raise RuntimeError(
-            f"cannot pin '{_type_name(t)}' only dense CPU tensors can be pinned (fakegpu)"
-        )
-    if is_pinned(call.rt, t):
-        return t
-    out = t.clone()
-    pin(call.rt, out)
-    return out
-
-
-def _is_pinned(call: _Call) -> Any:
-    t = call.args[0]
-    return False if is_fake(t) else is_pinned(call.rt, t)
-
-
-def _record_stream(call: _Call) -> Any:
-    t, stream = call.args[0], call.args[1]
-    if not is_fake(t):
-        return None
-    if not call.rt.skipped("record_stream"):
-        block = device_block(call.rt, t)
-        if block is not None:
-            block.recorded.add(stream)
-    return None
-
-
-def _type_name(t: FakeCudaTensor) -> str:
-    return "torch.cuda." + inner_of(t).type().rsplit(".", 1)[-1]
-
-
-def _type(call: _Call) -> Any:
-    if is_fake(call.args[0]) and len(call.args) == 1 and not call.kwargs:
-        return _type_name(call.args[0])
-    return _DEFAULT
-
-
-def _get_device(call: _Call) -> Any:
-    t = call.args[0]
-    return t._fakegpu_index if is_fake(t) else _DEFAULT
-
-
-def _deepcopy(call: _Call) -> Any:
-    t = call.args[0]
-    if not is_fake(t):
-        return _DEFAULT
-    memo = call.args[1] if len(call.args) > 1 else {}
-    inner = t._fakegpu_inner.__deepcopy__(memo)
-    out = call._place_outputs(inner, t._fakegpu_index, reads=[t])
-    for key, value in t.__dict__.items():
-        if not key.startswith("_fakegpu_"):
-            import copy
-
-            setattr(out, key, copy.deepcopy(value, memo))
-    return out
-
-
-def _compatible(call: _Call) -> Any:
-    """Module._apply replaces a parameter's ``.data`` only when this holds: never across
-    devices (a fake wrapper's device cannot change)."""
-    a, b = call.args[0], call.args[1]
-    return _DEFAULT if index_of(a) == index_of(b) else False
-
-
-_SPECIAL: dict[str, Callable[[_Call], Any]] = {
-    "_has_compatible_shallow_copy_type": _compatible,
-    "to": _to,
-    "cuda": _cuda_method,
-    "cpu": _cpu,
-    "copy_": _copy_,
-    "pin_memory": _pin_memory,
-    "is_pinned": _is_pinned,
-    "record_stream": _record_stream,
-    "type": _type,
-    "get_device": _get_device,
-    "__deepcopy__": _deepcopy,
-}
 
 
 _tensor.handler = handle
