@@ -73,6 +73,10 @@ def test_values_and_gradients_are_the_cpus() -> None:
     for name, value in gpu.state_dict().items():
         assert value.device == torch.device("cuda:1")
         assert torch.equal(value.cpu(), cpu.state_dict()[name]), name
+    direct = nn.Parameter(torch.ones(2, device="cuda:0"))
+    assert isinstance(direct, nn.Parameter) and direct.requires_grad and direct.is_leaf
+    (direct * 3).sum().backward()
+    assert direct.grad is not None and direct.grad.device == torch.device("cuda:0")
     clone = copy.deepcopy(gpu)
     assert isinstance(clone[0].weight, nn.Parameter)
     assert clone[0].weight.device == torch.device("cuda:1")
@@ -138,6 +142,7 @@ def test_dropout_draws_from_its_devices_generator() -> None:
     host = torch.rand(4)  # cuda:0's draw left the CPU's generator alone
     torch.manual_seed(3)
     assert torch.equal(torch.rand(4), host)
+    assert torch.cuda.default_generators[1].initial_seed() == 3
     state = torch.cuda.get_rng_state(0)
     again = mask("cuda:0")
     torch.cuda.set_rng_state(state, 0)
@@ -260,7 +265,7 @@ def test_reading_a_non_blocking_copy_to_the_host_before_synchronizing_is_a_race(
 
 
 @uses_gpus
-@pytest.mark.parametrize("wait", ["event", "stream", "device", "blocking"])
+@pytest.mark.parametrize("wait", ["event", "stream", "query", "device", "blocking"])
 def test_a_synchronized_copy_to_the_host_is_not_a_race(wait: str) -> None:
     x = torch.ones(8, device="cuda:1")
     if wait == "blocking":
@@ -273,6 +278,8 @@ def test_a_synchronized_copy_to_the_host_is_not_a_race(wait: str) -> None:
             event.synchronize()
         elif wait == "stream":
             torch.cuda.current_stream(1).synchronize()
+        elif wait == "query":
+            assert event.query()  # the fake streams have always finished
         else:
             torch.cuda.synchronize(1)
     assert host.sum().item() == 8
