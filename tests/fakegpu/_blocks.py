@@ -39,7 +39,8 @@ def register(rt: _cuda.Runtime, inner: torch.Tensor, device: str,
         key, device, tuple(inner.shape), str(inner.dtype).removeprefix("torch."), stream
     )
     if new:
-        weakref.finalize(inner.untyped_storage(), rt.order.free, key, block.serial)
+        freed = weakref.finalize(inner.untyped_storage(), rt.order.free, key, block.serial)
+        freed.atexit = False  # nothing to check once the interpreter is exiting
     return block
 
 

@@ -7,7 +7,7 @@ memory). It
 
 * runs the call on the CPU tensors inside, under the device's generator if it is random, and
   wraps the tensors it returns on the device (``_tensor.wrap``);
-* raises as CUDA would when a call mixes devices (a 0-dim CPU tensor is a scalar, which CUDA accepts);
+* raises as CUDA would when a call mixes devices (CUDA accepts a 0-dim CPU tensor);
 * hands moves, copies, pinning and a few metadata calls to ``_moves``;
 * records, on the thread's current stream of the device, which blocks the call reads and
   writes (a view reads nothing; a new result is allocated on that stream), and what the host
