@@ -11,8 +11,12 @@ the synchronizations they rely on is reported as a hazard.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import fakegpu
@@ -211,6 +215,28 @@ def test_torch_is_left_as_it_was_found(fails: bool) -> None:
         raise RuntimeError("body")
     assert _torch_state() == before
     assert gpus.hazards  # the unsynchronized side-stream write was seen
+
+
+def test_a_fake_tensor_outliving_its_context_still_computes() -> None:
+    with fakegpu.devices(1):
+        x = torch.arange(3.0, device="cuda:0")
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0] and "cuda:0" in str(x.device)
+    assert torch.ones(2).device == torch.device("cpu")
+
+
+def test_the_cuda_tests_run_on_fake_gpus_with_the_environment_variable() -> None:
+    """``CENTRALSTORE_FAKE_GPUS=2 pytest tests/test_cuda.py`` runs them (here a few, in a
+    child pytest), where without a GPU they are skipped."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CENTRALSTORE_FAKE_GPUS="2")
+    command = [
+        sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
+        "-p", "no:xdist", "-k", "two_gpu_replicas_train_like_one_device and mlp",
+    ]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout, done.stdout[-3000:]
 
 
 # -- the checker: each race, and its synchronized version ----------------------------------

@@ -180,6 +180,9 @@ def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _forward(func: Any, args: Any, kwargs: Any, index: int | None) -> Any:
+    if _is_accessor(func) == "get" and name_of(func) in _NATIVE_GETTERS:
+        with torch._C.DisableTorchFunction():
+            return func(*args, **kwargs)
     out = func(*unwrap(args), **unwrap(kwargs))
     if index is None:
         index = next((x._fakegpu_index for x in tree_flatten((args, kwargs))[0] if is_fake(x)), 0)
