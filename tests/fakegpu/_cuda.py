@@ -297,6 +297,10 @@ class Runtime:
         def nothing(*_: Any, **__: Any) -> None:
             return None
 
+        def properties(d: Any = None) -> _Properties:
+            self.index(d)  # checked, as CUDA checks the ordinal
+            return _Properties()
+
         zero: Callable[..., int] = lambda *_, **__: 0  # noqa: E731
         return {
             "is_available": lambda: True,
@@ -315,9 +319,9 @@ class Runtime:
             "current_stream": self.current_stream,
             "default_stream": self.default_stream,
             "synchronize": self.synchronize,
-            "get_device_properties": lambda d=None: (self.index(d), _Properties())[1],
-            "get_device_name": lambda d=None: (self.index(d), _Properties().name)[1],
-            "get_device_capability": lambda d=None: (self.index(d), (8, 0))[1],
+            "get_device_properties": properties,
+            "get_device_name": lambda d=None: properties(d).name,
+            "get_device_capability": lambda d=None: (properties(d).major, properties(d).minor),
             "empty_cache": nothing,
             "memory_allocated": zero,
             "max_memory_allocated": zero,
