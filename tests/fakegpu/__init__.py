@@ -59,9 +59,9 @@ def visible(count: int) -> Iterator[None]:
     """Only ``torch.cuda.is_available()`` and ``device_count()`` report ``count`` GPUs:
     enough for a test module's ``skipif`` marks while it is imported, nothing else."""
     saved = torch.cuda.is_available, torch.cuda.device_count
-    torch.cuda.is_available = lambda: True  # type: ignore[assignment]
-    torch.cuda.device_count = lambda: count  # type: ignore[assignment]
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: count
     try:
         yield
     finally:
-        torch.cuda.is_available, torch.cuda.device_count = saved  # type: ignore[assignment]
+        torch.cuda.is_available, torch.cuda.device_count = saved

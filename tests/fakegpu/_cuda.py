@@ -102,7 +102,7 @@ class FakeStream:
         self._context.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._context.__exit__(*exc)
 
 

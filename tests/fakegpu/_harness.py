@@ -163,7 +163,7 @@ class FakeGPUs:
             patches.setattr(threading.Thread, "run", _thread_run(threading.Thread.run))
             _centralstore.install(patches)
             self._mode = _ops.Interceptor()
-            _push_mode(self._mode)
+            _push_mode(self._mode)  # type: ignore[no-untyped-call]
         except BaseException:
             self._leave()
             raise
@@ -177,13 +177,13 @@ class FakeGPUs:
         mode, self._mode = self._mode, None
         if mode is not None:
             above = []
-            while _get_current_function_mode_stack():
-                top = _pop_mode()
+            while _get_current_function_mode_stack():  # type: ignore[no-untyped-call]
+                top = _pop_mode()  # type: ignore[no-untyped-call]
                 if top is mode:
                     break
                 above.append(top)
             for other in reversed(above):
-                _push_mode(other)
+                _push_mode(other)  # type: ignore[no-untyped-call]
         self._patches.undo()
         _cuda.set_runtime(None)
 

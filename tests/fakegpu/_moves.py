@@ -28,7 +28,7 @@ DEFAULT = object()
 
 
 def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: Any,
-          non_blocking: bool, copy: bool, memory_format: Any) -> torch.Tensor:
+          non_blocking: bool, copy: bool, memory_format: Any) -> Any:
     """``source.to(target, dtype)``: across devices always a copy, with CUDA's ordering."""
     rt = call.rt
     src_index = index_of(source)
@@ -54,10 +54,11 @@ def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: 
     if src_index is None:  # host to device
         assert dst_index is not None
         return _host_to_device(call, inner, out, dst_index, non_blocking, label)
+    assert isinstance(source, FakeCudaTensor)
     if dst_index is None:  # device to host
         stream = rt.current_stream(src_index)
         rt.order.launch(stream)
-        block = device_block(rt, source)  # type: ignore[arg-type]
+        block = device_block(rt, source)
         if block is not None:
             rt.order.access(stream, block, False, label)
         if non_blocking:  # torch puts the result in pinned memory and does not wait
@@ -67,7 +68,7 @@ def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: 
         else:
             rt.order.join(HOST, stream)
         return out
-    return _device_to_device(call, source, out, dst_index, label)  # type: ignore[arg-type]
+    return _device_to_device(call, source, out, dst_index, label)
 
 
 def _host_to_device(call: Call, src: torch.Tensor, dst_inner: torch.Tensor, index: int,
@@ -190,7 +191,7 @@ def _record_stream(call: Call) -> Any:
 
 
 def _type_name(t: FakeCudaTensor) -> str:
-    return "torch.cuda." + inner_of(t).type().rsplit(".", 1)[-1]
+    return "torch.cuda." + str(inner_of(t).type()).rsplit(".", 1)[-1]
 
 
 def _type(call: Call) -> Any:

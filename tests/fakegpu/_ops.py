@@ -76,7 +76,7 @@ _local = _Local()
 def name_of(func: Any) -> str:
     owner = getattr(func, "__self__", None)
     if type(owner).__name__ == "getset_descriptor":
-        return str(owner.__name__)
+        return str(getattr(owner, "__name__", ""))
     return str(getattr(func, "__name__", ""))
 
 
@@ -89,6 +89,7 @@ def _is_accessor(func: Any) -> str | None:
 
 
 _ALLOWED_TF = {torch._C._disabled_torch_function_impl}
+_FAKE_TF = FakeCudaTensor.__dict__["__torch_function__"].__func__
 
 
 def _foreign(types: Any) -> bool:
@@ -98,7 +99,7 @@ def _foreign(types: Any) -> bool:
         if cls is torch.Tensor or cls is FakeCudaTensor:
             continue
         tf = getattr(cls.__torch_function__, "__func__", cls.__torch_function__)
-        if tf not in _ALLOWED_TF and tf is not FakeCudaTensor.__torch_function__.__func__:
+        if tf not in _ALLOWED_TF and tf is not _FAKE_TF:
             return True
     return False
 
@@ -157,7 +158,7 @@ def device_context_torch_function(
 
 
 def _ambient_device() -> torch.device | None:
-    for mode in reversed(_get_current_function_mode_stack()):
+    for mode in reversed(_get_current_function_mode_stack()):  # type: ignore[no-untyped-call]
         if isinstance(mode, DeviceContext):
             return mode.device
     return None
@@ -374,14 +375,14 @@ class Call:
         devices = {f._fakegpu_index for f in self.fakes}
         first = min(devices)
         if self.name in _MIXING:
-            return self.fakes[0]._fakegpu_index
+            return int(self.fakes[0]._fakegpu_index)
         if len(devices) > 1:
             a, b = sorted(devices)[:2]
             raise _mixing_error(f"cuda:{a}", f"cuda:{b}")
         for x in self.flat:
             if isinstance(x, torch.Tensor) and not is_fake(x) and x.dim() > 0:
                 raise _mixing_error(f"cuda:{first}", str(x.device))
-        return first
+        return int(first)
 
     def _device_call(self) -> Any:
         rt = self.rt
@@ -412,7 +413,7 @@ class Call:
             write = id(t) in written_ids
             if view_only and not write and not sync:
                 continue
-            if is_fake(t):
+            if isinstance(t, FakeCudaTensor):
                 block = device_block(rt, t)
                 if block is not None:
                     rt.order.access(stream, block, write, label)

@@ -43,7 +43,7 @@ class FakeCudaTensor(torch.Tensor):
         return handler(func, types, tuple(args), dict(kwargs or {}))
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
         index = next(
