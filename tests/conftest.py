@@ -1,0 +1,89 @@
+"""Suite-wide fixtures: fake CUDA devices (``tests/fakegpu``) for the tests that ask.
+
+``fake_gpus`` gives a test two fake GPUs (``@pytest.mark.fake_gpus(n)`` for another count)
+and fails it at teardown if the stream checker recorded a hazard. ``fake_gpu_placement``
+runs a test twice on two fake GPUs, the parameters on the CPU and on ``cuda:0``.
+
+With ``CENTRALSTORE_FAKE_GPUS=N`` in the environment, the tests marked ``cuda``
+(tests/test_cuda.py) run on N fake GPUs: ``torch.cuda`` reports them while test modules are
+imported (so that their ``skipif`` marks see them), and each such test runs inside
+``fakegpu.devices(N)``, checked at teardown as ``fake_gpus`` is. Other tests pay nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+
+import fakegpu
+import pytest
+
+FAKE_GPUS_ENV = "CENTRALSTORE_FAKE_GPUS"
+
+
+def _env_count() -> int:
+    value = os.environ.get(FAKE_GPUS_ENV, "").strip()
+    return int(value) if value else 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "fake_gpus(count=2): the number of fake CUDA devices the fake_gpus fixture gives",
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, object, object]:
+    count = _env_count()
+    if count and isinstance(collector, pytest.Module):
+        with fakegpu.visible(count):
+            return (yield)
+    return (yield)
+
+
+def _checked(count: int) -> Iterator[fakegpu.FakeGPUs]:
+    try:
+        with fakegpu.checked(count) as gpus:
+            yield gpus
+    except fakegpu.HazardError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture
+def fake_gpus(request: pytest.FixtureRequest) -> Iterator[fakegpu.FakeGPUs]:
+    """Fake CUDA devices for this test (two, or ``@pytest.mark.fake_gpus(n)``); the test
+    fails at teardown if a stream hazard was recorded and not taken (``take_hazards``)."""
+    marker = request.node.get_closest_marker("fake_gpus")
+    count = 2
+    if marker is not None:
+        count = int(marker.args[0] if marker.args else marker.kwargs.get("count", 2))
+    yield from _checked(count)
+
+
+@dataclass(frozen=True)
+class FakePlacement:
+    """Two fake GPUs and where a parity test puts its strategy's variables."""
+
+    gpus: fakegpu.FakeGPUs
+    compute_devices: tuple[str, ...]
+    parameter_device: str
+
+
+@pytest.fixture(params=["cpu", "cuda:0"], ids=["params-on-cpu", "params-on-cuda0"])
+def fake_gpu_placement(request: pytest.FixtureRequest) -> Iterator[FakePlacement]:
+    """Two fake GPUs as replicas, the parameters on the CPU, then on ``cuda:0``:
+    ``cs.CentralStorageStrategy(list(p.compute_devices), parameter_device=p.parameter_device)``."""
+    for gpus in _checked(2):
+        yield FakePlacement(gpus, ("cuda:0", "cuda:1"), request.param)
+
+
+@pytest.fixture(autouse=True)
+def _fake_gpus_for_cuda_tests(request: pytest.FixtureRequest) -> Iterator[None]:
+    count = _env_count()
+    if not count or request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    for _ in _checked(count):
+        yield

@@ -1,0 +1,522 @@
+"""The fake-GPU harness (tests/fakegpu): each rule it models, then centralstore under it.
+
+First the model: tensors on fake ``cuda:i`` devices compute on the CPU with real autograd,
+mixing devices raises, moves are copies, ``torch.cuda`` answers per thread, dropout draws
+from the device's generator, and torch is left as it was found. Then the checker: each kind
+of race is reported, and the synchronized version of the same code is not. Last,
+centralstore's CUDA paths: training on two fake GPUs matches the CPU, and removing any one of
+the synchronizations they rely on is reported as a hazard.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import fakegpu
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext, _device_constructors
+
+import centralstore as cs
+from centralstore.input import distributed
+from centralstore.variables import folding, views
+
+uses_gpus = pytest.mark.usefixtures("fake_gpus")
+
+
+def _kinds(hazards: list[fakegpu.Hazard]) -> set[str]:
+    return {h.kind for h in hazards}
+
+
+# -- tensors on fake devices -------------------------------------------------------------
+
+
+@uses_gpus
+def test_factories_and_moves_report_the_fake_device() -> None:
+    x = torch.randn(3, device="cuda:1")
+    assert x.device == torch.device("cuda:1") and x.is_cuda and not x.is_cpu
+    assert torch.ones(2).to("cuda:0").device == torch.device("cuda:0")
+    assert torch.ones(2).cuda().device == torch.device("cuda:0")  # the current device
+    with torch.cuda.device(1):
+        assert torch.ones(2).cuda().device == torch.device("cuda:1")
+        assert torch.cuda.current_device() == 1
+    with torch.device("cuda:1"):
+        assert torch.zeros(2).device == torch.device("cuda:1")
+        assert torch.zeros(2, device="cpu").device == torch.device("cpu")
+    assert (x * 2).cpu().device == torch.device("cpu")
+    assert x.cpu().tolist() == x.tolist()
+    assert "device='cuda:1'" in repr(x)
+    assert x.type() == "torch.cuda.FloatTensor" and x.get_device() == 1
+
+
+@uses_gpus
+def test_values_and_gradients_are_the_cpus() -> None:
+    torch.manual_seed(0)
+    cpu = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    gpu = copy.deepcopy(cpu).to("cuda:1")
+    weight = gpu[0].weight
+    assert isinstance(weight, nn.Parameter) and weight.device == torch.device("cuda:1")
+    x = torch.randn(5, 4)
+    cpu(x).square().sum().backward()
+    gpu(x.to("cuda:1")).square().sum().backward()
+    for (name, a), b in zip(cpu.named_parameters(), gpu.parameters(), strict=True):
+        assert b.grad is not None and b.grad.device == torch.device("cuda:1"), name
+        assert torch.equal(a.grad, b.grad.cpu()), name
+    for model in (cpu, gpu):
+        torch.optim.Adam(model.parameters(), lr=0.1).step()
+    for name, value in gpu.state_dict().items():
+        assert value.device == torch.device("cuda:1")
+        assert torch.equal(value.cpu(), cpu.state_dict()[name]), name
+    direct = nn.Parameter(torch.ones(2, device="cuda:0"))
+    assert isinstance(direct, nn.Parameter) and direct.requires_grad and direct.is_leaf
+    (direct * 3).sum().backward()
+    assert direct.grad is not None and direct.grad.device == torch.device("cuda:0")
+    clone = copy.deepcopy(gpu)
+    assert isinstance(clone[0].weight, nn.Parameter)
+    assert clone[0].weight.device == torch.device("cuda:1")
+    assert clone[0].weight is not weight and torch.equal(clone[0].weight.cpu(), weight.cpu())
+
+
+@uses_gpus
+def test_an_op_that_mixes_devices_raises_as_cuda_does() -> None:
+    a, b = torch.ones(3, device="cuda:0"), torch.ones(3, device="cuda:1")
+    with pytest.raises(RuntimeError, match=r"same device.*cuda:0 and cuda:1"):
+        a + b
+    with pytest.raises(RuntimeError, match=r"same device.*cuda:0 and cpu"):
+        torch.cat([a, torch.ones(3)])
+    with pytest.raises(RuntimeError, match="same device"):
+        nn.Linear(3, 1).to("cuda:1")(a)
+    assert torch.equal((a + torch.tensor(2.0)).cpu(), torch.full((3,), 3.0))  # a CPU scalar
+    with pytest.raises(TypeError, match="numpy"):
+        a.numpy()
+
+
+@uses_gpus
+def test_moves_between_devices_are_copies() -> None:
+    a = torch.zeros(3, device="cuda:0")
+    host = a.cpu()
+    host += 1
+    other = a.to("cuda:1")
+    other += 2
+    assert a.to("cuda:0") is a and a.cuda(0) is a
+    b = torch.empty(3, device="cuda:1")
+    b.copy_(a)
+    b += 5
+    a.copy_(torch.arange(3.0))
+    assert a.tolist() == [0.0, 1.0, 2.0]
+    assert host.tolist() == [1.0] * 3 and other.tolist() == [2.0] * 3 and b.tolist() == [5.0] * 3
+    assert torch.equal(a.to("cuda:1", copy=True).cpu(), a.cpu())
+
+
+@uses_gpus
+def test_pinned_memory() -> None:
+    assert torch.empty(3, pin_memory=True).is_pinned()
+    assert not torch.ones(3).is_pinned()
+    pinned = torch.ones(3).pin_memory()
+    assert pinned.is_pinned() and pinned.pin_memory() is pinned
+    holder = torch.zeros(3)
+    holder.data = pinned
+    assert holder.is_pinned()
+    assert not torch.ones(3, device="cuda:0").is_pinned()
+    with pytest.raises(RuntimeError, match="pinned"):
+        torch.ones(3, device="cuda:0").pin_memory()
+
+
+@uses_gpus
+def test_dropout_draws_from_its_devices_generator() -> None:
+    def mask(device: str) -> torch.Tensor:
+        return F.dropout(torch.ones(64, device=device), 0.5).cpu()
+
+    torch.manual_seed(3)  # seeds every fake generator, as it seeds every CUDA one
+    first = mask("cuda:0")
+    torch.manual_seed(3)
+    assert torch.equal(mask("cuda:1"), first)
+    torch.manual_seed(3)
+    mask("cuda:0")
+    host = torch.rand(4)  # cuda:0's draw left the CPU's generator alone
+    torch.manual_seed(3)
+    assert torch.equal(torch.rand(4), host)
+    assert torch.cuda.default_generators[1].initial_seed() == 3
+    state = torch.cuda.get_rng_state(0)
+    again = mask("cuda:0")
+    torch.cuda.set_rng_state(state, 0)
+    assert torch.equal(mask("cuda:0"), again)
+    assert not torch.equal(mask("cuda:0"), again)
+
+
+# -- torch.cuda, threads, and leaving torch as it was --------------------------------------
+
+
+@uses_gpus
+def test_threads_have_their_own_current_device_and_stream() -> None:
+    side = torch.cuda.Stream(1)
+    seen: dict[str, Any] = {}
+
+    def other() -> None:
+        seen["device"] = torch.cuda.current_device()
+        seen["stream"] = torch.cuda.current_stream(1)
+        torch.cuda.set_device(0)
+
+    torch.cuda.set_device(1)
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_stream() is side
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert torch.cuda.current_device() == 1
+    assert seen == {"device": 0, "stream": torch.cuda.default_stream(1)}
+    assert torch.cuda.current_stream(1) is torch.cuda.default_stream(1)
+    assert torch.cuda.current_device() == 1
+    torch.cuda.set_device(0)
+
+
+def _torch_state() -> dict[str, Any]:
+    return {
+        "cuda": {name: getattr(torch.cuda, name, None) for name in (
+            "is_available", "device_count", "Stream", "Event", "current_stream", "stream",
+            "manual_seed_all", "get_rng_state", "device", "synchronize",
+        )},
+        "tensor": {name: torch.Tensor.__dict__.get(name) for name in (
+            "to", "cuda", "pin_memory", "is_pinned", "record_stream",
+        )},
+        "factories": {name: getattr(torch, name) for name in ("empty", "zeros", "randn")},
+        "constructors": set(_device_constructors()),
+        "thread_run": threading.Thread.run,
+        "device_context": DeviceContext.__dict__["__torch_function__"],
+        "modes": len(_get_current_function_mode_stack()),
+        "central": dict(views._CENTRAL_CLASS),
+        "plain": dict(views._PLAIN_CLASS),
+    }
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "raises"])
+def test_torch_is_left_as_it_was_found(fails: bool) -> None:
+    before = _torch_state()
+    with pytest.raises(RuntimeError, match=r"body|same device"), fakegpu.devices(3) as gpus:
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 3
+        with pytest.raises(RuntimeError, match="already active"), fakegpu.devices(1):
+            pass
+        side = torch.cuda.Stream(2)
+        with torch.cuda.stream(side), torch.device("cuda:2"):
+            x = torch.randn(2, requires_grad=True)
+        x.sum().backward()
+        if fails:
+            x.to("cuda:0") + x  # raises: two devices
+        raise RuntimeError("body")
+    assert _torch_state() == before
+    assert gpus.hazards  # the unsynchronized side-stream write was seen
+
+
+def test_a_fake_tensor_outliving_its_context_still_computes() -> None:
+    with fakegpu.devices(1):
+        x = torch.arange(3.0, device="cuda:0")
+    assert (x * 2).tolist() == [0.0, 2.0, 4.0] and "cuda:0" in str(x.device)
+    assert torch.ones(2).device == torch.device("cpu")
+
+
+def test_the_cuda_tests_run_on_fake_gpus_with_the_environment_variable() -> None:
+    """``CENTRALSTORE_FAKE_GPUS=2 pytest tests/test_cuda.py`` runs them (here a few, in a
+    child pytest), where without a GPU they are skipped."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CENTRALSTORE_FAKE_GPUS="2")
+    command = [
+        sys.executable, "-m", "pytest", "tests/test_cuda.py", "-q", "-p", "no:cacheprovider",
+        "-p", "no:xdist", "-k", "two_gpu_replicas_train_like_one_device and mlp",
+    ]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 passed" in done.stdout, done.stdout[-3000:]
+
+
+# -- the checker: each race, and its synchronized version ----------------------------------
+
+
+def test_a_side_stream_write_read_on_the_default_stream_is_a_race(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        x = torch.ones(4, 3, device="cuda:0")
+    x.sum()
+    hazards = fake_gpus.take_hazards()
+    assert _kinds(hazards) == {"write/read"}
+    text = str(hazards[0])
+    assert "(4, 3)" in text and "sum" in text and "cuda:0 default stream" in text
+    assert f"stream {side.stream_id}" in text
+    x.record_stream(torch.cuda.current_stream(0))  # else freeing it is a hazard too
+
+
+@uses_gpus
+@pytest.mark.parametrize("order", ["wait_stream", "event", "synchronize"])
+def test_an_ordered_side_stream_write_is_not_a_race(order: str) -> None:
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        x = torch.ones(4, device="cuda:0")
+        event = torch.cuda.Event()
+        event.record()
+    current = torch.cuda.current_stream(0)
+    if order == "wait_stream":
+        current.wait_stream(side)
+    elif order == "event":
+        current.wait_event(event)
+    else:
+        torch.cuda.synchronize(0)
+    x.sum()
+    x.record_stream(current)
+
+
+def test_reading_a_non_blocking_copy_to_the_host_before_synchronizing_is_a_race(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    x = torch.ones(8, device="cuda:1")
+    host = x.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+    assert host.is_pinned()
+    host.sum()
+    assert _kinds(fake_gpus.take_hazards()) == {"write/read"}
+    pinned = torch.empty(8, pin_memory=True)
+    pinned.copy_(x, non_blocking=True)
+    pinned.add_(1)
+    assert _kinds(fake_gpus.take_hazards()) == {"write/write"}
+
+
+@uses_gpus
+@pytest.mark.parametrize("wait", ["event", "stream", "query", "device", "blocking"])
+def test_a_synchronized_copy_to_the_host_is_not_a_race(wait: str) -> None:
+    x = torch.ones(8, device="cuda:1")
+    if wait == "blocking":
+        host = x.to("cpu")
+    else:
+        host = x.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(1))
+        if wait == "event":
+            event.synchronize()
+        elif wait == "stream":
+            torch.cuda.current_stream(1).synchronize()
+        elif wait == "query":
+            assert event.query()  # the fake streams have always finished
+        else:
+            torch.cuda.synchronize(1)
+    assert host.sum().item() == 8
+
+
+def test_writing_pinned_memory_while_a_copy_reads_it_is_a_race(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    pinned = torch.ones(5).pin_memory()
+    gpu = pinned.to("cuda:0", non_blocking=True)
+    pinned.zero_()
+    assert _kinds(fake_gpus.take_hazards()) == {"read/write"}
+    gpu.sum().item()  # the host waits for the stream: the copy has read the buffer
+    pinned.fill_(2)
+    assert fake_gpus.hazards == []
+    pageable = torch.ones(5)
+    pageable.to("cuda:0", non_blocking=True)  # staged by the host: nothing to race
+    pageable.zero_()
+
+
+def test_freeing_a_block_another_stream_uses_needs_record_stream(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    side = torch.cuda.Stream(0)
+
+    def use_on_side(record: bool) -> None:
+        x = torch.ones(6, device="cuda:0")
+        side.wait_stream(torch.cuda.current_stream(0))
+        with torch.cuda.stream(side):
+            x.mul(2)
+        if record:
+            x.record_stream(side)
+
+    use_on_side(record=False)
+    hazards = fake_gpus.take_hazards()
+    assert _kinds(hazards) == {"free"} and "record_stream" in str(hazards[0])
+    use_on_side(record=True)
+    assert fake_gpus.hazards == []
+
+
+def test_the_checked_context_raises_with_a_report() -> None:
+    report = r"(?s)1 stream hazard.*shape \(2,\)"
+    with pytest.raises(fakegpu.HazardError, match=report), fakegpu.checked(1):
+        with torch.cuda.stream(torch.cuda.Stream()):
+            x = torch.ones(2, device="cuda")
+        x.add_(1)
+
+
+# -- centralstore on two fake GPUs ------------------------------------------------------
+
+BATCH = 8
+CLASSES = 3
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, CLASSES))
+
+
+def _batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 6, generator=generator),
+         torch.randint(0, CLASSES, (BATCH,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def _per_replica(tensor: torch.Tensor, devices: tuple[str, ...]) -> cs.PerReplica:
+    return cs.PerReplica([s.to(d) for s, d in zip(tensor.tensor_split(len(devices)), devices)])
+
+
+def _train(strategy: cs.Strategy, state: dict[str, torch.Tensor], steps: int = 3) -> nn.Module:
+    with strategy.scope():
+        model = _model()
+        model.load_state_dict(state)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        per_example = F.cross_entropy(model(x), y, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=BATCH).backward()
+
+    devices = strategy.compute_devices
+    for x, y in _batches(steps):
+        optimizer.zero_grad()
+        strategy.run(step, args=(_per_replica(x, devices), _per_replica(y, devices)))
+        optimizer.step()
+    return model
+
+
+def _initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return copy.deepcopy(_model().state_dict())
+
+
+def test_training_on_two_fake_gpus_matches_one_cpu(fake_gpu_placement: Any) -> None:
+    """Data parallel over cuda:0 and cuda:1, variables on the CPU (views refreshed from
+    pinned memory, gradients copied back on side streams) or on cuda:0 (replica 0 uses
+    them, replica 1 copies): the weights come out as plain CPU training's, to 1e-6."""
+    state = _initial_state()
+    reference = _model()
+    reference.load_state_dict(state)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches():
+        optimizer.zero_grad()
+        F.cross_entropy(reference(x), y).backward()
+        optimizer.step()
+    placement = fake_gpu_placement
+    strategy = cs.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    )
+    model = _train(strategy, state)
+    home = torch.device(placement.parameter_device)
+    for name, value in model.state_dict().items():
+        assert value.device == home, name
+        torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=0, atol=1e-6)
+
+
+def _evaluate_then_write_on_the_host() -> None:
+    """A forward-only run (no gradients, so no gradient event orders the host after the
+    view copies), then the host changes the variables the copies read."""
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    with strategy.scope():
+        model = _model()
+
+    def step(x: torch.Tensor) -> None:
+        with torch.no_grad():
+            model(x)
+
+    strategy.run(step, args=(_per_replica(torch.randn(BATCH, 6), strategy.compute_devices),))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+
+
+def _train_on_cpu_parameters() -> None:
+    _train(cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu"),
+           _initial_state(), steps=2)
+
+
+def _iterate_a_distributed_dataset() -> None:
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    with strategy.scope():
+        model = _model()
+    dataset = cs.Dataset.from_tensor_slices((torch.randn(4 * BATCH, 6),)).batch(BATCH)
+    for (x,) in strategy.experimental_distribute_dataset(dataset, cs.InputOptions()):
+        strategy.run(lambda x: model(x).sum(), args=(x,))
+
+
+# Each synchronization of centralstore's CUDA paths, switched off in the one function that
+# makes it: (the function's owner, its name, the primitive dropped there, the workload, the
+# hazard expected). Re-point an entry when the function moves.
+_MUTATIONS = [
+    pytest.param(views.ReplicaViews, "wait_for_copies", "Event.synchronize",
+                 _evaluate_then_write_on_the_host, "read/write", id="views-wait_for_copies"),
+    pytest.param(folding, "gradients_of", "Event.synchronize", _train_on_cpu_parameters,
+                 "write/", id="folding-gradient-event-sync"),
+    pytest.param(folding, "start_copy", "Event.record", _train_on_cpu_parameters,
+                 "write/", id="folding-gradient-event-record"),
+    pytest.param(folding, "start_copy", "Stream.wait_stream", _train_on_cpu_parameters,
+                 "write/read", id="folding-side-stream-waits-for-backward"),
+    pytest.param(folding, "start_copy", "record_stream", _train_on_cpu_parameters, "free",
+                 id="folding-record_stream"),
+    pytest.param(distributed._CudaReady, "__call__", "Stream.wait_event",
+                 _iterate_a_distributed_dataset, "write/read", id="input-copy-event"),
+]
+
+
+@pytest.mark.parametrize("owner, name, primitive, workload, expected", _MUTATIONS)
+def test_each_synchronization_is_needed(
+    fake_gpus: fakegpu.FakeGPUs, owner: Any, name: str, primitive: str,
+    workload: Callable[[], None], expected: str,
+) -> None:
+    """With the synchronization in place the workload has no hazard (the fixture checks at
+    teardown); without it the harness reports one. A test that fails if it is NOT reported."""
+    workload()
+    assert fake_gpus.hazards == [], fake_gpus.report()
+    with fake_gpus.skipping(primitive, owner, name):
+        workload()
+        import gc
+
+        gc.collect()
+    hazards = fake_gpus.take_hazards()
+    assert hazards, f"no hazard reported without {primitive} in {name}"
+    assert any(h.kind.startswith(expected) for h in hazards), "\n".join(map(str, hazards))
+
+
+class _RefillingSource:
+    """A source that refills one pinned buffer for every batch (a ring of one)."""
+
+    def __iter__(self) -> Any:
+        buffer = torch.empty(BATCH, 6, pin_memory=True)
+        for i in range(3):
+            buffer.fill_(float(i))
+            yield (buffer,)
+
+    def __len__(self) -> int:
+        return 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "src/centralstore/input/distributed.py _CudaCopy.put: an already pinned slice is copied "
+    "without a private copy, and the prefetch thread moves on to the next element before "
+    "the copy has read it"
+))
+def test_a_source_that_refills_a_pinned_buffer_is_not_raced(fake_gpus: fakegpu.FakeGPUs) -> None:
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    dataset = strategy.experimental_distribute_dataset(_RefillingSource(), cs.InputOptions())
+    # The loop must not wait for the copies: the host is one agent in the model, so a wait
+    # on the loop's thread would order the producer thread's next fill after them too.
+    steps = [strategy.experimental_local_results(x) for (x,) in dataset]
+    firsts = [[part.cpu()[0, 0].item() for part in parts] for parts in steps]
+    assert firsts == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]  # eager copies: values are right
+    hazards = fake_gpus.take_hazards()
+    assert hazards == [], "\n".join(map(str, hazards))
