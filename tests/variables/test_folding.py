@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -197,3 +198,17 @@ def test_a_one_replica_run_copies_no_frozen_weight() -> None:
         norm(frozen(torch.randn(4, 64))).sum().backward()
 
     strategy.run(step)
+
+
+def test_a_sparse_gradient_is_not_copied_early_but_left_for_the_fold() -> None:
+    from centralstore.variables import folding
+    from centralstore.variables.records import Central
+    from centralstore.variables.views import View
+
+    weight = torch.zeros(4, 2, requires_grad=True)
+    record = Central(id(weight), weakref.ref(weight), cs.VariableAggregation.NONE, False)
+    view = View(record, weight, private=True)
+    grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
+    weight.grad = grad
+    folding.start_copy(view, weight)  # no CUDA call: the sparse gradient stays on the view
+    assert weight.grad is grad and not view.pending

@@ -1,0 +1,206 @@
+"""The GPU paths on two fake GPUs (``tests/fakegpu``), the parameters on the CPU and on
+``cuda:0``: the parity matrix's everyday patterns against one device, and the defects that only
+private per-device views, pinned memory and streams could have (every test is also checked
+for stream races and allocator hazards at teardown)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import FakePlacement
+from idioms import PATTERNS, X, Y, mse_step
+from replicas import context, local
+from torch import nn
+
+import centralstore as cs
+
+
+def strategy_for(placement: FakePlacement) -> cs.CentralStorageStrategy:
+    return cs.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    )
+
+
+def to_replicas(t: torch.Tensor, devices: tuple[str, ...]) -> cs.PerReplica[torch.Tensor]:
+    return cs.PerReplica([part.to(d) for part, d in zip(t.tensor_split(len(devices)), devices)])
+
+
+def host_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def train_on_gpus(
+    placement: FakePlacement, spec: dict[str, Any], steps: int = 3,
+) -> dict[str, torch.Tensor]:
+    strategy = strategy_for(placement)
+    torch.manual_seed(0)
+    initial = spec["make"]().state_dict()  # drawn on the host: fake GPUs draw otherwise
+    with strategy.scope():
+        model = spec["make"]()
+        model.load_state_dict(initial)
+        optimizer = spec["optimizer_of"](model)
+    step_of: Callable[[nn.Module], Callable[..., Any]] = spec.get("step_of", mse_step)
+    xs, ys = to_replicas(X, placement.compute_devices), to_replicas(Y, placement.compute_devices)
+    for _ in range(steps):
+        for _ in range(spec.get("runs_per_step", 1)):
+            strategy.run(step_of(model), args=(xs, ys))
+        optimizer.step()
+        spec.get("after_step", lambda m, o: None)(model, optimizer)
+        optimizer.zero_grad()
+    return host_state(model)
+
+
+def train_on_one_device(spec: dict[str, Any], steps: int = 3) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = spec["make"]()
+    optimizer = spec["optimizer_of"](model)
+    step_of: Callable[[nn.Module], Callable[..., Any]] = spec.get("step_of", mse_step)
+    for _ in range(steps):
+        for _ in range(spec.get("runs_per_step", 1)):
+            step_of(model)(X, Y)
+        optimizer.step()
+        spec.get("after_step", lambda m, o: None)(model, optimizer)
+        optimizer.zero_grad()
+    return host_state(model)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_everyday_patterns_on_two_gpus_train_like_one_device(
+    pattern: str, fake_gpu_placement: FakePlacement
+) -> None:
+    spec = PATTERNS[pattern]
+    expected = train_on_one_device(spec)
+    got = train_on_gpus(fake_gpu_placement, spec)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
+def _linear_run(
+    placement: FakePlacement, optimizer_of: Callable[[Any], torch.optim.Optimizer],
+    between: Callable[[nn.Module], None] = lambda m: None, steps: int = 3,
+) -> dict[str, torch.Tensor]:
+    strategy = strategy_for(placement)
+    torch.manual_seed(0)
+    initial = nn.Linear(4, 2).state_dict()
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+        model.load_state_dict(initial)
+        optimizer = optimizer_of(model.parameters())
+    xs, ys = to_replicas(X, placement.compute_devices), to_replicas(Y, placement.compute_devices)
+    for _ in range(steps):
+        strategy.run(mse_step(model), args=(xs, ys))
+        optimizer.step()
+        optimizer.zero_grad()
+        between(model)
+    return host_state(model)
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW", "SGD"])
+def test_a_fused_optimizer_trains_exactly_like_a_plain_one(
+    kind: str, fake_gpu_placement: FakePlacement
+) -> None:
+    make = getattr(torch.optim, kind)
+    options: dict[str, Any] = {"lr": 0.05} | ({"momentum": 0.9} if kind == "SGD" else {})
+    plain = _linear_run(fake_gpu_placement, lambda p: make(p, foreach=False, **options))
+    fused = _linear_run(fake_gpu_placement, lambda p: make(p, fused=True, **options))
+    for name, value in plain.items():
+        torch.testing.assert_close(fused[name], value, msg=name)
+
+
+def test_writes_through_data_reach_every_replica(fake_gpu_placement: FakePlacement) -> None:
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+    xs = to_replicas(X, fake_gpu_placement.compute_devices)
+    strategy.run(lambda x: model(x).sum().backward(), args=(xs,))
+    for write in (
+        lambda: model.weight.data.zero_(),
+        lambda: model.weight.data.add_(1.0),
+        lambda: model.weight.data.clamp_(-0.5, 0.5),
+        lambda: setattr(model.weight, "data", torch.full_like(model.weight, 3.0)),
+        lambda: torch.nn.utils.vector_to_parameters(
+            torch.full((10,), 2.0, device=model.weight.device), model.parameters()
+        ),
+    ):
+        write()
+        seen = strategy.run(lambda: model.weight.detach().abs().sum().cpu())
+        expected = model.weight.detach().abs().sum().cpu()
+        for value in local(strategy, seen):
+            torch.testing.assert_close(value, expected)
+        if fake_gpu_placement.parameter_device == "cpu":
+            assert model.weight.is_pinned()  # replaced storage is pinned again
+
+
+OPTIMIZERS = [
+    name for name in dir(torch.optim)
+    if isinstance(getattr(torch.optim, name), type)
+    and issubclass(getattr(torch.optim, name), torch.optim.Optimizer)
+    and name not in ("Optimizer", "LBFGS", "SparseAdam")  # closure-only; sparse only
+]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_stepping_in_merge_call_keeps_its_state_beside_the_weights(
+    name: str, fake_gpu_placement: FakePlacement
+) -> None:
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+        params = [model.weight] if name == "Muon" else model.parameters()  # Muon: 2-D only
+        optimizer = getattr(torch.optim, name)(params, lr=0.01)
+    xs, ys = (to_replicas(t, fake_gpu_placement.compute_devices) for t in (X, Y))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        mse_step(model)(x, y)
+        context().merge_call(lambda s: optimizer.step())
+
+    for _ in range(2):
+        strategy.run(step, args=(xs, ys))
+    home = model.weight.device
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert value.device == home, (name, key, value.device)
+            elif isinstance(value, torch.Tensor):  # step counters: CPU scalars or the device
+                assert value.device in (home, torch.device("cpu")), (name, key, value.device)
+
+
+def test_replica_threads_use_the_callers_current_stream(fake_gpu_placement: FakePlacement) -> None:
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        model = nn.Linear(4, 2)
+    xs, ys = (to_replicas(t, fake_gpu_placement.compute_devices) for t in (X, Y))
+    streams = [torch.cuda.Stream(i) for i in range(2)]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> int:
+        total = context().all_reduce("SUM", x.sum())
+        mse_step(model)(x, y)
+        device = x.device.index
+        assert torch.cuda.current_stream(device) == streams[device]
+        return int(total.item() != 0)
+
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(streams[0]), torch.cuda.stream(streams[1]):
+        strategy.run(step, args=(xs, ys))
+    for stream in streams:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    assert model.weight.grad is not None
+
+
+def test_each_gpu_replica_draws_different_reproducible_numbers(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    def program() -> tuple[torch.Tensor, ...]:
+        strategy = strategy_for(fake_gpu_placement)
+        torch.manual_seed(7)
+        ones = cs.PerReplica([torch.ones(64, device=d) for d in fake_gpu_placement.compute_devices])
+        out = strategy.run(lambda x: nn.functional.dropout(x, 0.5).cpu(), args=(ones,))
+        return tuple(local(strategy, out))
+
+    first, second = program(), program()
+    assert not torch.equal(first[0], first[1])
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -1,0 +1,143 @@
+"""Everyday training idioms, each a model, an optimizer and a step, that the parity tests
+train on every replica path and on fake GPUs against one device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+X = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+Y = torch.randn(6, 2, generator=torch.Generator().manual_seed(1))
+
+
+def mse_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        loss = ((model(xs) - ys) ** 2).sum() / len(X)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+PATTERNS: dict[str, dict[str, Any]] = {
+    "sgd momentum": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    ),
+    "fused adamw": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, fused=True),
+    ),
+    "foreach adam": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01, foreach=True),
+    ),
+    "frozen backbone fine-tuning": dict(
+        make=lambda: _frozen(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))),
+        optimizer_of=lambda m: torch.optim.SGD(
+            [p for p in m.parameters() if p.requires_grad], lr=0.1
+        ),
+    ),
+    "gradient accumulation": dict(
+        make=lambda: nn.Linear(4, 2),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        runs_per_step=3,
+    ),
+    "clipping after run": dict(
+        make=lambda: nn.Linear(4, 2),
+        optimizer_of=lambda m: _ClippingSGD(m.parameters(), lr=0.5),
+    ),
+    "lr scheduler": dict(
+        make=lambda: nn.Linear(4, 2),
+        optimizer_of=lambda m: _scheduled(torch.optim.SGD(m.parameters(), lr=0.3)),
+        after_step=lambda m, o: o._test_scheduler.step(),  # type: ignore[attr-defined]
+    ),
+    "weight clipping after step (WGAN)": dict(
+        make=lambda: nn.Linear(4, 2),
+        optimizer_of=lambda m: torch.optim.RMSprop(m.parameters(), lr=0.05),
+        after_step=lambda m, o: [p.data.clamp_(-0.05, 0.05) for p in m.parameters()],
+    ),
+    "tied weights": dict(
+        make=lambda: _Tied(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
+    "lstm": dict(
+        make=lambda: _Recurrent(),
+        optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    ),
+    "gradient checkpointing": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        step_of=lambda m: _checkpointed(m),
+    ),
+    "two backward passes, retain_graph": dict(
+        make=lambda: nn.Linear(4, 2),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        step_of=lambda m: _twice(m),
+    ),
+}
+
+
+def _frozen(model: nn.Sequential) -> nn.Sequential:
+    model[0].requires_grad_(False)
+    return model
+
+
+class _ClippingSGD(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:
+        torch.nn.utils.clip_grad_norm_(
+            [p for group in self.param_groups for p in group["params"]], 0.05
+        )
+        return super().step(closure)
+
+
+def _scheduled(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    optimizer._test_scheduler = torch.optim.lr_scheduler.StepLR(  # type: ignore[attr-defined]
+        optimizer, step_size=1, gamma=0.5
+    )
+    return optimizer
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Linear(4, 4, bias=False)
+        self.decode = nn.Linear(4, 4, bias=False)
+        self.decode.weight = self.encode.weight
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.decode(torch.tanh(self.encode(x)))))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(2, 3, batch_first=True)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x.view(len(x), 2, 2))
+        return self.head(out[:, -1])
+
+
+def _checkpointed(model: nn.Module) -> Callable[..., Any]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        out = torch.utils.checkpoint.checkpoint(model, xs, use_reentrant=False)
+        (((out - ys) ** 2).sum() / len(X)).backward()
+
+    return step
+
+
+def _twice(model: nn.Module) -> Callable[..., Any]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        out = model(xs)
+        (((out - ys) ** 2).sum() / len(X)).backward(retain_graph=True)
+        (out.abs().sum() / len(X)).backward()
+
+    return step
+
+
