@@ -27,6 +27,7 @@ lint: $(VENV)/.test
 
 test: lint
 	$(BIN)/pytest -n 2 src/centralstore tests
+	CENTRALSTORE_FAKE_GPUS=2 $(BIN)/pytest -n 2 -q tests/test_cuda.py
 
 bench: $(VENV)/.test
 	for script in benchmarks/bench_*.py; do $(BIN)/python $$script || exit 1; done

@@ -204,3 +204,22 @@ def test_each_gpu_replica_draws_different_reproducible_numbers(
     first, second = program(), program()
     assert not torch.equal(first[0], first[1])
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePlacement) -> None:
+    """No ``TorchFunctionMode`` of centralstore's in a CUDA replica: its ops cost what they cost
+    in plain PyTorch under ``torch.cuda.device``; ``device="cuda"`` is the replica's GPU."""
+    strategy = strategy_for(fake_gpu_placement)
+    with torch.cuda.device(1):
+        plain = torch._C._len_torch_function_stack()
+
+    def step() -> tuple[int, int, torch.device]:
+        return (
+            context().replica_id_in_sync_group,
+            torch._C._len_torch_function_stack(),
+            torch.empty(1, device="cuda").device,
+        )
+
+    for replica, depth, device in local(strategy, strategy.run(step)):
+        assert depth == plain
+        assert device == torch.device("cuda", replica)

@@ -315,13 +315,14 @@ class Strategy(abc.ABC):
 
 
     def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
+        """A CUDA replica runs with its GPU current (``torch.cuda.device``), as plain PyTorch
+        code on one GPU does: ``device="cuda"`` means its GPU, and a factory without a device
+        creates on the CPU. (A ``torch.device`` context would place those too, but it is a
+        ``TorchFunctionMode``: Python for every torch call of the replica.)"""
         device = self._placement.storage_devices[replica]
         if device.type != "cuda":
             return _NOTHING
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(device))
-        stack.enter_context(torch.device(device))
-        return stack
+        return torch.cuda.device(device)
 
     # -- reduce, gather, local results ----------------------------------------------------
 
