@@ -505,11 +505,6 @@ class _RefillingSource:
         return 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/centralstore/input/distributed.py _CudaCopy.put: an already pinned slice is copied "
-    "without a private copy, and the prefetch thread moves on to the next element before "
-    "the copy has read it"
-))
 def test_a_source_that_refills_a_pinned_buffer_is_not_raced(fake_gpus: fakegpu.FakeGPUs) -> None:
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
     dataset = strategy.experimental_distribute_dataset(_RefillingSource(), cs.InputOptions())

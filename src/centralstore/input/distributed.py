@@ -60,8 +60,11 @@ class _Copy:
 class _CudaCopy:
     """A GPU: copies from pinned host memory on a side stream, ready behind a CUDA event.
 
-    The copies run on this target's own stream, so they overlap the training step. The
-    consumer's current stream then waits for the event before it uses the tensors, and
+    The copies run on this target's own stream, so they overlap the training step. A slice
+    already in pinned memory belongs to its source (a ``DataLoader(pin_memory=True)``, or one
+    that refills a pinned buffer): the producer waits for the step's copies before it takes
+    the next element. The consumer's current stream waits for the event before it uses the
+    tensors, and
     ``record_stream`` keeps the caching allocator from reusing their memory (allocated on the
     side stream) while the consumer's kernels may still read it.
     """
@@ -70,12 +73,15 @@ class _CudaCopy:
         self._device = device
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self._copied: list[torch.Tensor] = []
+        self._borrowed = False  # a step copies from pinned memory that its source owns
 
     def put(self, leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor) or leaf.device == self._device:
             return leaf
         if leaf.device.type == "cpu":
-            if not leaf.is_pinned():
+            if leaf.is_pinned():
+                self._borrowed = True
+            else:
                 leaf = leaf.pin_memory()
         else:  # another GPU: copy after the work that produced the leaf, and keep it alive
             self._stream.wait_stream(torch.cuda.current_stream(leaf.device))
@@ -90,6 +96,9 @@ class _CudaCopy:
             return None
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self._stream)
+        if self._borrowed:  # the source may refill its buffer for the next element: not
+            self._borrowed = False  # before the copies have read it
+            event.synchronize()
         ready = _CudaReady(self._device, event, self._copied)
         self._copied = []
         return ready
