@@ -6,6 +6,8 @@ prefetch thread: docs/design.md §5.3, §5.6, §5.7) were written without a GPU 
 machine is lent rarely and briefly, so this script does in one run, in a few minutes, what
 such a machine can tell:
 
+0. In about a minute, one line per defect that the fake GPUs found on the GPU paths
+   (tests/equivalence/test_gpu_paths.py, run on the real GPUs): refuted or confirmed.
 1. It runs tests/test_cuda.py (``pytest -m cuda``), which compares training on the GPUs with
    training on one device, and prints pytest's output and the counts of passed, failed and
    skipped tests.
@@ -60,10 +62,27 @@ sys.path.insert(0, str(BENCHMARKS))
 import bench_train  # noqa: E402  (the benchmarks directory is not a package)
 
 ROOT = BENCHMARKS.parent
+# ``-o addopts=``: the lent machine may lack pytest-timeout and pytest-xdist
 TESTS = [
     sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py",
-    "-p", "no:cacheprovider",
+    "-p", "no:cacheprovider", "-o", "addopts=",
 ]
+DEFECT_TESTS = [
+    sys.executable, "-m", "pytest", "-q", "-rA", "tests/equivalence/test_gpu_paths.py",
+    "-p", "no:cacheprovider", "-o", "addopts=", "-k", "not everyday",
+]
+# The GPU-path defects the fake GPUs found, each with the test (tests/equivalence/
+# test_gpu_paths.py) that fails while it is there; on real GPUs a pass refutes it.
+DEFECTS = [
+    ("fused optimizers left views stale", "test_a_fused_optimizer_trains_exactly_like"),
+    (".data writes and replaced storage unseen, unpinned", "test_writes_through_data_reach"),
+    ("sparse gradients broke the early copy", "test_sparse_gradients_fold"),
+    ("optimizer state of merge_call on the GPU", "test_every_optimizer_stepping_in_merge"),
+    ("replica threads ignored the caller's stream", "test_replica_threads_use_the_callers"),
+    ("every GPU drew the same random numbers", "test_each_gpu_replica_draws_different"),
+    ("a TorchFunctionMode in every CUDA replica", "test_a_gpu_replica_pays_no_python"),
+]
+DEFECTS_TIMEOUT_S = 90
 # The tests' share of the 8 minutes the whole check may take: a little more than pytest's
 # own limit per test (300 s, pyproject.toml), so that a test stuck there still reports.
 TESTS_TIMEOUT_S = 330
@@ -99,6 +118,54 @@ def configs(num_gpus: int) -> list[Config]:
 
 
 # -- the tests ---------------------------------------------------------------------------
+
+
+def defect_verdicts(output: str) -> list[str]:
+    """One line per entry of ``DEFECTS`` from pytest's ``-rA`` summary in ``output``."""
+    outcomes: dict[str, list[str]] = {}
+    for line in output.splitlines():
+        found = re.match(r"(PASSED|FAILED|ERROR|SKIPPED)\S* \S*::(\w+)", line)
+        if found:
+            outcomes.setdefault(found.group(2), []).append(found.group(1))
+    lines = []
+    for label, test in DEFECTS:
+        seen = [kind for name, kinds in outcomes.items() if name.startswith(test)
+                for kind in kinds]
+        failed = seen.count("FAILED") + seen.count("ERROR")
+        if seen and all(kind == "PASSED" for kind in seen):
+            verdict = f"refuted ({len(seen)} cases pass)"
+        elif not seen:
+            verdict = "not run"
+        elif failed:
+            verdict = f"CONFIRMED ({failed} of {len(seen)} cases fail)"
+        else:
+            verdict = f"not run ({len(seen)} cases skipped)"
+        lines.append(f"  {label:<52} {verdict}")
+    return lines
+
+
+def check_defects() -> bool:
+    """One line per GPU-path defect: refuted (its test passes on these GPUs) or confirmed.
+    The layouts: cuda:0 and cuda:1 (or, with one GPU, cuda:0 and the logical cpu:1), the
+    parameters on the CPU and on cuda:0. True when every one is refuted."""
+    print("$ python " + " ".join(DEFECT_TESTS[1:]), flush=True)
+    try:
+        done = subprocess.run(
+            DEFECT_TESTS, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=DEFECTS_TIMEOUT_S,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "CENTRALSTORE_REAL_GPUS": "1"},
+        )
+    except subprocess.TimeoutExpired:
+        print(f"defects: stopped after {DEFECTS_TIMEOUT_S} s\n")
+        return False
+    lines = defect_verdicts(done.stdout)
+    for line in lines:
+        print(line)
+    all_refuted = all(" refuted " in line for line in lines)
+    if not all_refuted:
+        print(done.stdout[-6000:])
+    print()
+    return all_refuted
 
 
 def run_tests() -> bool:
@@ -348,9 +415,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
+    refuted = check_defects()
     tests_passed = options.skip_tests or run_tests()
     all_ran = benchmark(options.rounds, options.steps)
-    return 0 if tests_passed and all_ran else 1
+    return 0 if refuted and tests_passed and all_ran else 1
 
 
 if __name__ == "__main__":

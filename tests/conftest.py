@@ -66,15 +66,28 @@ def fake_gpus(request: pytest.FixtureRequest) -> Iterator[fakegpu.FakeGPUs]:
 class FakePlacement:
     """Two fake GPUs and where a parity test puts its strategy's variables."""
 
-    gpus: fakegpu.FakeGPUs
+    gpus: fakegpu.FakeGPUs | None  # None: real GPUs
     compute_devices: tuple[str, ...]
     parameter_device: str
+
+
+REAL_GPUS_ENV = "CENTRALSTORE_REAL_GPUS"  # set by benchmarks/gpu_check.py on a GPU machine
 
 
 @pytest.fixture(params=["cpu", "cuda:0"], ids=["params-on-cpu", "params-on-cuda0"])
 def fake_gpu_placement(request: pytest.FixtureRequest) -> Iterator[FakePlacement]:
     """Two fake GPUs as replicas, the parameters on the CPU, then on ``cuda:0``:
-    ``cs.CentralStorageStrategy(list(p.compute_devices), parameter_device=p.parameter_device)``."""
+    ``cs.CentralStorageStrategy(list(p.compute_devices), parameter_device=p.parameter_device)``.
+    With ``CENTRALSTORE_REAL_GPUS=1`` on a machine with GPUs, the real ones instead (``gpus``
+    None): ``cuda:0`` and ``cuda:1``, or with one GPU ``cuda:0`` and the logical ``cpu:1``."""
+    if os.environ.get(REAL_GPUS_ENV):
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("CENTRALSTORE_REAL_GPUS is set but no CUDA GPU is visible")
+        second = "cuda:1" if torch.cuda.device_count() > 1 else "cpu:1"
+        yield FakePlacement(None, ("cuda:0", second), request.param)
+        return
     for gpus in _checked(2):
         yield FakePlacement(gpus, ("cuda:0", "cuda:1"), request.param)
 
