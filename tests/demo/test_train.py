@@ -236,7 +236,7 @@ def test_demo_under_torchrun_prints_and_writes_once(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_full_default_demo_reaches_95_percent(tmp_path: Path) -> None:
-    """The default run (what ``centralstore demo`` runs): about 10 s on two idle CPU cores."""
+    """The default run (what ``centralstore demo`` runs): about 12 s on two CPU cores."""
     strategy = job.make_strategy(compute_devices=None, parameter_device=None)
     finished = run_demo(strategy, job.Settings(out=tmp_path / "results"))
     assert float(field(finished.stdout, "test accuracy")) >= 0.95
