@@ -1,6 +1,6 @@
 """torchmetrics metrics updated inside strategy.run accumulate as one device updated with
 the whole batch: each state folds by its own dist_reduce_fx (centralstore/metrics.py). And a
-metric written as a module with plain buffers, aggregated by SUM (README)."""
+metric written as a module with plain buffers, aggregated by SUM (docs/keras.md)."""
 
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def test_outside_run_the_metric_is_untouched_torchmetrics() -> None:
 
 
 class Counts(torch.nn.Module):
-    """The README's metric with plain buffers: totals aggregated by SUM."""
+    """docs/keras.md's metric with plain buffers: totals aggregated by SUM."""
 
     def __init__(self) -> None:
         super().__init__()

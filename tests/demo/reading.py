@@ -30,9 +30,13 @@ SUMMARY_KEYS = {
     "optimizer",
     "history",
     "test_accuracy",
+    "warm_up_epochs",
     "train_seconds",
+    "epoch_seconds",
     "samples_per_second",
+    "steady_samples_per_second",
     "one_device",
+    "one_device_in_slices",
     "max_abs_weight_difference",
     "resumed_from",
     "wall_seconds",
@@ -44,6 +48,11 @@ def field(stdout: str, label: str) -> str:
     match = re.search(rf"^{re.escape(label)}\s*: (.+)$", stdout, re.MULTILINE)
     assert match is not None, f"no {label!r} line in:\n{stdout}"
     return match[1]
+
+
+def rate(stdout: str, label: str) -> float:
+    """The steady-state samples per second of a speed line (``  2 replicas : 11,342 (...)``)."""
+    return float(field(stdout, label).split()[0].replace(",", ""))
 
 
 def weight_difference(stdout: str) -> float:

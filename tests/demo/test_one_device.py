@@ -29,6 +29,25 @@ def test_distributed_run_matches_its_one_device_twin_on_three_replicas() -> None
     assert len(reference.history.accuracy) == 2 and reference.train_seconds > 0
 
 
+@pytest.mark.parametrize(("replicas", "batch_size"), [(2, 16), (3, 4)])
+def test_the_loop_in_slices_trains_as_the_replicas_do(replicas: int, batch_size: int) -> None:
+    """The plain loop cut into the replicas' slices (8 + 8; and 2 + 2 + 0, an empty slice
+    making no pass) ends where the replicas and the whole-batch loop end."""
+    data = small_digits(train=40, test=8)
+    settings = job.Settings(epochs=2, batch_size=batch_size)
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    distributed, initial = train.train_distributed(
+        strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
+    )
+    sliced = one_device.train_one_device(initial, data, settings, torch.device("cpu"), replicas)
+    whole = one_device.train_one_device(initial, data, settings, torch.device("cpu"))
+    assert one_device.max_abs_difference(distributed.model, sliced.model) < 1e-5
+    assert one_device.max_abs_difference(whole.model, sliced.model) < 1e-5
+    assert sliced.history.loss == pytest.approx(whole.history.loss, rel=1e-4)
+    assert sliced.history.accuracy == whole.history.accuracy
+    assert len(sliced.epoch_seconds) == 2 and sum(sliced.epoch_seconds) == sliced.train_seconds
+
+
 def test_max_abs_difference_is_the_largest_over_every_tensor() -> None:
     torch.manual_seed(0)
     a = job.make_model()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from demo.reading import PNG_SIGNATURE, SUMMARY_KEYS, field, small_digits
+from demo.reading import PNG_SIGNATURE, SUMMARY_KEYS, field, rate, small_digits
 
 import centralstore as cs
 from centralstore.demo import job, report
@@ -90,6 +90,8 @@ def test_without_a_comparison_the_summary_says_none_and_the_files_are_written(
     assert summary["one_device"] is None and summary["max_abs_weight_difference"] is None
     assert (summary["train_samples"], summary["test_samples"]) == (10, 4)
     assert summary["samples_per_second"] == 40.0 and summary["test_accuracy"] == 0.5
+    assert summary["steady_samples_per_second"] == 40.0  # no epoch times: the whole run
+    assert summary["one_device_in_slices"] is None
     assert summary["history"] == {
         "loss": [2.3, 2.0],
         "accuracy": [0.1, 0.3],
@@ -99,3 +101,70 @@ def test_without_a_comparison_the_summary_says_none_and_the_files_are_written(
     assert [p.name for p in paths] == ["curves.png", "summary.json"]
     assert paths[0].read_bytes().startswith(PNG_SIGNATURE)
     assert json.loads(paths[1].read_text()) == summary
+
+
+def timed(epoch_seconds: list[float], samples_per_epoch: int = 1000) -> job.Run:
+    """A finished run of ``len(epoch_seconds)`` epochs that took these times."""
+    epochs = len(epoch_seconds)
+    history = job.History([1.0] * epochs, [0.5] * epochs, [0.5] * epochs)
+    return job.Run(
+        job.make_model(), history, sum(epoch_seconds), samples_per_epoch * epochs,
+        epoch_seconds=epoch_seconds,
+    )  # fmt: skip
+
+
+def test_the_steady_state_is_the_median_epoch_after_the_warm_up() -> None:
+    run = timed([3.0, 0.1, 0.2, 5.0, 0.1])  # a slow warm-up, and one epoch slowed by load
+    assert run.steady_samples_per_second == pytest.approx(1000 / 0.15)
+    assert run.samples_per_second == pytest.approx(5000 / 8.4)
+    assert timed([2.0]).steady_samples_per_second == 500.0  # one epoch: nothing to leave out
+
+
+def test_the_speed_lines_separate_centralstores_cost_from_the_smaller_batches() -> None:
+    out = io.StringIO()
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    replicas, sliced, whole = timed([2, 0.5, 0.5]), timed([1, 0.4, 0.4]), timed([1, 0.2, 0.2])
+    report.Report(out).speed(strategy, job.Settings(epochs=3), replicas, whole, sliced)
+    text = out.getvalue()
+    assert field(text, "samples per second") == (
+        "steady state, the median of epochs 2-3 (epoch 1 is warm-up); in brackets, all 3 epochs"
+    )
+    assert field(text, "  2 replicas") == "2,000 (1,000 in 3.0 s)"
+    assert field(text, "  1 device, slices") == (
+        "2,500 (1,667 in 1.8 s): the replicas' 32 + 32 one after the other, a backward pass "
+        "each, one optimizer step"
+    )
+    assert field(text, "  1 device, whole") == (
+        "5,000 (2,143 in 1.4 s): one pass per global batch of 64"
+    )
+    assert [rate(text, "  2 replicas"), rate(text, "  1 device, whole")] == [2000, 5000]
+    assert field(text, "  centralstore") == (
+        "0.80x the same slices on one device: centralstore's own cost"
+    )
+    assert field(text, "  smaller batches") == (
+        "0.50x: slices of 32 against whole batches of 64, with or without centralstore"
+    )
+    assert field(text, "  about speed") == (
+        "logical CPU devices share one host's cores: they prove the semantics and measure "
+        "centralstore's own overhead, not a speed-up (that takes GPUs)"
+    )
+
+
+def test_without_a_comparison_or_with_one_epoch_the_speed_says_what_it_has() -> None:
+    out = io.StringIO()
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    report.Report(out).speed(strategy, job.Settings(epochs=1, batch_size=100), timed([0.5]))
+    text = out.getvalue()
+    assert field(text, "samples per second").startswith("one epoch, warm-up included")
+    assert field(text, "  3 replicas") == "2,000 (2,000 in 0.5 s)"
+    for missing in ("1 device, slices", "1 device, whole", "centralstore", "smaller batches"):
+        assert f"  {missing} " not in text
+    assert "logical CPU devices share" in field(text, "  about speed")
+
+
+def test_one_replica_on_the_host_cpu_has_no_note_on_logical_devices() -> None:
+    out = io.StringIO()
+    strategy = cs.CentralStorageStrategy(["cpu:0"])
+    report.Report(out).speed(strategy, job.Settings(), timed([1.0, 0.5]), timed([1.0, 0.5]))
+    assert "about speed" not in out.getvalue()
+    assert field(out.getvalue(), "  1 replica").startswith("2,000 ")

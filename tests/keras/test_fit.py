@@ -1,5 +1,5 @@
-"""fit, evaluate and predict under a strategy equal the same calls without one (docs: the
-Keras section of README.md): weights, every epoch's logs, evaluate's results and predict's
+"""fit, evaluate and predict under a strategy equal the same calls without one (docs:
+docs/keras.md): weights, every epoch's logs, evaluate's results and predict's
 outputs, for R = 2 and 3, with an uneven last batch (50 examples in batches of 16: the last
 batch of 2 splits 1 / 1 / 0 over three replicas)."""
 

@@ -1,5 +1,5 @@
 """Keras variables created in a strategy's scope are its central variables and keep their
-declared aggregation; metric variables sum (README: the Keras section)."""
+declared aggregation; metric variables sum (docs/keras.md)."""
 
 from __future__ import annotations
 

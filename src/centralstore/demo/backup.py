@@ -37,6 +37,8 @@ class TrainingState:
         self.epoch = 0
         self.history = History()
         self.seconds = 0.0
+        self.epoch_seconds: list[float] = []  # each finished epoch's training time
+        self._epoch_began = 0.0  # ``seconds`` when this epoch began
         self.loss_sum, self.correct, self.seen, self.steps = 0.0, 0, 0, 0  # this epoch's
         self._iterator: DistributedIterator | None = None
         self._restored_position: Mapping[str, Any] | None = None
@@ -56,6 +58,8 @@ class TrainingState:
         self.history.loss.append(self.loss_sum / self.seen)
         self.history.accuracy.append(self.correct / self.seen)
         self.history.test_accuracy.append(test_accuracy)
+        self.epoch_seconds.append(self.seconds - self._epoch_began)
+        self._epoch_began = self.seconds
         self.epoch += 1
         self.loss_sum, self.correct, self.seen, self.steps = 0.0, 0, 0, 0
         self._iterator = None
@@ -66,6 +70,7 @@ class TrainingState:
             "epoch": self.epoch,
             "history": dataclasses.asdict(self.history),
             "seconds": self.seconds,
+            "epoch_seconds": [*self.epoch_seconds, self._epoch_began],
             "epoch_sums": [self.loss_sum, self.correct, self.seen, self.steps],
             "iterator": None if self._iterator is None else self._iterator.state_dict(),
         }
@@ -75,6 +80,8 @@ class TrainingState:
         self.epoch = int(state["epoch"])
         self.history = History(**state["history"])
         self.seconds = float(state["seconds"])
+        *finished, began = state.get("epoch_seconds", [self.seconds])
+        self.epoch_seconds, self._epoch_began = [float(s) for s in finished], float(began)
         loss_sum, correct, seen, steps = state["epoch_sums"]
         self.loss_sum, self.correct, self.seen, self.steps = loss_sum, correct, seen, steps
         self._restored_position = state["iterator"]

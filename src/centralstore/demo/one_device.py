@@ -3,6 +3,11 @@
 Same initial weights, same global batches in the same order, the mean loss over each global
 batch, no strategy at all. The distance between its final weights and the replicas' is what
 the demo reports: float32 rounding, since R replicas compute the same sums in another order.
+
+Run once more with ``slices=R``, the same loop cuts each global batch into the replicas'
+slices (the split rule) and makes one forward and backward pass per slice before its one
+optimizer step: the replicas' work without centralstore, so that the report can tell what
+the smaller per-replica batches cost from what centralstore itself costs.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import centralstore as cs
+from centralstore.input.split import split_sizes
 
 from .job import Digits, History, Run, Settings, make_model, make_optimizer, train_batches
 
@@ -28,36 +34,72 @@ def reference_device(strategy: cs.Strategy) -> torch.device:
 
 
 def train_one_device(
-    initial: dict[str, torch.Tensor], data: Digits, settings: Settings, device: torch.device
+    initial: dict[str, torch.Tensor],
+    data: Digits,
+    settings: Settings,
+    device: torch.device,
+    slices: int = 1,
 ) -> Run:
     """The same training as plain PyTorch on one device: same initial weights, same global
-    batches in the same order, the mean loss over each global batch, no strategy at all."""
+    batches in the same order, the mean loss over each global batch, no strategy at all.
+
+    With ``slices`` > 1, each global batch is cut into that many consecutive slices by the
+    split rule (32 + 32 for 64 over two), each slice makes its own forward pass and its own
+    backward pass of its summed loss over the global batch size (autograd adds the slices'
+    gradients in ``.grad``), then the optimizer steps once: what R replicas compute, one after
+    the other, without centralstore.
+    """
     model = make_model().to(device)
     model.load_state_dict(initial)
     loader = train_batches(data, settings.batch_size, settings.seed)
     optimizer, schedule = make_optimizer(model, settings.epochs * len(loader))
     history = History()
-    seconds = 0.0
+    seconds, epoch_seconds = 0.0, []
     for _ in range(settings.epochs):
         loss_sum, correct, seen = 0.0, 0, 0
         start = time.perf_counter()
         for images, labels in _to(device, loader):
             optimizer.zero_grad()
-            logits = model(images)
-            loss = F.cross_entropy(logits, labels)
-            loss.backward()  # type: ignore[no-untyped-call]
+            if slices == 1:
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+                loss.backward()  # type: ignore[no-untyped-call]
+                batch_loss, batch_correct = loss.item(), int((logits.argmax(1) == labels).sum())
+            else:
+                batch_loss, batch_correct = _slice_passes(model, images, labels, slices)
             optimizer.step()
             schedule.step()
-            loss_sum += loss.item() * len(labels)
-            correct += int((logits.argmax(1) == labels).sum())
+            loss_sum += batch_loss * len(labels)
+            correct += batch_correct
             seen += len(labels)
-        seconds += time.perf_counter() - start
+        epoch_seconds.append(time.perf_counter() - start)
+        seconds += epoch_seconds[-1]
         history.loss.append(loss_sum / seen)
         history.accuracy.append(correct / seen)
         with torch.no_grad():
             predictions = model(data.test_images.to(device)).argmax(1).cpu()
         history.test_accuracy.append(float((predictions == data.test_labels).float().mean()))
-    return Run(model, history, seconds, settings.epochs * len(data.train_labels))
+    samples = settings.epochs * len(data.train_labels)
+    return Run(model, history, seconds, samples, epoch_seconds=epoch_seconds)
+
+
+def _slice_passes(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, slices: int
+) -> tuple[float, int]:
+    """One forward and backward pass per slice of a global batch (an empty slice makes none);
+    the batch's mean loss and its number of right answers."""
+    loss_sum, correct, start = 0.0, 0, 0
+    for size in split_sizes(len(labels), slices):
+        if size == 0:
+            continue
+        x, y = images[start : start + size], labels[start : start + size]
+        start += size
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, reduction="sum") / len(labels)
+        loss.backward()  # type: ignore[no-untyped-call]
+        loss_sum += loss.item()
+        correct += int((logits.argmax(1) == y).sum())
+    return loss_sum, correct
 
 
 def _to(device: torch.device, loader: DataLoader[Any]) -> Iterator[tuple[torch.Tensor, ...]]:

@@ -17,7 +17,16 @@ import torch
 import centralstore as cs
 from centralstore.input.split import split_sizes
 
-from .job import ADAM_EPSILON, LEARNING_RATE, Digits, History, Run, Settings, steps_per_epoch
+from .job import (
+    ADAM_EPSILON,
+    LEARNING_RATE,
+    WARM_UP_EPOCHS,
+    Digits,
+    History,
+    Run,
+    Settings,
+    steps_per_epoch,
+)
 
 _WIDTH = 20  # the column of the report's labels
 
@@ -124,9 +133,6 @@ class Report:
         if run.resumed_from is not None:
             self.line("resumed from", run.resumed_from)
         self.line("test accuracy", f"{run.history.test_accuracy[-1]:.4f}")
-        self.line(
-            "samples per second", f"{run.samples_per_second:,.0f} ({run.train_seconds:.1f} s)"
-        )
 
     def comparison(
         self, device: torch.device, reference: Run, difference: float, steps: int
@@ -137,16 +143,64 @@ class Report:
             "batches in the same order",
         )
         self.line("  test accuracy", f"{reference.history.test_accuracy[-1]:.4f}")
-        self.line(
-            "  samples per second",
-            f"{reference.samples_per_second:,.0f} ({reference.train_seconds:.1f} s)",
-        )
         weights = sum(t.numel() for t in reference.model.state_dict().values())
         why = "(float32 rounding)" if difference > 0 else "(bitwise identical)"
         self.line(
             "weight difference",
             f"max |replicas - one device| = {difference:.1e} over {weights:,} weights {why}",
         )
+
+    def speed(
+        self,
+        strategy: cs.Strategy,
+        settings: Settings,
+        distributed: Run,
+        reference: Run | None = None,
+        sliced: Run | None = None,
+    ) -> None:
+        """Samples per second in the steady state (the warm-up epoch left out), of the
+        replicas and of the plain loops; what centralstore costs apart from what smaller
+        batches cost; and what logical CPU devices can show about speed."""
+        replicas = strategy.num_replicas_in_sync
+        epochs = len(distributed.epoch_seconds)
+        if epochs > WARM_UP_EPOCHS:
+            how = (
+                f"steady state, the median of epochs {WARM_UP_EPOCHS + 1}-{epochs} (epoch 1 is "
+                f"warm-up); in brackets, all {epochs} epochs"
+            )
+        else:
+            how = "one epoch, warm-up included (no steady state to isolate: run more epochs)"
+        self.line("samples per second", how)
+        self.line(f"  {plural(replicas, 'replica')}", _rate(distributed))
+        slices = " + ".join(str(n) for n in split_sizes(settings.batch_size, replicas))
+        if sliced is not None:
+            self.line(
+                "  1 device, slices",
+                f"{_rate(sliced)}: the replicas' {slices} one after the other, a backward "
+                "pass each, one optimizer step",
+            )
+        if reference is not None:
+            self.line(
+                "  1 device, whole",
+                f"{_rate(reference)}: one pass per global batch of {settings.batch_size}",
+            )
+        if sliced is not None:
+            own = distributed.steady_samples_per_second / sliced.steady_samples_per_second
+            self.line(
+                "  centralstore",
+                f"{own:.2f}x the same slices on one device: centralstore's own cost",
+            )
+            if reference is not None:
+                smaller = sliced.steady_samples_per_second / reference.steady_samples_per_second
+                self.line(
+                    "  smaller batches",
+                    f"{smaller:.2f}x: slices of {max(split_sizes(settings.batch_size, replicas))}"
+                    f" against whole batches of {settings.batch_size}, with or without "
+                    "centralstore",
+                )
+        note = _speed_note(strategy)
+        if note:
+            self.line("  about speed", note)
 
     def written(self, paths: list[Path], seconds: float) -> None:
         self.line("wrote", ", ".join(str(p) for p in paths))
@@ -184,6 +238,27 @@ def _cpu_note(strategy: cs.Strategy) -> str:
     return f" ({what})"
 
 
+def _rate(run: Run) -> str:
+    """``"11,342 (all epochs: 7,479 in 2.3 s)"``: steady state, then the whole run."""
+    return (
+        f"{run.steady_samples_per_second:,.0f} "
+        f"({run.samples_per_second:,.0f} in {run.train_seconds:.1f} s)"
+    )
+
+
+def _speed_note(strategy: cs.Strategy) -> str:
+    """What replicas on logical CPU devices can show about speed, or nothing."""
+    devices = strategy.compute_devices
+    if num_workers(strategy) > 1 or len(devices) < 2:
+        return ""
+    if not all(d.startswith("cpu") for d in devices):
+        return ""
+    return (
+        "logical CPU devices share one host's cores: they prove the semantics and measure "
+        "centralstore's own overhead, not a speed-up (that takes GPUs)"
+    )
+
+
 def summary(
     strategy: cs.Strategy,
     settings: Settings,
@@ -192,6 +267,8 @@ def summary(
     reference: Run | None,
     difference: float | None,
     device: torch.device,
+    sliced: Run | None = None,
+    sliced_difference: float | None = None,
 ) -> dict[str, Any]:
     """Everything the run measured, as JSON-ready values (``summary.json``)."""
     one_device = None
@@ -199,9 +276,18 @@ def summary(
         one_device = {
             "device": str(device),
             "test_accuracy": reference.history.test_accuracy[-1],
-            "train_seconds": reference.train_seconds,
-            "samples_per_second": reference.samples_per_second,
+            **_speeds(reference),
             "history": _history(reference.history),
+        }
+    in_slices = None
+    if sliced is not None:
+        in_slices = {
+            "device": str(device),
+            "slices": split_sizes(settings.batch_size, strategy.num_replicas_in_sync),
+            "test_accuracy": sliced.history.test_accuracy[-1],
+            **_speeds(sliced),
+            "max_abs_weight_difference": sliced_difference,
+            "history": _history(sliced.history),
         }
     return {
         "centralstore_version": cs.__version__,
@@ -220,11 +306,22 @@ def summary(
         "optimizer": f"Adam(lr={LEARNING_RATE}, eps={ADAM_EPSILON}), cosine schedule",
         "history": _history(distributed.history),
         "test_accuracy": distributed.history.test_accuracy[-1],
-        "train_seconds": distributed.train_seconds,
-        "samples_per_second": distributed.samples_per_second,
+        "warm_up_epochs": WARM_UP_EPOCHS,
+        **_speeds(distributed),
         "one_device": one_device,
+        "one_device_in_slices": in_slices,
         "max_abs_weight_difference": difference,
         "resumed_from": distributed.resumed_from,
+    }
+
+
+def _speeds(run: Run) -> dict[str, Any]:
+    """A run's training time and throughput: overall, per epoch, in the steady state."""
+    return {
+        "train_seconds": run.train_seconds,
+        "epoch_seconds": run.epoch_seconds,
+        "samples_per_second": run.samples_per_second,
+        "steady_samples_per_second": run.steady_samples_per_second,
     }
 
 

@@ -103,7 +103,8 @@ def train_distributed(
         if checkpoints is not None:
             checkpoints.save()
     samples = settings.epochs * len(data.train_labels)
-    return Run(model, state.history, state.seconds, samples, resumed), state.initial
+    run = Run(model, state.history, state.seconds, samples, resumed, list(state.epoch_seconds))
+    return run, state.initial
 
 
 def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:
@@ -128,8 +129,9 @@ def run(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> dict[str, Any]:
-    """The whole job: train, compare with one device, print the report, write ``curves.png``
-    and ``summary.json`` into ``settings.out``. Returns the summary.
+    """The whole job: train, compare with one device (whole global batches, then the
+    replicas' slices one after the other), print the report with the steady-state speeds,
+    write ``curves.png`` and ``summary.json`` into ``settings.out``. Returns the summary.
 
     The report goes to ``out``, the progress of each epoch to ``err`` (``sys.stdout`` and
     ``sys.stderr`` when not given, as with ``print``). Every worker runs all of it (the
@@ -155,14 +157,24 @@ def run(
     )
     console.results(distributed)
     reference: Run | None = None
+    sliced: Run | None = None
     difference: float | None = None
+    sliced_difference: float | None = None
     device = reference_device(strategy)
     if settings.compare:
         reference = train_one_device(initial, data, settings, device)
         difference = max_abs_difference(distributed.model, reference.model)
         steps = settings.epochs * steps_per_epoch(len(data.train_labels), settings.batch_size)
         console.comparison(device, reference, difference, steps=steps)
-    summary = report.summary(strategy, settings, data, distributed, reference, difference, device)
+        replicas = strategy.num_replicas_in_sync
+        if replicas > 1:  # the replicas' passes without centralstore: what it costs itself
+            sliced = train_one_device(initial, data, settings, device, slices=replicas)
+            sliced_difference = max_abs_difference(distributed.model, sliced.model)
+    console.speed(strategy, settings, distributed, reference, sliced)
+    summary = report.summary(
+        strategy, settings, data, distributed, reference, difference, device,
+        sliced=sliced, sliced_difference=sliced_difference,
+    )  # fmt: skip
     summary["wall_seconds"] = time.perf_counter() - started
     if strategy.extended.should_checkpoint:  # one writer, however many workers
         console.written(report.write(settings.out, summary), summary["wall_seconds"])
