@@ -23,7 +23,7 @@ from .spec import spec_of
 INFINITE_CARDINALITY = -1
 UNKNOWN_CARDINALITY = -2
 
-_README = "See the tf.data table in the README (section 'Porting from tf.data')."
+_README = "See the tf.data table in docs/data.md (section 'Porting from tf.data')."
 _UNSUPPORTED = {
     "bucket_by_sequence_length": "bucketing by length is not built in; padded_batch pads "
     "each batch to its longest element",

@@ -209,6 +209,6 @@ def _unknown(owner: str, name: str, settings: frozenset[str]) -> str:
     why = _NO_COUNTERPART if name in _TF_ONLY else "is not an option of a dataset"
     return (
         f"cs.data.{owner} has no {name!r}: it {why}. Supported: {known}. "
-        "See the tf.data table in the README for the options and methods that port. "
+        "See the tf.data table in docs/data.md for the options and methods that port. "
         f"Received: attribute={name!r}"
     )
