@@ -4,13 +4,14 @@ aggregation, and its sync points.
 A central variable lives once, on the parameter device. Inside ``strategy.scope()`` every
 parameter and buffer registered on a module, and every tensor created with
 ``requires_grad=True``, becomes one. The store holds them weakly (a dropped model leaves no
-trace), gives each replica its views (``views.py``; in the modules' own attributes for a
-replica on the calling thread, ``modules.py``) or, where replicas compute on the parameter
-device, the parameters themselves (``direct.py``), and folds their gradients and writes back at
-each sync point (``folding.py``): the end of ``run``, each ``merge_call``, and every step of
-an optimizer over its variables (``steps.py``). A sync point after a failed run discards
-instead, so a run is a transaction. Across worker processes the sync point is the
-``Exchange``'s. ``cs.Variable`` and ``cs.set_aggregation`` are in ``declare.py``.
+trace), opens a run object for each ``run`` (``runs.py``: how its replicas see the variables,
+through views in the module slots and the variables' class, ``views.py`` and ``modules.py``,
+or the parameters themselves, ``direct.py``), and folds their gradients and writes back at
+each sync point (``folding.py``): the end of ``run`` (after ``close_run``, the strategy calls
+its ``Workers.sync``), each ``merge_call``, and every step of an optimizer over its variables
+(``steps.py``). A sync point after a failed run discards instead, so a run is a transaction.
+Across worker processes the sync point is the ``Exchange``'s. ``cs.Variable`` and
+``cs.set_aggregation`` are in ``declare.py``.
 """
 
 from __future__ import annotations
