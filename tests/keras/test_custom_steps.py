@@ -50,6 +50,10 @@ class GuideModel(keras.Model):  # type: ignore[misc]
                 metric.update_state(loss)
         return {m.name: m.result() for m in self.metrics}
 
+    def predict_step(self, data: Any) -> Any:
+        (x,) = data if isinstance(data, tuple) else (data,)
+        return self(x, training=False) * 2.0
+
 
 class LowLevelModel(keras.Model):  # type: ignore[misc]
     """The guide's lower-level example: its own loss, trackers and metrics property, with
@@ -130,6 +134,8 @@ def test_the_guide_train_and_test_steps_equal_one_device(replicas: int, batch_si
         model.evaluate(x, y, batch_size=batch_size, verbose=0),
         reference.evaluate(x, y, batch_size=batch_size, verbose=0),
     ) < TOLERANCE
+    assert max_difference(model.predict(x, batch_size=7, verbose=0),
+                          reference.predict(x, batch_size=7, verbose=0)) < TOLERANCE
 
 
 @pytest.mark.parametrize(("replicas", "batch_size"), EVEN)
@@ -179,21 +185,3 @@ def test_a_train_step_calling_keras_own_equals_one_device() -> None:
     history = model.fit(x, y, **kwargs).history
     assert max_difference(history, expected) < TOLERANCE
     assert max_difference(model.get_weights(), reference.get_weights()) < TOLERANCE
-
-
-def test_a_custom_predict_step_runs_per_replica() -> None:
-    class Doubled(keras.Sequential):  # type: ignore[misc]
-        def predict_step(self, data: Any) -> Any:
-            (x,) = data if isinstance(data, tuple) else (data,)
-            return self(x) * 2.0
-
-    def doubled() -> keras.Model:
-        keras.utils.set_random_seed(4)
-        return Doubled([keras.Input((FEATURES,)), keras.layers.Dense(2)])
-
-    x, _ = data(10)
-    reference = doubled()
-    with strategy_of(3).scope():
-        model = doubled()
-    assert max_difference(model.predict(x, batch_size=4, verbose=0),
-                          reference.predict(x, batch_size=4, verbose=0)) < TOLERANCE
