@@ -40,7 +40,7 @@ def Variable(
     >>> int(steps)
     1
     >>> with strategy.scope():
-    ...     seen = cs.Variable(0.0, aggregation="SUM", synchronization="ON_READ")
+    ...     seen = cs.Variable(0.0, "SUM", trainable=False, synchronization="ON_READ")
     >>> for _ in range(2):
     ...     _ = strategy.run(lambda: seen.copy_(seen + 1.0))  # each replica its own copy
     >>> float(seen)
