@@ -157,7 +157,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                 else:
                     writers.setdefault(view.record.key, []).append(view)
     for copies in on_read.values():
-        _reduce_copies(copies, num_replicas)
+        _reduce_copies(copies, len(touched))
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -176,12 +176,14 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         central.copy_(value)
 
 
-def _reduce_copies(copies: list[tuple[int, View]], num_replicas: int) -> None:
+def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
     """The central value of an ON_READ variable follows its replicas' copies: it is their
     reduction, and moves by what the replicas that wrote changed in their copies since the
-    epoch began (SUM: the sum of the changes; MEAN: that over every replica; ONLY_FIRST_REPLICA:
-    replica 0's). Across workers each worker adds its own replicas' part (the exchange sums
-    these as deltas)."""
+    epoch began (SUM: the sum of the changes; MEAN: that over this process's replicas;
+    ONLY_FIRST_REPLICA: replica 0's). Across workers the exchange then combines the workers'
+    values as writes of the aggregation: SUM adds the workers' changes, MEAN averages the
+    workers' values weighted by their writers (exact when every replica wrote), and
+    ONLY_FIRST_REPLICA takes the first worker's."""
     record = copies[0][1].record
     central = record.ref()
     if central is None:
@@ -196,7 +198,7 @@ def _reduce_copies(copies: list[tuple[int, View]], num_replicas: int) -> None:
     if changes:
         change = _combine(VariableAggregation.SUM, changes)
         if aggregation is VariableAggregation.MEAN:
-            change = change / num_replicas
+            change = change / local_replicas
         central.add_(change.to(central.dtype))
     record.synced = (central._version, central.data_ptr())
 
