@@ -118,6 +118,23 @@ def write_table(strategy: cs.Strategy) -> dict[str, float]:
 
             strategy.run(write)
             out[f"{aggregation}/{how}"] = float(var)
+        # ON_READ: each replica adds i + 1 to its own copy (assign(var + x)), in two runs;
+        # then 12 is assigned outside run (every copy reset), and one more run
+        with strategy.scope():
+            copies = cs.Variable(
+                0.0, aggregation=aggregation, trainable=False, synchronization="ON_READ"
+            )
+
+        def own(var: torch.Tensor = copies) -> None:
+            i = cs.get_replica_context().replica_id_in_sync_group
+            var.copy_(var + float(i + 1))
+
+        for _ in range(2):
+            strategy.run(own)
+        out[f"ON_READ {aggregation}"] = float(copies)
+        copies.copy_(torch.tensor(12.0))
+        strategy.run(own)
+        out[f"ON_READ {aggregation}/after assign"] = float(copies)
     return out
 
 

@@ -29,6 +29,7 @@ PUBLIC = [
     "ValueContext",
     "Variable",
     "VariableAggregation",
+    "VariableSynchronization",
     "compute_average_loss",
     "data",
     "errors",

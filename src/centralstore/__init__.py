@@ -5,6 +5,7 @@ devices and folds the replicas' gradients back onto the central variables.
 """
 
 from ._aggregation import VariableAggregation as VariableAggregation
+from ._aggregation import VariableSynchronization as VariableSynchronization
 from ._losses import compute_average_loss as compute_average_loss
 from ._losses import scale_regularization_loss as scale_regularization_loss
 from ._reduce import ReduceOp as ReduceOp
@@ -55,6 +56,7 @@ __all__ = [
     "ValueContext",
     "Variable",
     "VariableAggregation",
+    "VariableSynchronization",
     "compute_average_loss",
     "data",
     "errors",

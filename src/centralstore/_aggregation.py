@@ -30,3 +30,31 @@ class VariableAggregation(enum.Enum):
         raise ValueError(
             f"aggregation must be one of {[m.name for m in cls]}. Received: aggregation={value!r}"
         )
+
+
+class VariableSynchronization(enum.Enum):
+    """When the replicas' copies of a variable are combined, as TensorFlow names it.
+
+    ``AUTO``, ``ON_WRITE`` and ``NONE``: one central value that the replicas' writes update
+    at each sync point, combined by the variable's aggregation. ``ON_READ``: each replica keeps
+    a copy of its own across runs (a metric's running totals), reads and writes only that
+    copy inside ``run``, and reads outside ``run`` see the copies reduced by the aggregation
+    (SUM, MEAN, ONLY_FIRST_REPLICA); a write outside ``run`` sets every copy (for SUM, each
+    copy gets the value divided by the number of replicas).
+    """
+
+    AUTO = "AUTO"
+    ON_WRITE = "ON_WRITE"
+    ON_READ = "ON_READ"
+    NONE = "NONE"
+
+    @classmethod
+    def parse(cls, value: VariableSynchronization | str) -> VariableSynchronization:
+        if isinstance(value, VariableSynchronization):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        raise ValueError(
+            f"synchronization must be one of {[m.name for m in cls]}. "
+            f"Received: synchronization={value!r}"
+        )

@@ -79,19 +79,6 @@ def test_a_model_without_a_strategy_trains_with_keras_own_step() -> None:
         assert function.__name__ == "one_step_on_data"
 
 
-def test_an_overridden_train_step_is_refused() -> None:
-    class Custom(keras.Sequential):  # type: ignore[misc]
-        def train_step(self, batch: Any) -> Any:
-            return super().train_step(batch)
-
-    with strategy_of(2).scope():
-        model = compile_model(Custom([keras.Input((6,)), keras.layers.Dense(3)]))
-    x, y = data(8)
-    with pytest.raises(ValueError, match="overrides train_step") as error:
-        model.fit(x, y, verbose=0)
-    assert "Received: " in str(error.value)
-
-
 def test_a_loss_summed_over_the_batch_is_refused() -> None:
     with strategy_of(2).scope():
         model = sequential()

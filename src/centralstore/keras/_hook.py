@@ -3,8 +3,9 @@
 Keras' PyTorch trainer runs every step through ``model.train_function``,
 ``test_function`` and ``predict_function``, which its ``make_*_function`` methods build.
 Those three are the seam: for a model whose variables belong to a strategy they build the
-distributed steps of ``_steps.py``; for any other model they are Keras' own. Three smaller
-replacements serve every Keras variable and input:
+distributed steps of ``_steps.py`` (a model's own ``train_step`` runs per replica,
+``CustomTrainStep``); for any other model they are Keras' own. Smaller replacements serve
+every Keras variable, seed, optimizer and input:
 
 * ``Variable._initialize``: a variable created inside ``strategy.scope()`` is stored on the
   strategy's parameter device and becomes a central variable with its declared aggregation
@@ -13,6 +14,14 @@ replacements serve every Keras variable and input:
   final value; TensorFlow's, and this, write the difference when a replica updates a
   central variable, so that SUM adds each replica's increment (metric counts) instead of
   R final values.
+* ``SeedGenerator.next``: inside replica r > 0 the seed it hands out moves by r strides, so
+  that seeded random layers (``Dropout(seed=...)``, ``GaussianNoise``, ``RandomFlip``...) and
+  ``keras.random.*`` draw each replica's own numbers, reproducibly; replica 0 draws what one
+  device draws.
+* ``optimizer.apply`` (``BaseOptimizer``, ``LossScaleOptimizer``, ``MultiOptimizer``): inside
+  a replica of a custom ``train_step`` it is recorded, and applied once after the replicas
+  to their summed gradients (``_steps._Updates``), as TensorFlow's ``apply`` in replica
+  context merges the replicas' gradients.
 * ``data_adapters.get_data_adapter``: a ``cs.Dataset`` is an input (``_data.py``).
 
 ``install`` applies them once; ``uninstall`` restores Keras exactly as it was.
@@ -37,7 +46,21 @@ keras = load()
 from keras.src.backend.common.stateless_scope import in_stateless_scope  # noqa: E402
 from keras.src.backend.torch import core as _core  # noqa: E402
 from keras.src.backend.torch import trainer as _trainer  # noqa: E402
+from keras.src.optimizers import base_optimizer as _base_optimizer  # noqa: E402
+from keras.src.optimizers import loss_scale_optimizer as _loss_scale  # noqa: E402
+from keras.src.random import seed_generator as _seed_generator  # noqa: E402
 from keras.src.trainers import data_adapters as _adapters  # noqa: E402
+
+try:  # Keras >= 3.13
+    from keras.src.optimizers.multi_optimizer import MultiOptimizer as _MultiOptimizer
+except ImportError:  # pragma: no cover
+    _MultiOptimizer = None
+# The optimizer classes that define ``apply`` themselves.
+_OPTIMIZERS: tuple[Any, ...] = tuple(
+    cls for cls in (
+        _base_optimizer.BaseOptimizer, _loss_scale.LossScaleOptimizer, _MultiOptimizer
+    ) if cls is not None
+)
 
 _MISSING = object()
 # (owner, attribute, what the owner itself held before: restored by uninstall)
@@ -60,28 +83,19 @@ def _maker(kind: str, step: type[_steps.Step]) -> Callable[..., Any]:
         if strategy is None:
             return built
         if kind == "train":
-            _check_train_step(self)
             check_reductions(self)
         _variables.prepare(self, strategy)
         _warn_jit(self)
-        setattr(self, attribute, step(self, strategy))
+        if kind == "train" and type(self).train_step is not _trainer.TorchTrainer.train_step:
+            built_step: _steps.Step = _steps.CustomTrainStep(self, strategy, _apply_now)
+        else:
+            built_step = step(self, strategy)
+        setattr(self, attribute, built_step)
         return getattr(self, attribute)
 
     make.__name__ = name
     make.__doc__ = f"Keras' {name}, distributed when the model's variables are a strategy's."
     return make
-
-
-def _check_train_step(model: Any) -> None:
-    if type(model).train_step is not _trainer.TorchTrainer.train_step:
-        raise ValueError(
-            f"{type(model).__name__} overrides train_step, which applies the optimizer inside "
-            "the step; under a strategy, fit runs the forward and loss once per replica and "
-            "applies the optimizer once, after the replicas' gradients are summed. Move the "
-            "custom logic into compute_loss (or call(...)), or write the loop with "
-            "strategy.run. Received: "
-            f"{type(model).__module__}.{type(model).__qualname__}.train_step"
-        )
 
 
 def _warn_jit(model: Any) -> None:
@@ -137,6 +151,53 @@ def _delta(sign: float) -> Callable[[Any, Any], Any]:
     return assign
 
 
+def _apply_now(optimizer: Any, grads: Any, variables: Any) -> Any:
+    """The optimizer's ``apply``, once the replicas finished (nothing collects then)."""
+    return optimizer.apply(grads, variables)
+
+
+def _apply(key: str) -> Callable[..., Any]:
+    def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        updates = _steps.collecting()
+        if updates is None or not _in_replica():
+            return _original[key](self, grads, trainable_variables)
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        updates.add(self, grads, trainable_variables)
+        return None
+
+    apply.__name__ = "apply"
+    apply.__doc__ = (
+        "Keras' optimizer apply; inside a replica of a custom train_step under a strategy, "
+        "recorded and applied once, after the replicas, to their summed gradients."
+    )
+    return apply
+
+
+# A replica's draws differ from every other replica's by this much (mod 2**32) per
+# replica id, far beyond any number of draws a seed generator makes in one program.
+_REPLICA_SEED_STRIDE = 0x9E3779B9
+
+
+def _next(self: Any, ordered: bool = True) -> Any:
+    """``SeedGenerator.next``; inside replica r > 0 of a strategy, its seed moved by r
+    strides, so that each replica draws its own numbers (a dropout mask, noise) while two
+    identical programs still draw the same ones. Keras' torch backend seeds with the sum of
+    the two seed values modulo 2**32, so the first one moves."""
+    seed = _original["next"](self, ordered)
+    if not _in_replica():
+        return seed
+    replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+    if not replica:
+        return seed
+    first = (int(seed[0]) + replica * _REPLICA_SEED_STRIDE) & 0xFFFFFFFF
+    if seed.dtype == torch.int32:
+        first = (first ^ 0x80000000) - 0x80000000
+    moved = seed.clone()
+    moved[0] = first
+    return moved
+
+
 def _get_data_adapter(x: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(x, Dataset):
         names = ("y", "sample_weight", "batch_size", "steps_per_epoch", "shuffle")
@@ -156,6 +217,11 @@ def _replacements() -> list[tuple[Any, str, Callable[..., Any]]]:
         (_core.Variable, "assign_add", _delta(1.0)),
         (_core.Variable, "assign_sub", _delta(-1.0)),
         (_adapters, "get_data_adapter", _get_data_adapter),
+        (_seed_generator.SeedGenerator, "next", _next),
+        *(
+            (owner, "apply", _apply(f"{owner.__name__}.apply"))
+            for owner in _OPTIMIZERS
+        ),
     ]
 
 
@@ -164,7 +230,7 @@ def install() -> None:
     if _applied:
         return
     for owner, name, replacement in _replacements():
-        _original[name] = getattr(owner, name)
+        _original[f"{owner.__name__}.{name}" if name == "apply" else name] = getattr(owner, name)
         _applied.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, replacement)
 

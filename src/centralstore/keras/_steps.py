@@ -4,9 +4,11 @@ Keras' PyTorch trainer calls ``model.train_function(data)`` once per step with o
 batch. Here that function cuts the batch into the replicas' slices (``_batches.py``) and runs
 each slice's forward and loss inside ``strategy.run``. The replicas' gradients are summed onto
 the central variables when ``run`` returns, and the optimizer applies them once. Metric
-variables aggregate by SUM (their declared aggregation), so the metrics, the loss tracker
-included, accumulate as one device would on the whole batch. A replica whose slice is empty
-(a short last batch) computes nothing: a loss over no example is undefined.
+variables are synchronized on read with SUM (their declared aggregation): each replica
+updates its own copy, and the metrics, the loss tracker included, read as one device's
+would on the whole batch. A model's own ``train_step`` runs per replica instead
+(``CustomTrainStep``), and a model's own ``test_step`` and ``predict_step`` too. A replica
+whose slice is empty (a short last batch) computes nothing: a loss over no example is undefined.
 
 Keras keeps its global state (dtype policy, device scope, name scopes) per thread. Replicas
 run on the calling thread unless one reaches a rendezvous (an ``all_reduce`` in a layer); then
@@ -26,11 +28,13 @@ from typing import Any, final
 import torch
 
 from ..strategies.base import Strategy
+from ..strategies.context import get_replica_context
 from ._backend import load
 from ._batches import rows, split
 
 keras = load()
 from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.backend.torch import trainer as _trainer  # noqa: E402
 from keras.src.trainers.data_adapters.data_adapter_utils import (  # noqa: E402
     unpack_x_y_sample_weight,
 )
@@ -128,9 +132,141 @@ class TrainStep(Step):
         return model.get_metrics_result()
 
 
+def _replica_id() -> int:
+    context = get_replica_context()
+    assert context is not None
+    return context.replica_id_in_sync_group
+
+
+class _Updates:
+    """The optimizer updates that a custom ``train_step`` asks for on each replica
+    (``optimizer.apply`` inside it, ``_hook.py``), applied once after the replicas finished:
+    to the sum, in replica order, of the replicas' gradients, each weighted by its slice's
+    share of the global batch (so that, for a loss that is the mean over the slice, the sum
+    is the gradient of the batch's loss on one device, uneven slices included)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.share = 1.0  # the running replica's slice's share of the batch
+        self.calls: list[tuple[Any, list[torch.Tensor | None], Any]] = []
+        self._index = 0  # which call of the running replica's step this is
+
+    def start(self, count: int) -> None:
+        self.share = count / self.size
+        self._index = 0
+
+    def add(self, optimizer: Any, grads: Any, variables: Any) -> None:
+        weighted = [
+            None if g is None else g.detach() * self.share for g in list(grads)
+        ]
+        if self._index == len(self.calls):
+            self.calls.append((optimizer, weighted, variables))
+        else:
+            known, total, held = self.calls[self._index]
+            if known is not optimizer or len(total) != len(weighted):
+                raise ValueError(
+                    "Under a strategy, the replicas of a custom train_step must call the "
+                    "same optimizers, in the same order, on the same variables, so that their "
+                    "gradients can be summed and applied once. Received: a replica that "
+                    f"called {type(optimizer).__name__}.apply with {len(weighted)} gradients "
+                    f"where replica 0 called {type(known).__name__}.apply with {len(total)}"
+                )
+            summed = [
+                b if a is None else a if b is None else a + b
+                for a, b in zip(total, weighted, strict=True)
+            ]
+            self.calls[self._index] = (known, summed, held)
+        self._index += 1
+
+    def apply(self, original: Any) -> None:
+        with torch.no_grad():
+            for optimizer, total, variables in self.calls:
+                original(optimizer, total, variables)
+
+
+_active: list[_Updates] = []  # the custom train step's updates while its run lasts
+
+
+def collecting() -> _Updates | None:
+    """The updates that ``optimizer.apply`` inside a replica of a custom ``train_step``
+    records instead of applying (None outside such a step)."""
+    return _active[-1] if _active else None
+
+
+def _merge_logs(model: Any, logs: list[Any]) -> Any:
+    """The logs of a custom step: what replica code returned, each value that names a
+    metric of the model read again now, in cross-replica context, where it is the
+    replicas' reduction (TensorFlow's Keras reads them the same way: metrics are
+    sync-on-read), and every other value averaged over the replicas that ran (TensorFlow's
+    Keras reduces them by "auto", the mean)."""
+    returned = [entry for entry in logs if entry is not None]
+    if not returned:
+        return model.get_metrics_result()
+    first = returned[0]
+    if not isinstance(first, dict):
+        return first
+    reduced = model.get_metrics_result()
+    named = {m.name: m for m in model.metrics}
+    merged: dict[str, Any] = {}
+    for key, value in first.items():
+        if key in reduced:
+            merged[key] = reduced[key]
+        elif key in named:
+            merged[key] = named[key].result()
+        elif isinstance(value, torch.Tensor):
+            merged[key] = torch.stack([
+                torch.as_tensor(entry[key]).to(value.device, torch.float32)
+                for entry in returned
+            ]).mean(0)
+        elif isinstance(value, (int, float)):
+            merged[key] = sum(float(entry[key]) for entry in returned) / len(returned)
+        else:
+            merged[key] = value
+    return merged
+
+
+@final
+class CustomTrainStep(Step):
+    """``model.train_function`` of a model that overrides ``train_step``: the model's own
+    ``train_step`` on each replica's slice, as TensorFlow runs it per replica. Its
+    ``optimizer.apply`` (or ``apply_gradients``) is applied once, after the replicas, to
+    their share-weighted summed gradients (``_Updates``); its metrics are ON_READ variables,
+    so they count every replica's examples once."""
+
+    def __init__(self, model: Any, strategy: Strategy, original: Any) -> None:
+        super().__init__(model, strategy)
+        self._original = original  # the optimizers' own apply
+
+    def __call__(self, data: list[Any]) -> Any:
+        model = self.model
+        per_replica, size = self.replicated(data)
+        state = _KerasState()
+        updates = _Updates(size)
+        logs: list[Any] = [None] * self.strategy.num_replicas_in_sync
+
+        def replica(batch: Any) -> None:
+            x, _, _ = unpack_x_y_sample_weight(batch)
+            count = rows(x)
+            if count == 0:
+                return
+            updates.start(count)
+            with state.applied():
+                logs[_replica_id()] = model.train_step(batch)
+
+        model.zero_grad()
+        _active.append(updates)
+        try:
+            self.strategy.run(replica, args=(per_replica,))
+        finally:
+            _active.remove(updates)
+        updates.apply(self._original)
+        return _merge_logs(model, logs)
+
+
 @final
 class TestStep(Step):
-    """``model.test_function``: ``model.test_step`` on each replica's slice."""
+    """``model.test_function``: ``model.test_step`` on each replica's slice (a model's own
+    ``test_step`` too: its logs are merged as a custom train step's)."""
 
     __test__ = False  # not a pytest test class
 
@@ -138,15 +274,18 @@ class TestStep(Step):
         model = self.model
         per_replica, _ = self.replicated(data)
         state = _KerasState()
+        logs: list[Any] = [None] * self.strategy.num_replicas_in_sync
 
         def replica(batch: Any) -> None:
             if rows(batch) == 0:
                 return
             with state.applied(), torch.no_grad():
-                model.test_step(batch)
+                logs[_replica_id()] = model.test_step(batch)
 
         self.strategy.run(replica, args=(per_replica,))
-        return model.get_metrics_result()
+        if type(model).test_step is _trainer.TorchTrainer.test_step:
+            return model.get_metrics_result()
+        return _merge_logs(model, logs)
 
 
 @final

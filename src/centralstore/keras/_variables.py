@@ -8,7 +8,10 @@ nearly everything, so ``"none"`` means NONE for a trainable variable (only the o
 writes it, after ``run``) and, for a non-trainable one such as ``BatchNormalization``'s moving
 statistics, what a torch buffer of its dtype gets: MEAN for floating point, as torch's
 ``BatchNorm`` running statistics, ONLY_FIRST_REPLICA for integers (seed states, counters).
-Metric variables declare ``"sum"``.
+Metric variables declare ``"sum"`` and ``synchronization="on_read"``: a variable synchronized
+on read becomes an ON_READ central variable (``cs.VariableSynchronization``), one copy per
+replica folded into the central value at each sync point, so that a metric updated with
+``var.assign(var + x)`` (AUC, Precision, F1Score, ...) counts every replica's ``x`` once.
 
 Variables that Keras creates later, outside the scope (the compiled metrics, a model built on
 its first batch), are made central variables of the model's strategy when ``fit``,
@@ -23,11 +26,12 @@ from typing import Any
 
 import torch
 
-from .._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation, VariableSynchronization
 from ..strategies.base import Strategy
 from ..strategies.context import get_strategy, has_strategy, in_cross_replica_context
 from ..variables.declare import set_aggregation
 from ..variables.records import default_buffer_aggregation
+from ..variables.store import current_store
 
 _DECLARED = {
     "sum": VariableAggregation.SUM,
@@ -61,6 +65,16 @@ def aggregation_of(variable: Any) -> VariableAggregation:
     return default_buffer_aggregation(variable.value)
 
 
+def synchronization_of(variable: Any) -> VariableSynchronization:
+    """ON_READ for a Keras variable declared ``synchronization="on_read"`` (metric
+    variables) that has an aggregation to reduce its copies by; ON_WRITE otherwise."""
+    if str(getattr(variable, "synchronization", "auto")) == "on_read" and (
+        aggregation_of(variable) is not VariableAggregation.NONE
+    ):
+        return VariableSynchronization.ON_READ
+    return VariableSynchronization.ON_WRITE
+
+
 def scope_strategy() -> Strategy | None:
     """The strategy whose scope (cross-replica context) the caller is in, if any."""
     if has_strategy() and in_cross_replica_context():
@@ -80,7 +94,9 @@ def register(variable: Any, strategy: Strategy) -> None:
             holder.register_parameter("variable", tensor)
         else:
             holder.register_buffer("variable", tensor)
-    set_aggregation(tensor, aggregation_of(variable))
+    aggregation = aggregation_of(variable)
+    set_aggregation(tensor, aggregation)
+    current_store().register(tensor, aggregation, synchronization=synchronization_of(variable))
     key = id(variable)
     if _owners.get(key) is not strategy:
         _owners[key] = strategy

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .. import _context
-from .._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation, VariableSynchronization
 from .store import current_store
 
 
@@ -16,12 +16,21 @@ def Variable(
     initial_value: Any,
     aggregation: VariableAggregation | str = VariableAggregation.NONE,
     trainable: bool = True,
+    synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
 ) -> torch.Tensor:
     """A central variable of the current strategy, stored once on its parameter device.
 
     ``trainable`` means ``requires_grad`` (floating dtypes only). ``aggregation`` says how
     writes from several replicas combine. Inside ``run`` it is a replica-local tensor on the
     replica's device, like every tensor created there.
+
+    ``synchronization=ON_READ`` (as TensorFlow's sync-on-read variables, which Keras metrics
+    use): each replica keeps a copy of its own across runs, reads and writes only that copy
+    inside ``run``, and the variable itself holds the copies' reduction by ``aggregation``
+    (SUM, MEAN or ONLY_FIRST_REPLICA), updated at each sync point; so does every read outside
+    ``run`` (``state_dict``, checkpoints). Set outside ``run``, every copy starts again from
+    the new value: for SUM each gets the value divided by the number of replicas.
+
 
     >>> import centralstore as cs
     >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
@@ -30,8 +39,15 @@ def Variable(
     >>> _ = strategy.run(lambda: steps.add_(1))
     >>> int(steps)
     1
+    >>> with strategy.scope():
+    ...     seen = cs.Variable(0.0, "SUM", trainable=False, synchronization="ON_READ")
+    >>> for _ in range(2):
+    ...     _ = strategy.run(lambda: seen.copy_(seen + 1.0))  # each replica its own copy
+    >>> float(seen)
+    4.0
     """
     parsed = VariableAggregation.parse(aggregation)
+    on_read = VariableSynchronization.parse(synchronization)
     value = torch.from_numpy(initial_value) if isinstance(initial_value, np.ndarray) else (
         torch.as_tensor(initial_value)
     )
@@ -43,7 +59,7 @@ def Variable(
     if trainable and (tensor.is_floating_point() or tensor.is_complex()):
         tensor.requires_grad_(True)
     if not in_replica:
-        store.register(tensor, parsed)
+        store.register(tensor, parsed, synchronization=on_read)
     return tensor
 
 

@@ -167,15 +167,22 @@ def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
                 hook(tensor)
 
 
-def apply_writes(touched: list[list[View]], num_replicas: int) -> None:
-    """Combine the replicas' writes into each central variable by its aggregation."""
+def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) -> None:
+    """Combine the replicas' writes into each central variable by its aggregation
+    (``offset``: the global id of the first of these replicas)."""
     writers: dict[int, list[View]] = {}
-    for views in touched:
+    on_read: dict[int, list[tuple[int, View]]] = {}
+    for replica, views in enumerate(touched):
         for view in views:
             if view.private and (  # view.written(), inlined: this loop visits every view
                 view.assigned or view.tensor._version != view.start_version
             ):
-                writers.setdefault(view.record.key, []).append(view)
+                if view.record.on_read:
+                    on_read.setdefault(view.record.key, []).append((offset + replica, view))
+                else:
+                    writers.setdefault(view.record.key, []).append(view)
+    for copies in on_read.values():
+        _reduce_copies(copies, len(touched))
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -192,6 +199,33 @@ def apply_writes(touched: list[list[View]], num_replicas: int) -> None:
         else:
             value = central + _combine(aggregation, [final - central for final in finals])
         central.copy_(value)
+
+
+def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
+    """The central value of an ON_READ variable follows its replicas' copies: it is their
+    reduction, and moves by what the replicas that wrote changed in their copies since the
+    epoch began (SUM: the sum of the changes; MEAN: that over this process's replicas;
+    ONLY_FIRST_REPLICA: replica 0's). Across workers the exchange then combines the workers'
+    values as writes of the aggregation: SUM adds the workers' changes, MEAN averages the
+    workers' values weighted by their writers (exact when every replica wrote), and
+    ONLY_FIRST_REPLICA takes the first worker's."""
+    record = copies[0][1].record
+    central = record.ref()
+    if central is None:
+        return
+    aggregation = record.aggregation
+    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        copies = [(replica, view) for replica, view in copies if replica == 0]
+    changes = [
+        view.tensor.detach().to(central.device) - view.start.to(central.device)
+        for _, view in copies if view.start is not None
+    ]
+    if changes:
+        change = _combine(VariableAggregation.SUM, changes)
+        if aggregation is VariableAggregation.MEAN:
+            change = change / local_replicas
+        central.add_(change.to(central.dtype))
+    record.synced = (central._version, central.data_ptr())
 
 
 def _combine(aggregation: Any, values: list[torch.Tensor]) -> torch.Tensor:
@@ -223,6 +257,10 @@ def discard(touched: list[list[View]]) -> None:
     for views in touched:
         for view in views:
             gradients_of(view)  # taken off the view, and dropped
-            if view.private:
+            if view.record.on_read:  # the replica's copy as before the run
+                if view.start is not None:
+                    with torch.no_grad():
+                        view.tensor.copy_(view.start)
+            elif view.private:
                 view.central_version = -1
     finish(touched)

@@ -14,10 +14,20 @@ class Central:
     """A central variable as its store knows it: held weakly, so that a dropped model leaves
     no trace; ``key`` is ``id`` of the tensor, the key of the store's records. ``owners``
     are the modules (held weakly) and attribute names under which it was registered. ``stamp``
-moves at each optimizer step over it: fused kernels write without moving the version
-counter, and views must see the new value."""
+    moves at each optimizer step over it: fused kernels write without moving the version
+    counter, and views must see the new value.
 
-    __slots__ = ("aggregation", "is_buffer", "key", "owners", "ref", "stamp")
+    ``on_read``: synchronized on read (``VariableSynchronization.ON_READ``): each replica
+    keeps a copy of its own across runs (its view, ``views.py``), and the central value is
+    their reduction, updated at each sync point. ``synced`` stamps the central value (its
+    version and storage) as the copies last agreed with it; a central value written since
+    (in cross-replica context: ``assign``, ``load_state_dict``) starts a new ``generation``,
+    whose copies each begin from ``reset`` (TensorFlow's rule, ``on_read_reset``)."""
+
+    __slots__ = (
+        "aggregation", "generation", "is_buffer", "key", "on_read", "owners", "ref", "reset",
+        "stamp", "synced",
+    )
 
     def __init__(
         self, key: int, ref: weakref.ref[torch.Tensor], aggregation: VariableAggregation,
@@ -29,6 +39,10 @@ counter, and views must see the new value."""
         self.is_buffer = is_buffer
         self.owners: list[tuple[weakref.ref[torch.nn.Module], str]] = []
         self.stamp = 0  # moved by every optimizer step over the variable (steps.py)
+        self.on_read = False
+        self.synced: tuple[int, int] | None = None
+        self.generation = 0
+        self.reset: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add_owner(self, module: torch.nn.Module, name: str) -> bool:
         """Note that ``module`` holds this variable as ``name``; False if already known."""
@@ -48,6 +62,35 @@ def check_aggregation(tensor: torch.Tensor, aggregation: VariableAggregation) ->
             f"An integer variable (dtype {tensor.dtype}) cannot be MEAN-aggregated: the mean of "
             "integers is not an integer. Use SUM or ONLY_FIRST_REPLICA, or a floating dtype."
         )
+
+
+def check_on_read(tensor: torch.Tensor, aggregation: VariableAggregation) -> None:
+    """A variable synchronized on read needs an aggregation that reduces its copies."""
+    if aggregation is VariableAggregation.NONE:
+        raise ValueError(
+            f"A variable synchronized on read (shape {tuple(tensor.shape)}) keeps one copy "
+            "per replica and is read as their reduction, so it needs an aggregation that "
+            "reduces them: SUM, MEAN or ONLY_FIRST_REPLICA. Received: aggregation=NONE"
+        )
+
+
+def on_read_reset(
+    central: torch.Tensor, aggregation: VariableAggregation, num_replicas: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The values the replicas' copies of an ON_READ variable take when its central value
+    was set in cross-replica context, as TensorFlow's ``on_read_assign_cross_replica``
+    (``distribute/values_util.py``) sets them: for SUM, the value divided by the number of
+    replicas (so that the copies sum to it), otherwise the value itself. Returns (replica
+    0's, every other replica's): an integer SUM divides with the remainder on replica 0,
+    so that the copies sum to the value exactly (TensorFlow truncates)."""
+    value = central.detach().clone()
+    if aggregation is not VariableAggregation.SUM or num_replicas == 1:
+        return value, value
+    if value.is_floating_point() or value.is_complex():
+        share = value / num_replicas
+        return share, share
+    share = torch.div(value, num_replicas, rounding_mode="floor")
+    return value - share * (num_replicas - 1), share
 
 
 def default_buffer_aggregation(buffer: torch.Tensor) -> VariableAggregation:

@@ -28,11 +28,11 @@ from torch.nn.modules import module as _module
 from torch.overrides import TorchFunctionMode
 
 from .. import _context
-from .._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation, VariableSynchronization
 from .._placement import Placement
 from . import folding, steps
 from .modules import record_unseen
-from .records import Central, check_aggregation, default_buffer_aggregation
+from .records import Central, check_aggregation, check_on_read, default_buffer_aggregation
 from .runs import EMPTY, OwnRun, Plan, ReplicasRun, Run
 from .views import GradientReceiver, ReplicaViews, View
 
@@ -78,7 +78,10 @@ class VariableStore:
             if self._overlaps else None
         )
         self.replicas = [
-            ReplicaViews(self.records, r, device, placement.num_replicas, receiver)
+            ReplicaViews(
+                self.records, r, device, placement.num_replicas, receiver,
+                offset=placement.replica_offset,
+            )
             for r, device in enumerate(placement.storage_devices)
         ]
         self.run: Run = EMPTY  # the run in progress, or the last one
@@ -103,19 +106,33 @@ class VariableStore:
     # -- registration ------------------------------------------------------------------------
 
     def register(
-        self, tensor: torch.Tensor, aggregation: VariableAggregation, is_buffer: bool = False
+        self,
+        tensor: torch.Tensor,
+        aggregation: VariableAggregation,
+        is_buffer: bool = False,
+        synchronization: VariableSynchronization | None = None,
     ) -> None:
-        """Make ``tensor`` a central variable (again: its aggregation is updated)."""
+        """Make ``tensor`` a central variable (again: its aggregation is updated, and its
+        synchronization when one is given)."""
         check_aggregation(tensor, aggregation)
         key = id(tensor)
         record = self.records.get(key)
+        on_read = (
+            record is not None and record.on_read if synchronization is None
+            else synchronization is VariableSynchronization.ON_READ
+        )
+        if on_read:
+            check_on_read(tensor, aggregation)
         if record is not None:
-            if record.aggregation is not aggregation:
+            if record.aggregation is not aggregation or record.on_read is not on_read:
                 record.aggregation = aggregation
+                record.on_read = on_read
+                record.synced = None  # the copies start again from the central value
                 self._plan = None
             return
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
-        self.records[key] = Central(key, ref, aggregation, is_buffer)
+        record = self.records[key] = Central(key, ref, aggregation, is_buffer)
+        record.on_read = on_read
         self._plan = None
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
@@ -327,7 +344,9 @@ class VariableStore:
                 with torch.no_grad():
                     for views in touched:
                         received += folding.fold_gradients(views)
-                    folding.apply_writes(touched, self.placement.num_replicas)
+                    folding.apply_writes(
+                        touched, self.placement.num_replicas, self.placement.replica_offset
+                    )
                 folding.finish(touched)
             self._next_epoch()
         if received:

@@ -34,7 +34,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
-from .records import Central
+from .records import Central, on_read_reset
 
 # Where a view's gradient goes once it has accumulated: the store's receiver, held weakly.
 GradientReceiver = Callable[["View", torch.Tensor], None]
@@ -98,8 +98,9 @@ class View:
     """One replica's view of one central variable."""
 
     __slots__ = (
-        "__weakref__", "alias", "assigned", "central_ptr", "central_version", "epoch", "pending",
-        "private", "record", "stamp", "start_version", "tensor",
+        "__weakref__", "alias", "assigned", "central_ptr", "central_version", "epoch",
+        "generation", "pending", "private", "record", "stamp", "start", "start_version",
+        "tensor",
     )
 
     def __init__(self, record: Central, tensor: torch.Tensor, private: bool) -> None:
@@ -114,6 +115,10 @@ class View:
         self.start_version = tensor._version
         self.epoch = -1
         self.pending: list[tuple[torch.Tensor, Any]] = []  # (host gradient, CUDA event)
+        # ON_READ: the generation of the record this copy belongs to, and its value when the
+        # epoch began (its write since then is the difference)
+        self.generation = -1
+        self.start: torch.Tensor | None = None
 
     def written(self) -> bool:
         return self.private and (self.assigned or self.tensor._version != self.start_version)
@@ -139,9 +144,11 @@ class ReplicaViews:
         device: torch.device,
         num_replicas: int,
         receiver: weakref.WeakMethod[GradientReceiver] | None,
+        offset: int = 0,
     ) -> None:
         self.records = records
         self.replica = replica
+        self.global_replica = offset + replica
         self.device = device
         self.num_replicas = num_replicas
         self.views: dict[int, View] = {}
@@ -175,7 +182,10 @@ class ReplicaViews:
         changed shape, dtype, ``requires_grad`` or storage; a private copy is refreshed
         unless its central value provably did not change: a frozen variable whose version
         counter, data pointer and optimizer stamp stayed (a trained parameter changes at every
-        step, and writes through ``.data`` move none of the three)."""
+        step, and writes through ``.data`` move none of the three). An ON_READ variable's
+        view is the replica's own copy (``_validate_on_read``)."""
+        if record.on_read:
+            return self._validate_on_read(record, central, view)
         if view is None:
             view = self._create(record, central)
         else:
@@ -206,6 +216,44 @@ class ReplicaViews:
         view.central_version = central._version
         view.central_ptr = central.data_ptr()
         view.stamp = record.stamp
+        view.start_version = view.tensor._version
+        view.assigned = False
+        view.epoch = self.epoch
+        self.touched.append(view)
+        return view
+
+    def _validate_on_read(
+        self, record: Central, central: torch.Tensor, view: View | None
+    ) -> View:
+        """The replica's copy of an ON_READ variable, kept across runs and sync points. A
+        central value written since the copies last agreed with it (in cross-replica
+        context) starts a new generation: every replica's copy begins again from it, by
+        TensorFlow's rule (``records.on_read_reset``)."""
+        stamp = (central._version, central.data_ptr())
+        if record.synced != stamp or record.reset is None:
+            with torch.no_grad(), torch.inference_mode(False):
+                record.reset = on_read_reset(central, record.aggregation, self.num_replicas)
+            record.generation += 1
+            record.synced = stamp
+        if view is None or view.generation != record.generation or (
+            view.tensor.shape != central.shape or view.tensor.dtype != central.dtype
+            or view.tensor.requires_grad != central.requires_grad
+        ):
+            first, rest = record.reset
+            value = first if self.global_replica == 0 else rest
+            with torch.inference_mode(False):
+                copy = value.detach().to(self.device, copy=True, non_blocking=True)
+            self._copied(central)
+            view = View(record, copy, private=True)
+            view.generation = record.generation
+            self._make_leaf(view, copy, central.requires_grad)
+            self.views[record.key] = view
+        hooks = central._backward_hooks
+        if view.tensor._backward_hooks is not hooks and view.tensor.requires_grad:
+            view.tensor._backward_hooks = hooks
+        with torch.no_grad(), torch.inference_mode(False):
+            view.start = view.tensor.detach().clone()
+        view.central_version = central._version
         view.start_version = view.tensor._version
         view.assigned = False
         view.epoch = self.epoch
@@ -288,7 +336,9 @@ class ReplicaViews:
 
     def note_write(self, view: View, kind: int) -> None:
         self._check_aggregation(view)
-        if kind != DELTA:
+        if view.record.on_read:  # its write is the copy's difference, whatever the kind:
+            torch.autograd.graph.increment_version(view.tensor)  # seen by its version
+        elif kind != DELTA:
             view.assigned = True
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

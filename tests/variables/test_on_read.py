@@ -1,0 +1,120 @@
+"""Variables synchronized on read (``cs.VariableSynchronization.ON_READ``, docs/design.md
+§3.6): one copy per replica, kept across runs; reads outside ``run`` see the copies reduced
+by the aggregation; a write outside ``run`` sets every copy by TensorFlow's rule
+(``on_read_assign_cross_replica``: for SUM, the value divided by the replicas). On every
+path of the parity matrix (tests/paths.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paths import each_path, run_on, strategy_on
+from replicas import context, local, replica_id
+
+import centralstore as cs
+
+ON_READ = cs.VariableSynchronization.ON_READ
+# three runs in which replica r adds r + 1 to its copy by assign(var + x), from 0
+AFTER_RUNS = {"SUM": 9.0, "MEAN": 4.5, "ONLY_FIRST_REPLICA": 3.0}
+# then 10 assigned outside run, and one more such run
+AFTER_ASSIGN = {"SUM": 13.0, "MEAN": 11.5, "ONLY_FIRST_REPLICA": 11.0}
+COPIES_AFTER_ASSIGN = {"SUM": (5.0, 5.0), "MEAN": (10.0, 10.0), "ONLY_FIRST_REPLICA": (10.0, 10.0)}
+
+
+def on_read(strategy: cs.Strategy, aggregation: str, value: object = 0.0) -> torch.Tensor:
+    with strategy.scope():
+        return cs.Variable(value, aggregation=aggregation, trainable=False,
+                           synchronization=ON_READ)
+
+
+def add_own(variable: torch.Tensor) -> torch.Tensor:
+    """assign(var + x), as Keras' confusion-matrix metrics update; returns the copy read."""
+    variable.copy_(variable + (replica_id() + 1.0))
+    return variable.clone()
+
+
+@each_path
+@pytest.mark.parametrize("aggregation", sorted(AFTER_RUNS))
+def test_reads_outside_run_see_the_copies_reduced(path: str, aggregation: str) -> None:
+    strategy = strategy_on(path)
+    variable = on_read(strategy, aggregation)
+    for _ in range(3):
+        copies = run_on(path, strategy, lambda: add_own(variable))
+    # each replica kept its own copy across the runs
+    assert [float(c) for c in local(strategy, copies)] == [3.0, 6.0]
+    assert float(variable) == AFTER_RUNS[aggregation]
+    with torch.no_grad():
+        variable.copy_(torch.tensor(10.0))  # cross-replica: every copy is set
+    seen = run_on(path, strategy, lambda: variable.clone())
+    assert tuple(float(c) for c in local(strategy, seen)) == COPIES_AFTER_ASSIGN[aggregation]
+    run_on(path, strategy, lambda: add_own(variable))
+    assert float(variable) == AFTER_ASSIGN[aggregation]
+
+
+@each_path
+def test_a_module_state_dict_shows_the_reduced_value_and_loading_resets_the_copies(
+    path: str,
+) -> None:
+    strategy = strategy_on(path)
+    counts = on_read(strategy, "SUM", torch.zeros(2))
+    with strategy.scope():
+        holder = torch.nn.Module()
+        holder.register_buffer("counts", counts)
+    for _ in range(2):
+        run_on(path, strategy, lambda: counts.add_(replica_id() + 1.0))
+    assert holder.state_dict()["counts"].tolist() == [6.0, 6.0]
+    holder.load_state_dict({"counts": torch.tensor([4.0, 8.0])})
+    seen = run_on(path, strategy, lambda: counts.clone())
+    assert [c.tolist() for c in local(strategy, seen)] == [[2.0, 4.0], [2.0, 4.0]]
+    run_on(path, strategy, lambda: counts.add_(1.0))
+    assert counts.tolist() == [6.0, 10.0]
+
+
+@each_path
+def test_a_failed_run_leaves_the_copies_as_before(path: str) -> None:
+    strategy = strategy_on(path)
+    variable = on_read(strategy, "SUM")
+    run_on(path, strategy, lambda: add_own(variable))
+
+    def fails() -> None:
+        add_own(variable)
+        if replica_id() == 1:
+            raise RuntimeError("replica 1 fails")
+
+    with pytest.raises(RuntimeError, match="replica 1 fails"):
+        run_on(path, strategy, fails)
+    assert float(variable) == 3.0
+    seen = run_on(path, strategy, lambda: variable.clone())
+    assert [float(c) for c in local(strategy, seen)] == [1.0, 2.0]
+
+
+@each_path
+def test_merge_call_sees_the_copies_reduced(path: str) -> None:
+    strategy = strategy_on(path)
+    variable = on_read(strategy, "SUM")
+
+    def step() -> float:
+        variable.add_(replica_id() + 1.0)
+        seen: float = context().merge_call(lambda s: float(variable))
+        variable.add_(1.0)
+        return seen
+
+    results = run_on(path, strategy, step)
+    assert set(local(strategy, results)) == {3.0}
+    assert float(variable) == 5.0
+
+
+def test_an_integer_sum_splits_exactly_over_three_replicas() -> None:
+    strategy = strategy_on("direct", 3)
+    variable = on_read(strategy, "SUM", 7)
+    seen = strategy.run(lambda: variable.clone())
+    assert [int(c) for c in local(strategy, seen)] == [3, 2, 2]  # TensorFlow truncates to 2s
+    strategy.run(lambda: variable.add_(1))
+    assert int(variable) == 10
+
+
+def test_on_read_needs_an_aggregation() -> None:
+    with strategy_on("direct").scope(), pytest.raises(ValueError, match="SUM, MEAN or ONLY"):
+        cs.Variable(0.0, synchronization="ON_READ")
+    with pytest.raises(ValueError, match="synchronization must be one of"):
+        cs.VariableSynchronization.parse("sometimes")
