@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
 
 import fakegpu
 import pytest
+from paths import FakePlacement
 
 FAKE_GPUS_ENV = "CENTRALSTORE_FAKE_GPUS"
 
@@ -60,15 +60,6 @@ def fake_gpus(request: pytest.FixtureRequest) -> Iterator[fakegpu.FakeGPUs]:
     if marker is not None:
         count = int(marker.args[0] if marker.args else marker.kwargs.get("count", 2))
     yield from _checked(count)
-
-
-@dataclass(frozen=True)
-class FakePlacement:
-    """Two fake GPUs and where a parity test puts its strategy's variables."""
-
-    gpus: fakegpu.FakeGPUs | None  # None: real GPUs
-    compute_devices: tuple[str, ...]
-    parameter_device: str
 
 
 REAL_GPUS_ENV = "CENTRALSTORE_REAL_GPUS"  # set by benchmarks/gpu_check.py on a GPU machine

@@ -12,12 +12,16 @@ A test that passes on one path and fails on another is a bug in the paths, not a
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from replicas import context, strategy_of
 
 import centralstore as cs
+
+if TYPE_CHECKING:
+    import fakegpu
 
 PATHS = ["direct", "views", "threads"]
 each_path = pytest.mark.parametrize("path", PATHS)
@@ -43,3 +47,12 @@ def run_on(
     path: str, strategy: cs.Strategy, fn: Callable[..., Any], args: tuple[Any, ...] = ()
 ) -> Any:
     return strategy.run(step_on(path, fn), args=args)
+
+
+@dataclass(frozen=True)
+class FakePlacement:
+    """Two fake GPUs and where a parity test puts its strategy's variables."""
+
+    gpus: fakegpu.FakeGPUs | None  # None: real GPUs
+    compute_devices: tuple[str, ...]
+    parameter_device: str

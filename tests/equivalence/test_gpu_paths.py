@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import FakePlacement
 from idioms import PATTERNS, X, Y, mse_step
+from paths import FakePlacement
 from replicas import context, local
 from torch import nn
 

@@ -86,7 +86,9 @@ def test_options_of_a_plain_dataset_are_the_defaults() -> None:
 
 
 def test_a_tensorflow_method_without_counterpart_says_why_and_where_to_look() -> None:
-    with pytest.raises(AttributeError, match=r"tf\.data\.Dataset\.window is not supported.*docs/data.md"):
+    with pytest.raises(
+        AttributeError, match=r"tf\.data\.Dataset\.window is not supported.*docs/data.md"
+    ):
         Dataset.range(3).window(2)  # type: ignore[attr-defined]
     with pytest.raises(AttributeError, match=r"snapshot.*use cache\(\)"):
         Dataset.range(3).map(lambda x: x).snapshot  # type: ignore[attr-defined]  # noqa: B018
