@@ -22,39 +22,44 @@ from __future__ import annotations
 import torch
 
 from .._aggregation import VariableAggregation
-from .folding import add_in_order, hold_post_accumulate_hooks, release_post_accumulate_hooks
+from .folding import HeldHooks, add_in_order
 from .records import Central
 
 
 class Undo:
     """What one run without views changed, and how to take it back."""
 
-    __slots__ = ("_grads", "_hooks", "_state")
+    __slots__ = ("_grads", "_held", "_hooks", "_state")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._state: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._held = False  # whether some .grad was set aside
         with torch.no_grad():
             for tensor in tensors:
                 if tensor.requires_grad:
-                    self._grads.append((tensor, tensor.grad))
-                    tensor.grad = None
+                    held = tensor.grad
+                    if held is not None:
+                        tensor.grad = None
+                        self._held = True
+                    self._grads.append((tensor, held))
                 elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
                     self._state.append((tensor, tensor.detach().clone()))
-        self._hooks = hold_post_accumulate_hooks([t for t, _ in self._grads])
+        self._hooks = HeldHooks([t for t, _ in self._grads])
 
     def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
         ``.grad`` that existed before the run stays the same tensor, as in plain PyTorch).
-        Returns the tensors that received gradients."""
-        tensors = [tensor for tensor, _ in self._grads]
-        sums = [held for _, held in self._grads]
-        new = [tensor.grad for tensor in tensors]
-        add_in_order(sums, new)
-        for tensor, total in zip(tensors, sums):
-            tensor.grad = total
+        Returns the tensors with post-accumulate-grad hooks that received gradients."""
+        hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
+        if self._held:
+            tensors = [tensor for tensor, _ in self._grads]
+            sums = [held for _, held in self._grads]
+            add_in_order(sums, [tensor.grad for tensor in tensors])
+            for tensor, total in zip(tensors, sums):
+                tensor.grad = total
         self._forget()
-        return [tensor for tensor, grad in zip(tensors, new) if grad is not None]
+        return hooked
 
     def rollback(self) -> None:
         """Drop the run's work: gradients and the variables without grad as before it."""
@@ -66,9 +71,8 @@ class Undo:
         self._forget()
 
     def _forget(self) -> None:
-        self._grads, self._state = [], []
-        release_post_accumulate_hooks(self._hooks)
-        self._hooks = []
+        self._grads, self._state, self._held = [], [], False
+        self._hooks.release()
 
 
 def shared_parameters(records: list[Central], storage: torch.device) -> list[Central]:
@@ -112,7 +116,7 @@ class DirectReplicas:
                     tensor.grad = None
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
-        self._hooks = hold_post_accumulate_hooks(tensors)
+        self._hooks = HeldHooks(tensors)
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
@@ -146,19 +150,18 @@ class DirectReplicas:
     def commit(self) -> list[torch.Tensor]:
         """Each replica's gradients, in replica order, added to the set-aside ones (in
         place: a ``.grad`` that existed stays the same tensor) and put in ``.grad``.
-        Returns the parameters that received gradients."""
+        Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
         sums = list(self._old)
-        late = self._take()  # a backward since the last replica finished: added last
-        received = [False] * len(self.tensors)
+        late = self._take()  # the last replica's, and a backward's since it finished
         for grads in [*(self._grads[r] for r in sorted(self._grads)), late]:
             add_in_order(sums, grads)
-            received = [seen or grad is not None for seen, grad in zip(received, grads)]
         for tensor, total in zip(self.tensors, sums):
             tensor.grad = total
+        hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
         self._forget()
-        return [tensor for tensor, got in zip(self.tensors, received) if got]
+        return hooked
 
     def rollback(self) -> None:
         """The run failed: ``.grad`` as before it."""
@@ -170,5 +173,4 @@ class DirectReplicas:
 
     def _forget(self) -> None:
         self._old, self._grads, self._open = [], {}, False
-        release_post_accumulate_hooks(self._hooks)
-        self._hooks = []
+        self._hooks.release()

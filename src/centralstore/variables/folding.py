@@ -130,28 +130,29 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
     return received
 
 
-# A tensor's dict of post-accumulate-grad hooks, and what it held.
-HeldHooks = list[tuple[dict[Any, Any], dict[Any, Any]]]
+class HeldHooks:
+    """The post-accumulate-grad hooks of tensors that replicas compute on directly, kept from
+    firing at each replica's backward: they fire once, when the sync point has accumulated
+    the replicas' gradients into ``.grad`` (``run_post_accumulate_hooks``), as once per
+    backward on one device. (Their dicts are emptied and refilled by ``release``, since the
+    hook that autograd calls holds the dict itself.) ``tensors``: those that have hooks."""
 
+    __slots__ = ("_saved", "tensors")
 
-def hold_post_accumulate_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
-    """Keep the post-accumulate-grad hooks of ``tensors``, which replicas compute on
-    directly, from firing at each replica's backward: they fire once, when the sync point
-    has accumulated the replicas' gradients into ``.grad`` (``run_post_accumulate_hooks``),
-    as once per backward on one device. (Their dicts are emptied and refilled, since the
-    hook that autograd calls holds the dict itself.)"""
-    held: HeldHooks = []
-    for tensor in tensors:
-        hooks = tensor._post_accumulate_grad_hooks
-        if hooks:
-            held.append((hooks, dict(hooks)))
-            hooks.clear()
-    return held
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self._saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+        for tensor in tensors:
+            hooks = tensor._post_accumulate_grad_hooks
+            if hooks:
+                self.tensors.append(tensor)
+                self._saved.append((hooks, dict(hooks)))
+                hooks.clear()
 
-
-def release_post_accumulate_hooks(held: HeldHooks) -> None:
-    for hooks, saved in held:
-        hooks.update(saved)
+    def release(self) -> None:
+        for hooks, saved in self._saved:
+            hooks.update(saved)
+        self._saved, self.tensors = [], []
 
 
 def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:

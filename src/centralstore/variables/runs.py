@@ -270,7 +270,8 @@ class ReplicasRun(Run):
             shared = self._shared
             if finished and shared is not None and self._direct(replica):
                 self._check_shared(shared, replica)
-                shared.take_gradients(replica)
+                if replica < len(self._store.replicas) - 1:  # the last one's stay for commit
+                    shared.take_gradients(replica)
 
     def suspend(self, replica: int) -> None:
         filled, self._filled = self._filled, None
