@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from guides import FENCE, blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -35,19 +36,9 @@ NOT_RUN_HERE = {
 }
 GUIDES = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "docs").glob("*.md"))
 DOCUMENTS = ["README.md", *(guide for guide in GUIDES if guide not in NOT_RUN_HERE)]
-FENCE = re.compile(r"^```(?P<language>[^\n`]*)\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
 LANGUAGES = {"python", "bash", "text"}
 TORCHRUN = re.compile(r"^# \S+\.py, launched with: torchrun")
 LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
-
-
-def blocks(document: str) -> list[tuple[str, str, int]]:
-    """A file's fenced blocks: (language, code, line number of the opening fence)."""
-    text = (ROOT / document).read_text()
-    return [
-        (match["language"].strip(), match["code"], text.count("\n", 0, match.start()) + 1)
-        for match in FENCE.finditer(text)
-    ]
 
 
 def python_blocks(document: str) -> list[tuple[str, int]]:

@@ -7,6 +7,7 @@ identity, so that there is exactly one enum class.
 from __future__ import annotations
 
 import enum
+from typing import TypeVar
 
 
 class VariableAggregation(enum.Enum):
@@ -23,13 +24,7 @@ class VariableAggregation(enum.Enum):
 
     @classmethod
     def parse(cls, value: VariableAggregation | str) -> VariableAggregation:
-        if isinstance(value, VariableAggregation):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"aggregation must be one of {[m.name for m in cls]}. Received: aggregation={value!r}"
-        )
+        return _member(cls, value, "aggregation")
 
 
 class VariableSynchronization(enum.Enum):
@@ -50,11 +45,18 @@ class VariableSynchronization(enum.Enum):
 
     @classmethod
     def parse(cls, value: VariableSynchronization | str) -> VariableSynchronization:
-        if isinstance(value, VariableSynchronization):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise ValueError(
-            f"synchronization must be one of {[m.name for m in cls]}. "
-            f"Received: synchronization={value!r}"
-        )
+        return _member(cls, value, "synchronization")
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _member(cls: type[E], value: E | str, what: str) -> E:
+    """The member of ``cls`` that ``value`` is or names (any case), else ``ValueError``."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    raise ValueError(
+        f"{what} must be one of {[m.name for m in cls]}. Received: {what}={value!r}"
+    )

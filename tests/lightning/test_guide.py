@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
+from guides import python_blocks
 
 pytest.importorskip("lightning")
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "lightning.md"
-FENCE = re.compile(r"^```(?P<language>[^\n`]*)\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
-
-
-def blocks() -> list[tuple[str, int]]:
-    text = GUIDE.read_text()
-    return [
-        (match["code"], text.count("\n", 0, match.start()) + 1)
-        for match in FENCE.finditer(text)
-        if match["language"].strip() == "python"
-    ]
+BLOCKS = python_blocks("docs/lightning.md")
 
 
 def test_the_guide_has_examples() -> None:
-    assert len(blocks()) >= 3
+    assert len(BLOCKS) >= 3
 
 
-@pytest.mark.parametrize(("code", "line"), blocks(), ids=[f"line{n}" for _, n in blocks()])
+@pytest.mark.parametrize(("code", "line"), BLOCKS, ids=[f"line{n}" for _, n in BLOCKS])
 def test_python_block_runs(code: str, line: int) -> None:
     namespace: dict[str, object] = {"__name__": "guide"}
     try:

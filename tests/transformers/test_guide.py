@@ -3,30 +3,20 @@ promises self-contained blocks), in a temporary directory for the files they wri
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+from guides import python_blocks
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
-FENCE = re.compile(r"^```(?P<language>[^\n`]*)\n(?P<code>.*?)^```$", re.MULTILINE | re.DOTALL)
-
-
-def python_blocks() -> list[tuple[str, int]]:
-    text = GUIDE.read_text()
-    return [
-        (match["code"], text.count("\n", 0, match.start()) + 1)
-        for match in FENCE.finditer(text)
-        if match["language"].strip() == "python"
-    ]
+BLOCKS = python_blocks("docs/huggingface.md")
 
 
 def test_the_guide_has_examples() -> None:
-    assert len(python_blocks()) >= 2
+    assert len(BLOCKS) >= 2
 
 
 @pytest.mark.parametrize(
-    ("code", "line"), python_blocks(), ids=[f"line{line}" for _, line in python_blocks()]
+    ("code", "line"), BLOCKS, ids=[f"line{line}" for _, line in BLOCKS]
 )
 def test_python_block_runs(
     code: str, line: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -74,22 +74,8 @@ class Run(abc.ABC):
     """The variables of one ``run``: how its replicas see them, and what its sync point does
     with their work."""
 
-    @abc.abstractmethod
-    def enter(self, replica: int) -> None:
-        """Replica ``replica`` starts, on the current thread."""
+    # -- what each mode supplies ---------------------------------------------------------
 
-    @abc.abstractmethod
-    def leave(self, replica: int, finished: bool) -> None:
-        """Replica ``replica`` ends (``finished``: it returned). Its writes are recorded,
-        which raises for a write its variable's aggregation forbids."""
-
-    @abc.abstractmethod
-    def suspend(self, replica: int) -> None:
-        """Replica ``replica`` waits in a rendezvous: its state comes off."""
-
-    @abc.abstractmethod
-    def resume(self, replica: int) -> None:
-        """Replica ``replica`` runs on after a rendezvous: its state goes back."""
 
     @abc.abstractmethod
     def cross_replica(self) -> contextlib.AbstractContextManager[None]:
@@ -105,8 +91,22 @@ class Run(abc.ABC):
     def rollback(self) -> None:
         """The run failed: the variables themselves, and their ``.grad``, as before it."""
 
-    @abc.abstractmethod
-    def close(self) -> None:
+    # -- defaults: a mode whose replicas use the variables themselves, untouched ------------
+
+    def enter(self, replica: int) -> None:  # noqa: B027 (a default, not abstract)
+        """Replica ``replica`` starts, on the current thread."""
+
+    def leave(self, replica: int, finished: bool) -> None:  # noqa: B027
+        """Replica ``replica`` ends (``finished``: it returned). Its writes are recorded,
+        which raises for a write its variable's aggregation forbids."""
+
+    def suspend(self, replica: int) -> None:  # noqa: B027
+        """Replica ``replica`` waits in a rendezvous: its state comes off."""
+
+    def resume(self, replica: int) -> None:  # noqa: B027
+        """Replica ``replica`` runs on after a rendezvous: its state goes back."""
+
+    def close(self) -> None:  # noqa: B027
         """The replicas are done (before the sync point): variables are plain again."""
 
     @property
@@ -145,18 +145,6 @@ class EmptyRun(Run):
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
         return _NOTHING
 
-    def enter(self, replica: int) -> None:
-        pass
-
-    def leave(self, replica: int, finished: bool) -> None:
-        pass
-
-    def suspend(self, replica: int) -> None:
-        pass
-
-    def resume(self, replica: int) -> None:
-        pass
-
     def cross_replica(self) -> contextlib.AbstractContextManager[None]:
         return _NOTHING
 
@@ -164,9 +152,6 @@ class EmptyRun(Run):
         return []
 
     def rollback(self) -> None:
-        pass
-
-    def close(self) -> None:
         pass
 
 
@@ -183,18 +168,6 @@ class OwnRun(Run):
         self._store = store
         self._undo = Undo(store.live())
 
-    def enter(self, replica: int) -> None:
-        pass
-
-    def leave(self, replica: int, finished: bool) -> None:
-        pass
-
-    def suspend(self, replica: int) -> None:
-        pass
-
-    def resume(self, replica: int) -> None:
-        pass
-
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
         try:
@@ -208,9 +181,6 @@ class OwnRun(Run):
 
     def rollback(self) -> None:
         self._undo.rollback()
-
-    def close(self) -> None:
-        pass
 
 
 @final
