@@ -1,21 +1,19 @@
-"""Each replica's random numbers: its own generator, seeded from the global seed.
+"""Each replica's random numbers: its own generator, derived from the global one.
 
-With several replicas, replica 0 draws from the global generators, as one device would;
-every other replica draws from streams of its own (the CPU's and, for a CUDA replica, its
-GPU's), seeded from the global seed (``torch.initial_seed()``) and the replica's global id
-when a run first needs them and continued from run to run; a new global seed
-(``torch.manual_seed``) starts new streams. So two identical programs give identical results
-on every path (replicas one after another, or passing the baton on threads), and no two
-replicas share a dropout mask or a noise sample, on logical CPU devices and on GPUs alike
-(``torch.manual_seed`` gives every GPU the same seed). The streams are swapped in when a
-replica runs and out when it waits or ends, so code between replicas and after ``run`` draws
-from the global streams as before. (Seeding again with the same seed does not restart the
-streams of a strategy's replicas after the first: a new strategy does.)
+With several replicas, each run begins by drawing one number from the global CPU generator;
+replica 0 then draws from the global generators, and every other replica from its own
+stream, seeded from that number and the replica's global id. So two identical programs give
+identical results on every path (replicas one after another, or passing the baton on
+threads), and no two replicas share a dropout mask or a noise sample, on logical CPU devices
+and on GPUs alike (``torch.manual_seed`` gives every GPU the same seed). A replica's
+generators are those of the CPU and, for a CUDA replica, of its GPU; they are swapped in
+when the replica runs and out when it waits or ends, so code between replicas and after
+``run`` draws from the global streams as before.
 
 >>> import torch
 >>> from centralstore._placement import Placement
+>>> randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 >>> def draws():
-...     randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 ...     randomness.begin()
 ...     out = []
 ...     for replica in range(2):
@@ -51,7 +49,7 @@ class ReplicaRandomness:
     """The generators of a strategy's replicas (see the module's docstring): one per
     strategy; ``begin`` starts each run of several replicas."""
 
-    __slots__ = ("_generators", "_global", "_ids", "_seed", "_states")
+    __slots__ = ("_base", "_buffer", "_generators", "_global", "_ids", "_saved")
 
     def __init__(self, placement: Placement) -> None:
         self._ids = tuple(placement.replica_offset + r for r in range(placement.local_replicas))
@@ -62,16 +60,16 @@ class ReplicaRandomness:
         ) if any(d.type == "cuda" for d in placement.storage_devices) else tuple(
             (torch.default_generator,) for _ in placement.storage_devices
         )
-        self._seed: int | None = None  # the global seed the replicas' streams come from
+        self._buffer = torch.empty((), dtype=torch.int64, device="cpu")
+        self._base = 0
         self._global: dict[Any, Any] = {}  # generator -> the global state it had
-        self._states: dict[int, list[tuple[Any, Any]]] = {}  # replica -> its streams' states
+        self._saved: dict[int, list[tuple[Any, Any]]] = {}  # replica -> its own states
 
     def begin(self) -> None:
-        """A run begins: a new global seed (``torch.manual_seed``) starts new streams."""
-        seed = torch.initial_seed()
-        if seed != self._seed:
-            self._seed = seed
-            self._states.clear()
+        """A run begins: one draw from the global CPU generator seeds its replicas' streams,
+        whatever happens in the run, so that every path agrees."""
+        self._base = int(self._buffer.random_(generator=torch.default_generator))
+        self._saved.clear()
 
     def enter(self, replica: int) -> None:
         """Replica ``replica`` starts or runs on: its streams in place of the global ones."""
@@ -81,22 +79,24 @@ class ReplicaRandomness:
         generators = self._generators[replica]
         for generator in generators:
             self._global[generator] = generator.get_state()
-        states = self._states.get(replica)
-        if states is not None:
-            for generator, state in states:
+        saved = self._saved.pop(replica, None)
+        if saved is not None:
+            for generator, state in saved:
                 generator.set_state(state)
             return
-        seed = replica_seed(self._seed or 0, global_id)
+        seed = replica_seed(self._base, global_id)
         for generator in generators:
             generator.manual_seed(seed)
 
     def leave(self, replica: int) -> None:
-        """Replica ``replica`` waits in a rendezvous or ends: its streams are kept for its
-        next ``enter``, and the global ones are back."""
+        """Replica ``replica`` ends: the global streams are back."""
         if self._ids[replica] != 0:
-            generators = self._generators[replica]
-            self._states[replica] = [(g, g.get_state()) for g in generators]
-            for generator in generators:
+            for generator in self._generators[replica]:
                 generator.set_state(self._global.pop(generator))
 
-    suspend = leave
+    def suspend(self, replica: int) -> None:
+        """Replica ``replica`` waits in a rendezvous: its streams are kept for ``enter``,
+        and the global ones are back."""
+        if self._ids[replica] != 0:
+            self._saved[replica] = [(g, g.get_state()) for g in self._generators[replica]]
+            self.leave(replica)
