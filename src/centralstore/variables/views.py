@@ -210,12 +210,17 @@ class ReplicaViews:
                 with torch.no_grad():
                     tensor.copy_(central, non_blocking=True)
                 self._copied(central)
-        hooks = central._backward_hooks  # the variable's tensor hooks run on each view
+        view.central_ptr = central.data_ptr()
+        view.stamp = record.stamp
+        return self._current(view, central)
+
+    def _current(self, view: View, central: torch.Tensor) -> View:
+        """``view`` made current for this epoch: the variable's tensor hooks run on it, and
+        its writes from now on are the epoch's."""
+        hooks = central._backward_hooks
         if view.tensor._backward_hooks is not hooks and view.tensor.requires_grad:
             view.tensor._backward_hooks = hooks
         view.central_version = central._version
-        view.central_ptr = central.data_ptr()
-        view.stamp = record.stamp
         view.start_version = view.tensor._version
         view.assigned = False
         view.epoch = self.epoch
@@ -248,17 +253,9 @@ class ReplicaViews:
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
             self.views[record.key] = view
-        hooks = central._backward_hooks
-        if view.tensor._backward_hooks is not hooks and view.tensor.requires_grad:
-            view.tensor._backward_hooks = hooks
         with torch.no_grad(), torch.inference_mode(False):
             view.start = view.tensor.detach().clone()
-        view.central_version = central._version
-        view.start_version = view.tensor._version
-        view.assigned = False
-        view.epoch = self.epoch
-        self.touched.append(view)
-        return view
+        return self._current(view, central)
 
     def _create(self, record: Central, central: torch.Tensor) -> View:
         if torch.is_inference_mode_enabled():  # views are normal tensors: they track versions
