@@ -228,13 +228,10 @@ class Trainer(_Trainer):  # type: ignore[misc]
         losses: list[torch.Tensor | None] = [None] * self._replicas
 
         def replica(batch: Any) -> None:
-            context = get_replica_context()
-            assert context is not None
-            index = int(context.replica_id_in_sync_group)
-            if shares.rows[index] == 0:
+            mine = _this_replica(shares, batch)
+            if mine is None:
                 return
-            device = context.device
-            batch = to_device(batch, device)
+            index, device, batch = mine
             count = _handed_count(num_items_in_batch, device)
             with self.compute_loss_context_manager():
                 loss = self.compute_loss(model, batch, num_items_in_batch=count)
@@ -298,13 +295,10 @@ class Trainer(_Trainer):  # type: ignore[misc]
         outputs: list[Any] = [None] * self._replicas
 
         def replica(batch: Any) -> None:
-            context = get_replica_context()
-            assert context is not None
-            index = int(context.replica_id_in_sync_group)
-            if shares.rows[index] == 0:
+            mine = _this_replica(shares, batch)
+            if mine is None:
                 return
-            device = context.device
-            batch = to_device(batch, device)
+            index, device, batch = mine
             with torch.no_grad(), self.compute_loss_context_manager():
                 if with_loss:
                     count = _handed_count(num_items_in_batch, device)
@@ -365,6 +359,17 @@ def _check_central(model: nn.Module, strategy: Strategy) -> None:
             "it), and add any module to it there too. "
             f"Outside the scope: {shown}. Received: strategy={strategy!r}"
         )
+
+
+def _this_replica(shares: Shares, batch: Any) -> tuple[int, torch.device, Any] | None:
+    """Inside ``run``: this replica's index, device and slice (on that device), or None when
+    its slice has no rows (it computes nothing)."""
+    context = get_replica_context()
+    assert context is not None
+    index = int(context.replica_id_in_sync_group)
+    if shares.rows[index] == 0:
+        return None
+    return index, context.device, to_device(batch, context.device)
 
 
 def _handed_count(count: Any, device: torch.device) -> Any:
