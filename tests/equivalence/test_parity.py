@@ -137,8 +137,9 @@ class _MeetsInside(nn.Module):
         return self.inner(x)  # after the rendezvous: still this replica's weight
 
 
-def test_functional_call_across_a_rendezvous_keeps_each_replicas_tensors() -> None:
-    strategy = strategy_on("direct")
+@pytest.mark.parametrize("path", ["direct", "views"])  # the rendezvous makes both threaded
+def test_functional_call_across_a_rendezvous_keeps_each_replicas_tensors(path: str) -> None:
+    strategy = strategy_on(path)
     model = build(strategy, _MeetsInside)
     weights = cs.PerReplica([torch.full((1, 1), 2.0), torch.full((1, 1), 3.0)])
 
