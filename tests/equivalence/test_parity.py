@@ -211,6 +211,84 @@ def test_a_write_to_a_shared_parameter_raises_naming_it(path: str) -> None:
     assert "set_aggregation" in str(info.value)
 
 
+@each_path
+def test_a_write_with_gradients_on_is_refused_before_it_happens(path: str) -> None:
+    strategy = strategy_on(path)
+    model = build(strategy, lambda: nn.Linear(4, 2))
+    before = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        run_on(path, strategy, lambda: model.weight.add_(1.0))
+    assert torch.equal(model.weight.detach(), before)
+
+
+# -- modules that are not central ---------------------------------------------------------
+
+
+def _batch_norm_counts(path: str, strategy: cs.Strategy, modules: list[nn.Module]) -> list[int]:
+    for module in modules:
+        run_on(path, strategy, lambda xs, m=module: m(xs), (halves(X),))
+    return [int(m[1].num_batches_tracked) for m in modules]
+
+
+@each_path
+def test_deepcopy_and_torch_load_inside_scope_are_central(path: str, tmp_path: Any) -> None:
+    import copy
+
+    strategy = strategy_on(path)
+    model = build(strategy, lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
+    torch.save(model, tmp_path / "model.pt")
+    with strategy.scope():
+        copied = copy.deepcopy(model)
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for module in (copied, loaded):
+        assert all(
+            strategy.extended.variable_created_in_scope(t)
+            for t in [*module.parameters(), *module.buffers()]
+        )
+    assert _batch_norm_counts(path, strategy, [model, copied, loaded]) == [1, 1, 1]
+
+
+@each_path
+@pytest.mark.parametrize("built", ["before the strategy", "after the strategy", "compiled"])
+def test_a_module_built_outside_scope_is_refused_at_its_first_call_in_run(
+    path: str, built: str
+) -> None:
+    if built == "before the strategy":
+        outside: nn.Module = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        strategy = strategy_on(path)
+    else:
+        strategy = strategy_on(path)
+        build(strategy, lambda: nn.Linear(4, 4))
+        run_on(path, strategy, lambda: None)  # the first run's check has passed
+        outside = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        if built == "compiled":
+            outside = torch.compile(outside)
+    with pytest.raises(ValueError, match=r"The Linear module .* 'weight' of shape \(3, 4\)") as info:
+        run_on(path, strategy, lambda xs: outside(xs), (halves(X),))
+    assert "strategy.scope()" in str(info.value)
+    if built != "compiled":  # not a single update of the running statistics
+        assert int(outside[1].num_batches_tracked) == 0
+
+
+@each_path
+def test_a_module_attached_in_scope_becomes_central_and_plain_ones_lose_the_check(
+    path: str,
+) -> None:
+    strategy = strategy_on(path)
+    build(strategy, lambda: nn.Linear(4, 4))
+    run_on(path, strategy, lambda: None)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    plain = nn.Linear(4, 3)
+    assert model[0]._forward_pre_hooks and plain._forward_pre_hooks  # checked at first call
+    plain(X)  # outside run: a plain module, no longer checked
+    assert not plain._forward_pre_hooks
+    with strategy.scope():
+        holder = nn.Module()
+        holder.add_module("model", model)
+    assert not model[0]._forward_pre_hooks
+    assert _batch_norm_counts(path, strategy, [model]) == [1]
+
+
 # -- randomness ---------------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
 from ..variables.runs import EMPTY, Run
 from ..variables.store import VariableStore
+from ..variables.unscoped import FirstUse
 from .extended import StrategyExtended
 
 _NOTHING = contextlib.nullcontext()  # reusable
@@ -78,6 +79,7 @@ class Strategy(abc.ABC):
             ReplicaRandomness(self._placement) if self._placement.local_replicas > 1 else None
         )
         self._store = VariableStore(self._placement, self._workers)
+        self._first_use = FirstUse(self._store.owned)
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
         )
@@ -196,12 +198,15 @@ class Strategy(abc.ABC):
                     state, run, randomness, replica, fn, *inputs[replica], environment
                 )
 
+            self._first_use.start(store)
             try:
                 state = _replicas.execute(local, self._pool, body, _Baton(run, randomness))
             except BaseException as interrupt:  # on the calling thread, between replicas
+                self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
                 raise
             error = next((e for e in state.errors if e is not None), None)
+            self._first_use.stop(passed=error is None)
             self._end_run(error, outer)
         finally:
             store.release()
@@ -285,8 +290,10 @@ class Strategy(abc.ABC):
         point (``merge_call``)."""
         _context.push(_context.Entry(self, None, self._store))
         try:  # on the parameter device, as in scope(): optimizer state lands beside the weights
-            with torch.device(self._placement.parameter_storage), self._store.cross_replica():
-                self._store.sync()
+            store = self._store
+            with torch.device(self._placement.parameter_storage), store.cross_replica():
+                store.check_unseen()
+                self._workers.sync(store, None)
                 return merge_fn(self, *args, **kwargs)
         finally:
             _context.pop()

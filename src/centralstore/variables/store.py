@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from .. import _context
 from .._aggregation import VariableAggregation, VariableSynchronization
 from .._placement import Placement
-from . import folding, steps
+from . import folding, steps, unscoped
 from .modules import record_unseen
 from .records import Central, check_aggregation, check_on_read, default_buffer_aggregation
 from .runs import EMPTY, OwnRun, Plan, ReplicasRun, Run
@@ -149,6 +149,17 @@ class VariableStore:
         for views in self.replicas:
             views.forget(key)
 
+    def owned(self) -> tuple[dict[int, Central], set[tuple[int, str]]]:
+        """The records, and the module slots that hold them (module id, name): what a
+        module built in the scope holds (``unscoped.FirstUse``)."""
+        slots = {
+            (id(module), name)
+            for record in self.records.values()
+            for ref, name in record.owners
+            if (module := ref()) is not None
+        }
+        return self.records, slots
+
     def record(self, tensor: Any) -> Central | None:
         return self.records.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
 
@@ -192,17 +203,22 @@ class VariableStore:
                 self._take(module, name, buffer, is_buffer=True)
 
         def on_submodule(module: Any, name: str, submodule: Any) -> None:
-            # A module copied in scope (nn.TransformerEncoder deep-copies its layer) never
-            # registers its tensors one by one: they are taken when it is attached.
-            if submodule is None or not mine():
-                return
-            for owner in submodule.modules():
-                for key, param in owner._parameters.items():
+            # A module attached in scope may hold tensors it never registered there
+            if submodule is not None:
+                for owner in submodule.modules():
+                    take_own(owner)
+
+        def take_own(module: torch.nn.Module) -> None:
+            # also for the modules that copy.deepcopy and torch.load restore: unpickling
+            # fills their tables without registering
+            if mine():
+                unscoped.adopted(module)
+                for key, param in module._parameters.items():
                     if param is not None:
-                        self._take(owner, key, param, is_buffer=False)
-                for key, buffer in owner._buffers.items():
+                        self._take(module, key, param, is_buffer=False)
+                for key, buffer in module._buffers.items():
                     if buffer is not None:
-                        self._take(owner, key, buffer, is_buffer=True)
+                        self._take(module, key, buffer, is_buffer=True)
 
         handles = [
             _module.register_module_parameter_registration_hook(on_parameter),
@@ -210,7 +226,7 @@ class VariableStore:
             _module.register_module_module_registration_hook(on_submodule),
         ]
         try:
-            with _RegistrationMode(self, mine):
+            with _RegistrationMode(self, mine), unscoped.adopting(take_own):
                 yield
         finally:
             for handle in handles:
@@ -308,10 +324,16 @@ class VariableStore:
         if self.in_run:
             self._next_epoch()
 
-    def sync(self) -> None:
-        """A sync point outside the end of ``run`` (``merge_call``, an optimizer step)."""
+    def check_unseen(self) -> None:
+        """Before a sync point inside a run: record the writes that kernels made behind the
+        version counters of the replicas' views (raises for one the aggregation forbids)."""
         if any(replica.unseen for replica in self.replicas):
             record_unseen(self.replicas)
+
+    def sync(self) -> None:
+        """The sync point of an optimizer step over these variables (``steps.py``); the
+        strategy calls its workers' sync itself at the end of ``run`` and in ``merge_call``."""
+        self.check_unseen()
         self.exchange.sync(self, None)
 
     def fold(self, discard: bool = False) -> None:

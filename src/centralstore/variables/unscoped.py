@@ -1,0 +1,199 @@
+"""Modules whose tensors are not central variables, and what becomes of them.
+
+The scope's registration hooks (``store.py``) make central what a module registers. Two kinds
+of module register nothing in the scope:
+
+* a module restored by unpickling (``copy.deepcopy(model)``, ``torch.load`` of a whole
+  module) gets its tables back without registering them: inside a scope, ``adopting`` takes
+  each restored module's tensors as the registration hooks would, so a copy made in the
+  scope is central like the module it copies;
+* a module built outside every scope (or restored there): each replica would use it as it
+  is, so its buffers would take one update per replica (BatchNorm's ``num_batches_tracked``
+  would count R per step). Such a module is refused at its first call in a run, naming it
+  and the fix: the first run of a strategy checks every module it calls (``FirstUse``), and
+  from the strategy's creation on, a module that registers a tensor outside every scope
+  gets a forward pre-hook that checks it at its first call if that call is in a run; the
+  hook then goes (also when a scope takes the module), so a plain module costs nothing from
+  its second call on. Not seen: a module first called outside ``run`` and then in a later
+  run, and a module restored outside a scope (it registers nothing) first called after the
+  first run.
+
+>>> import torch
+>>> import centralstore as cs
+>>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+>>> outside = torch.nn.BatchNorm1d(3)
+>>> strategy.run(outside, args=(torch.randn(4, 3),))
+Traceback (most recent call last):
+...
+ValueError: The BatchNorm1d module called in replica 0 holds the parameter 'weight' ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.nn.modules import module as _module
+
+from .. import _context
+
+_lock = threading.Lock()
+_watching = False
+# modules that registered a tensor outside every scope, and their forward pre-hook
+_watched: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
+    if value is None or module in _watched:
+        return
+    if isinstance(value, torch.nn.Module) and value not in _watched:
+        return  # a container is watched when one of its modules is: a compiled model too
+    entry = _context.current()
+    if entry.replica_context is None and entry.strategy is not _context.default().strategy:
+        return  # a scope takes it
+    _watched[module] = module.register_forward_pre_hook(_first_call)
+
+
+def _first_call(module: torch.nn.Module, args: Any) -> None:
+    """A watched module's first call: in a replica of a strategy, it must hold only central
+    variables (it may have been attached in a scope since). Either way it is no longer
+    watched, so that a plain module costs nothing from its second call on."""
+    if torch.compiler.is_compiling():
+        return  # checked where the compiled model is called (OptimizedModule)
+    handle = _watched.pop(module, None)
+    if handle is not None:
+        handle.remove()
+    entry = _context.current()
+    if entry.replica_context is None or entry.strategy is _context.default().strategy:
+        return
+    owned = getattr(entry.store, "owned", None)
+    if owned is not None:
+        records, slots = owned()
+        check(module, records, slots, entry)
+
+
+def adopted(module: torch.nn.Module) -> None:
+    """A scope took ``module``'s tensors: it is no longer watched."""
+    handle = _watched.pop(module, None)
+    if handle is not None:
+        handle.remove()
+
+
+def watch_registrations() -> None:
+    """From now on (idempotent), each module that registers a tensor outside every scope is
+    checked at its first call in a run."""
+    global _watching
+    with _lock:
+        if not _watching:
+            _module.register_module_parameter_registration_hook(_registered)
+            _module.register_module_buffer_registration_hook(_registered)
+            _module.register_module_module_registration_hook(_registered)
+            _watching = True
+
+
+def check(
+    module: torch.nn.Module,
+    records: dict[int, Any],
+    slots: set[tuple[int, str]],
+    entry: _context.Entry,
+) -> None:
+    """Raise if ``module`` (the model of a compiled one: all its modules) holds a tensor that
+    is neither a record nor in a slot of one."""
+    original = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+    for owner in original.modules() if isinstance(original, torch.nn.Module) else (module,):
+        for kind, table in (("parameter", owner._parameters), ("buffer", owner._buffers)):
+            for name, tensor in table.items():
+                if tensor is not None and id(tensor) not in records and (
+                    (id(owner), name) not in slots
+                ):
+                    _refuse(owner, kind, name, tensor, entry)
+
+
+def _refuse(
+    module: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor, entry: _context.Entry
+) -> None:
+    replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
+    raise ValueError(
+        f"The {type(module).__name__} module called in replica {replica} holds the {kind} "
+        f"{name!r} of shape {tuple(tensor.shape)}, which is not a central variable of "
+        f"{entry.strategy!r}: the module was built (or copied or loaded) outside "
+        "strategy.scope(), so every replica would use it as it is, and a buffer would take "
+        "one update per replica. Build or load it inside `with strategy.scope():` "
+        "(attaching it there to a module built in the scope, or `copy.deepcopy` of it "
+        "there, also makes it central)."
+    )
+
+
+Take = Callable[[torch.nn.Module], None]
+_takers: list[Take] = []  # innermost last: the scopes that adopt what is restored
+_original_setstate: Callable[[torch.nn.Module, Any], None] = torch.nn.Module.__setstate__
+
+
+def _setstate(self: torch.nn.Module, state: Any) -> None:
+    _original_setstate(self, state)
+    if _takers:
+        _takers[-1](self)
+
+
+@contextlib.contextmanager
+def adopting(take: Take) -> Iterator[None]:
+    """While the block runs, each module restored by unpickling (``copy.deepcopy``,
+    ``torch.load``) is passed to ``take``, once its own tables are back (its submodules were
+    restored before it)."""
+    with _lock:
+        if not _takers:
+            torch.nn.Module.__setstate__ = _setstate  # type: ignore[method-assign]
+        _takers.append(take)
+    try:
+        yield
+    finally:
+        with _lock:
+            _takers.remove(take)
+            if not _takers:
+                torch.nn.Module.__setstate__ = _original_setstate  # type: ignore[method-assign]
+
+
+class FirstUse:
+    """The first run of a strategy checks every module its replicas call (module docstring):
+    ``start`` before the replicas run, ``stop`` after them; later runs check only the
+    modules watched since they registered a tensor outside every scope. ``owned`` gives the
+    store's records (by tensor id) and module slots (by module id and name)."""
+
+    __slots__ = ("_handle", "_owned", "_passed")
+
+    def __init__(
+        self, owned: Callable[[], tuple[dict[int, Any], set[tuple[int, str]]]]
+    ) -> None:
+        watch_registrations()
+        self._owned = owned
+        self._passed = False  # whether a run has checked every module it called
+        self._handle: Any = None
+
+    def start(self, store: object) -> None:
+        """A run of ``store`` begins."""
+        if self._passed:
+            return
+        records, slots = self._owned()
+        seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+        def before_call(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling() or module in seen:
+                return  # a compiled model: checked where it is called (OptimizedModule)
+            entry = _context.current()
+            if entry.replica_context is None or entry.store is not store:
+                return  # cross-replica code, or a module called by another strategy
+            check(module, records, slots, entry)
+            seen.add(module)
+
+        self._handle = _module.register_module_forward_pre_hook(before_call)
+
+    def stop(self, passed: bool) -> None:
+        """The replicas are done (``passed``: none raised)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+            self._passed = passed
