@@ -163,7 +163,7 @@ class FirstUse:
     modules watched since they registered a tensor outside every scope. ``owned`` gives the
     store's records (by tensor id) and module slots (by module id and name)."""
 
-    __slots__ = ("_handle", "_owned", "_passed")
+    __slots__ = ("_depth", "_handle", "_owned", "_passed")
 
     def __init__(
         self, owned: Callable[[], tuple[dict[int, Any], set[tuple[int, str]]]]
@@ -172,10 +172,13 @@ class FirstUse:
         self._owned = owned
         self._passed = False  # whether a run has checked every module it called
         self._handle: Any = None
+        self._depth = 0  # runs in progress: one, or one inside another's merge_call
 
     def start(self, store: object) -> None:
-        """A run of ``store`` begins."""
-        if self._passed:
+        """A run of ``store`` begins (a run inside ``merge_call`` is checked by its outer
+        one; the default strategy, whose scope is everywhere, is not checked)."""
+        self._depth += 1
+        if self._depth > 1 or self._passed or _context.default().store is store:
             return
         records, slots = self._owned()
         seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -193,7 +196,8 @@ class FirstUse:
 
     def stop(self, passed: bool) -> None:
         """The replicas are done (``passed``: none raised)."""
-        if self._handle is not None:
+        self._depth -= 1
+        if self._depth == 0 and self._handle is not None:
             self._handle.remove()
             self._handle = None
             self._passed = passed

@@ -1,0 +1,67 @@
+"""The checks for modules that are not central (``variables/unscoped.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from replicas import strategy_of
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+import centralstore as cs
+
+
+def test_no_global_hook_is_left_after_runs_nested_in_merge_call() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(2, 2)
+
+    def merge(s: cs.Strategy) -> None:
+        s.run(lambda: model(torch.ones(1, 2)))
+
+    def step() -> None:
+        model(torch.ones(1, 2))
+        cs.get_replica_context().merge_call(merge)
+
+    strategy.run(step)
+    assert not torch_module._global_forward_pre_hooks
+
+
+def test_a_failed_first_run_checks_again_and_a_passed_one_stops_checking() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="boom"):
+        strategy.run(lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    early = nn.Linear(2, 2)
+    early(torch.ones(1, 2))  # outside run: its own hook goes, the first-run check stays
+    with pytest.raises(ValueError, match="The Linear module"):
+        strategy.run(lambda: early(torch.ones(1, 2)))
+    strategy.run(lambda: model(torch.ones(1, 2)))
+    late = nn.Linear(2, 2)
+    late(torch.ones(1, 2))
+    strategy.run(lambda: late(torch.ones(1, 2)))  # not seen: first called outside run
+
+
+def test_the_default_strategy_uses_any_module() -> None:
+    model = nn.BatchNorm1d(2)
+    cs.get_strategy().run(model, args=(torch.randn(4, 2),))
+    assert int(model.num_batches_tracked) == 1
+    assert not torch_module._global_forward_pre_hooks
+
+
+def test_unpickling_outside_scope_is_plain_and_setstate_is_restored() -> None:
+    strategy = strategy_of(2)
+    original = nn.Module.__setstate__
+    with strategy.scope():
+        model = nn.Linear(2, 2)
+        assert nn.Module.__setstate__ is not original
+    assert nn.Module.__setstate__ is original
+    outside = copy.deepcopy(model)
+    assert not strategy.extended.variable_created_in_scope(outside.weight)
+    with strategy.scope():
+        inside = copy.deepcopy(model)
+    assert strategy.extended.variable_created_in_scope(inside.weight)
+    assert inside.weight is not model.weight
