@@ -62,8 +62,10 @@ class _Steps:
         self.strategy = strategy
         self.devices = tuple(str(d) for d in strategy.compute_devices)
 
-    def step(self, seed: int = 0, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None
-             = None, runs: int = 1, zero: bool = True) -> None:
+    def step(
+        self, seed: int = 0, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+        runs: int = 1, zero: bool = True,
+    ) -> None:
         model = self.model
         compute = loss or (lambda m, x: m(x).square().mean())
         for run in range(runs):

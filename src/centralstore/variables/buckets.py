@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, final
 
 import torch
@@ -76,7 +78,8 @@ class Bucket:
         self._event: Any = None
 
     def accepts(self, piece: Piece) -> bool:
-        """Whether ``piece`` may land now: a fill is open and has not had it yet."""
+        """Whether ``piece`` may land now: the bucket is empty (a fill read and all taken
+        empties it), or its fill is open and has not had the piece yet."""
         if self.state is BucketState.READ and self.unread == 0:
             self.state = BucketState.EMPTY
         if self.state is BucketState.EMPTY:
@@ -163,6 +166,8 @@ class GradientCopy(abc.ABC):
 
 @final
 class InBucket(GradientCopy):
+    """A gradient copied into its slot of the buckets."""
+
     __slots__ = ("_owner", "_slot", "borrowed")
 
     def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
@@ -189,6 +194,8 @@ class InBucket(GradientCopy):
 
 @final
 class Alone(GradientCopy):
+    """A gradient copied into a pinned block of its own."""
+
     __slots__ = ("_event", "_host", "_owner")
     borrowed = False
 
@@ -219,11 +226,16 @@ class Deferred(GradientCopy):
         self, owner: GradientBuckets, key: int, grad: torch.Tensor, stream: Any, side: Any
     ) -> None:
         self._owner = owner
-        self.key, self.grad, self.stream, self.side = key, grad, stream, side
+        self.key, self.stream, self.side = key, stream, side
+        self.grad: torch.Tensor | None = grad
         self._copy: GradientCopy | None = None
 
-    def place(self, copy: GradientCopy) -> None:
-        self._copy, self.grad = copy, None  # type: ignore[assignment]
+    def place(self, start: Callable[[torch.Tensor, Any, Any], GradientCopy]) -> None:
+        """Start its copy (``start(grad, stream, side)``), which holds the gradient from now
+        on."""
+        grad, self.grad = self.grad, None
+        assert grad is not None  # placed once
+        self._copy = start(grad, self.stream, self.side)
 
     @property
     def borrowed(self) -> bool:  # type: ignore[override]
@@ -276,7 +288,11 @@ class GradientBuckets:
     def _land(self, slot: Slot, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
         if not all(bucket.accepts(piece) for bucket, piece in slot.pieces):
             return Alone(self, grad, stream, side)
-        flat = grad.reshape(-1)
+        if grad.is_contiguous():
+            flat = grad.view(-1)
+        else:  # a copy, made where the gradient was (the sync point's stream may differ)
+            with torch.cuda.stream(stream):
+                flat = grad.reshape(-1)
         for bucket, piece in slot.pieces:
             bucket.add(piece, flat, stream, side)
         self._filled += 1
@@ -288,7 +304,7 @@ class GradientBuckets:
         self._slots = lay_out(self._arrivals, BUCKET_BYTES)
         deferred, self._deferred = self._deferred, []
         for entry in deferred:
-            entry.place(self._land(self._slots[entry.key], entry.grad, entry.stream, entry.side))
+            entry.place(functools.partial(self._land, self._slots[entry.key]))
         self._stale, self._filled = False, len(self._slots)  # it fits this step
 
     @property
@@ -305,7 +321,7 @@ class GradientBuckets:
             self._slots = lay_out(self._arrivals, BUCKET_BYTES)
         self._arrivals, self._filled, self._stale = [], 0, False
         for entry in self._deferred:  # not taken at the sync point (a discarded view's)
-            entry.place(Alone(self, entry.grad, entry.stream, entry.side))
+            entry.place(functools.partial(Alone, self))
         self._deferred = []
 
 
