@@ -390,3 +390,25 @@ def test_gradients_let_go_before_their_bucket_is_waited_for_are_a_hazard(
     gc.collect()
     hazards = fake_gpus.take_hazards()
     assert any(h.kind == "free" for h in hazards), "\n".join(map(str, hazards))
+
+
+def test_a_deferred_gradient_left_at_its_sync_point_is_copied_alone_at_the_next_step(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """A gradient without a slot whose view a sync point did not fold (the layout it would
+    have got was never built) is copied alone when the next step begins, and taken later."""
+    side = torch.cuda.Stream(0)
+    gradients = buckets.GradientBuckets()
+
+    def grad(value: float) -> torch.Tensor:
+        return torch.full((3,), value, device="cuda:0")
+
+    gradients.copy(1, grad(1.0), side).take()  # the first sync point lays out variable 1
+    in_bucket = gradients.copy(1, grad(2.0), side)
+    late = gradients.copy(2, grad(3.0), side)  # no slot for variable 2: deferred
+    assert isinstance(in_bucket, buckets.InBucket) and isinstance(late, buckets.Deferred)
+    assert torch.equal(in_bucket.take(), torch.full((3,), 2.0))  # the sync point's only
+    pins = _pinned_allocations(fake_gpus)
+    gradients.copy(1, grad(4.0), side)  # the next step: laid out for 1 and 2, and late alone
+    assert _pinned_allocations(fake_gpus) - pins == 2  # the new bucket, and late's block
+    assert torch.equal(late.take(), torch.full((3,), 3.0)) and not late.borrowed
