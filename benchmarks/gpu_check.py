@@ -81,6 +81,7 @@ DEFECTS = [
     ("replica threads ignored the caller's stream", "test_replica_threads_use_the_callers"),
     ("every GPU drew the same random numbers", "test_each_gpu_replica_draws_different"),
     ("a TorchFunctionMode in every CUDA replica", "test_a_gpu_replica_pays_no_python"),
+    ("a pinned block per gradient and step", "test_the_early_gradient_copy_pins_its"),
 ]
 DEFECTS_TIMEOUT_S = 90
 # The tests' share of the 8 minutes the whole check may take: a little more than pytest's

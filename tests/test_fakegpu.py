@@ -29,7 +29,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 
 import centralstore as cs
 from centralstore.input import distributed
-from centralstore.variables import folding, views
+from centralstore.variables import buckets, folding, views
 
 uses_gpus = pytest.mark.usefixtures("fake_gpus")
 
@@ -445,6 +445,21 @@ def _train_on_cpu_parameters() -> None:
            _initial_state(), steps=2)
 
 
+def _backward_twice_in_a_run() -> None:
+    """Two backward passes in one run: the second gradient of each variable finds its slot
+    in the bucket taken and is copied alone (its own pinned block, ``record_stream``)."""
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    with strategy.scope():
+        model = _model()
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+        model(x).square().sum().backward()
+
+    for _ in range(2):
+        strategy.run(step, args=(_per_replica(torch.randn(BATCH, 6), strategy.compute_devices),))
+
+
 def _iterate_a_distributed_dataset() -> None:
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
     with strategy.scope():
@@ -466,8 +481,14 @@ _MUTATIONS = [
                  "write/", id="folding-gradient-event-record"),
     pytest.param(folding, "start_copy", "Stream.wait_stream", _train_on_cpu_parameters,
                  "write/read", id="folding-side-stream-waits-for-backward"),
-    pytest.param(folding, "start_copy", "record_stream", _train_on_cpu_parameters, "free",
+    pytest.param(folding, "start_copy", "record_stream", _backward_twice_in_a_run, "free",
                  id="folding-record_stream"),
+    pytest.param(buckets.Bucket, "_launch", "Event.record", _train_on_cpu_parameters,
+                 "write/", id="bucket-event-record"),
+    pytest.param(buckets.Bucket, "wait", "Event.synchronize", _train_on_cpu_parameters,
+                 "write/", id="bucket-event-sync"),
+    pytest.param(buckets.Bucket, "_launch", "Stream.wait_stream", _train_on_cpu_parameters,
+                 "write/read", id="bucket-side-stream-waits-for-backward"),
     pytest.param(distributed._CudaReady, "__call__", "Stream.wait_event",
                  _iterate_a_distributed_dataset, "write/read", id="input-copy-event"),
 ]

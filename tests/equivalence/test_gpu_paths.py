@@ -249,3 +249,35 @@ def test_sparse_gradients_fold(fake_gpu_placement: FakePlacement) -> None:
     torch.testing.assert_close(
         embedding.weight.grad.cpu().to_dense(), oracle.weight.grad.to_dense()
     )
+
+
+def _pinned_memory(placement: FakePlacement) -> tuple[int, int]:
+    """(the bytes of pinned memory torch's host allocator holds, the blocks it has handed
+    out so far), from the fake GPUs' model of it or from the real allocator's statistics."""
+    if placement.gpus is not None:
+        return placement.gpus.pinned.reserved, placement.gpus.calls["pinned allocation", "host"]
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.current", 0), stats.get("active_requests.allocated", 0)
+
+
+def test_the_early_gradient_copy_pins_its_buckets_once(fake_gpu_placement: FakePlacement) -> None:
+    """GPU replicas copy their gradients to CPU parameters in pinned buckets allocated at
+    the first step: later steps take no pinned block at all (a copy per gradient took one
+    per gradient and step), and the pinned memory held for gradients stays under twice
+    their bytes per GPU replica."""
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(10)], nn.Linear(4, 2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    xs, ys = (to_replicas(t, fake_gpu_placement.compute_devices) for t in (X, Y))
+    held, _ = _pinned_memory(fake_gpu_placement)
+    pinned = []
+    for _ in range(6):
+        strategy.run(mse_step(model), args=(xs, ys))
+        optimizer.step()
+        optimizer.zero_grad()
+        pinned.append(_pinned_memory(fake_gpu_placement))
+    assert all(later == pinned[0] for later in pinned[1:]), pinned
+    gpu_replicas = sum(d.startswith("cuda") for d in fake_gpu_placement.compute_devices)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert pinned[0][0] - held < 2 * gradient_bytes * gpu_replicas

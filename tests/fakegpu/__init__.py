@@ -7,7 +7,9 @@ does; moves between devices are real copies. Streams, events and pinned memory b
 their CUDA counterparts order work, and a happens-before checker over the host and every
 stream (``_order``) records each access of device memory and of pinned host memory by the
 stream that issued it: unordered conflicting accesses, and blocks freed while another
-stream may still use them, are hazards (``gpus.hazards``, ``gpus.check()``).
+stream may still use them, are hazards (``gpus.hazards``, ``gpus.check()``). ``gpus.calls``
+counts the CUDA runtime calls made, by kind and stream, and ``gpus.pinned`` models the pinned
+memory torch's caching host allocator would hold.
 
 The fake GPUs check placement and synchronization, not numerics or speed: kernels are the
 CPU's, every stream runs at once, and there is no NCCL. See docs/design.md, "The fake-GPU

@@ -4,7 +4,8 @@ A block is one storage (every view of it is the same block), known by its addres
 lives: ``register`` creates it on first sight, allocated on a stream (device memory) or on
 none (pinned host memory), and a ``weakref.finalize`` on the storage reports its free to the
 ``Order``. Host tensors that are not pinned are not tracked: only pinned memory can be read or
-written by a stream behind the host's back.
+written by a stream behind the host's back. A pinned block is also counted in the runtime's
+``PinnedPool``, the model of torch's caching host allocator (what pinned memory it holds).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _cuda
-from ._order import Block
+from ._order import HOST, Block
 from ._tensor import FakeCudaTensor
 
 PINNED = "cpu (pinned)"
@@ -41,6 +42,10 @@ def register(rt: _cuda.Runtime, inner: torch.Tensor, device: str,
     if new:
         freed = weakref.finalize(inner.untyped_storage(), rt.order.free, key, block.serial)
         freed.atexit = False  # nothing to check once the interpreter is exiting
+        if device == PINNED:
+            size = rt.pinned.allocate(inner.untyped_storage().nbytes())
+            rt.tally("pinned allocation", HOST)
+            weakref.finalize(inner.untyped_storage(), rt.pinned.free, size).atexit = False
     return block
 
 

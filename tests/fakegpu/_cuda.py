@@ -6,6 +6,10 @@ default stream for each, each thread's current device and its current stream on 
 that streams, events and synchronizations feed. ``namespace()`` is what is installed on the
 ``torch.cuda`` module while the context is active.
 
+``Runtime.calls`` counts the CUDA runtime calls a real process would make, by what they are
+and the stream they are for (``tally``): stream and event calls, ``record_stream``, kernels,
+copies and pinned allocations (``Runtime.pinned`` models what the host allocator then holds).
+
 Streams and events keep no clock of their own: the active runtime's ``Order`` holds them, so
 that a stream cached across tests (as ``centralstore.variables.folding`` caches its side
 streams) simply starts afresh in the next test's runtime.
@@ -16,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ._order import HOST, Order
+from ._order import HOST, Agent, Order
+from ._pinned import PinnedPool
 
 _DEFAULT_SEED = 67280421310721  # torch's default seed, on the CPU as on CUDA
 _ids = itertools.count(1)
@@ -80,6 +86,7 @@ class FakeStream:
         rt = runtime()
         if rt.skipped("Stream.wait_stream"):
             return
+        rt.tally("Stream.wait_stream", self)
         rt.order.launch(self)
         rt.order.join(self, stream)
 
@@ -95,6 +102,7 @@ class FakeStream:
     def synchronize(self) -> None:
         rt = runtime()
         if not rt.skipped("Stream.synchronize"):
+            rt.tally("Stream.synchronize", self)
             rt.order.join(HOST, self)
 
     def __enter__(self) -> FakeStream:
@@ -112,6 +120,7 @@ class FakeEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False,
                  interprocess: bool = False) -> None:
         self._snapshot: dict[Any, int] | None = None
+        self._stream: FakeStream | None = None  # where it was last recorded
         self.enable_timing = enable_timing
 
     def record(self, stream: FakeStream | None = None) -> None:
@@ -119,14 +128,17 @@ class FakeEvent:
         if rt.skipped("Event.record"):
             return
         stream = rt.current_stream() if stream is None else stream
+        rt.tally("Event.record", stream)
         rt.order.launch(stream)
         self._snapshot = rt.order.snapshot(stream)
+        self._stream = stream
 
     def wait(self, stream: FakeStream | None = None) -> None:
         rt = runtime()
         stream = rt.current_stream() if stream is None else stream
         if rt.skipped("Stream.wait_event") or rt.skipped("Event.wait"):
             return
+        rt.tally("Stream.wait_event", stream)
         rt.order.launch(stream)
         if self._snapshot is not None:
             rt.order.join(stream, self._snapshot)
@@ -138,6 +150,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         rt = runtime()
         if self._snapshot is not None and not rt.skipped("Event.synchronize"):
+            rt.tally("Event.synchronize", self._stream)
             rt.order.join(HOST, self._snapshot)
 
     def elapsed_time(self, end_event: FakeEvent) -> float:
@@ -203,6 +216,13 @@ class Runtime:
         self._defaults: list[FakeStream] = []
         self.generators = [torch.Generator().manual_seed(_DEFAULT_SEED) for _ in range(count)]
         self._rng_lock = threading.RLock()
+        self.calls: Counter[tuple[str, Agent | None]] = Counter()
+        self.pinned = PinnedPool()
+
+    def tally(self, what: str, agent: Agent | None) -> None:
+        """One CUDA runtime call: ``what`` it is, for ``agent`` (a stream, or ``HOST``)."""
+        with self.order.lock:
+            self.calls[what, agent] += 1
 
     def start(self) -> None:
         """Create the default streams (needs the runtime to be the active one)."""
@@ -250,6 +270,7 @@ class Runtime:
         if self.skipped("synchronize"):
             return
         index = self.index(device)
+        self.tally("synchronize", HOST)
         for agent in list(self.order._clocks):
             if agent != HOST and getattr(agent, "device_index", None) == index:
                 self.order.join(HOST, agent)

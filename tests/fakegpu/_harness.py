@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -32,6 +33,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 
 from . import _centralstore, _cuda, _ops
 from ._order import Hazard
+from ._pinned import PinnedPool
 
 _MISSING = object()
 _METHODS = ("to", "cuda", "pin_memory", "is_pinned", "record_stream")
@@ -198,6 +200,16 @@ class FakeGPUs:
     def hazards(self) -> list[Hazard]:
         """The hazards found so far, in order."""
         return list(self.runtime.order.hazards)
+
+    @property
+    def calls(self) -> Counter[tuple[str, Any]]:
+        """The CUDA runtime calls made so far: (what, the stream or ``"host"``) -> count."""
+        return self.runtime.calls
+
+    @property
+    def pinned(self) -> PinnedPool:
+        """The pinned host memory that torch's caching host allocator would hold."""
+        return self.runtime.pinned
 
     def take_hazards(self) -> list[Hazard]:
         """The hazards found so far, cleared: a test that expects them takes them."""

@@ -57,6 +57,7 @@ def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: 
     assert isinstance(source, FakeCudaTensor)
     if dst_index is None:  # device to host
         stream = rt.current_stream(src_index)
+        rt.tally("copy to host", stream)
         rt.order.launch(stream)
         block = device_block(rt, source)
         if block is not None:
@@ -75,6 +76,7 @@ def _host_to_device(call: Call, src: torch.Tensor, dst_inner: torch.Tensor, inde
                     non_blocking: bool, label: str, dst: Any = None) -> Any:
     rt = call.rt
     stream = rt.current_stream(index)
+    rt.tally("copy to device", stream)
     rt.order.launch(stream)
     block = host_block(rt, src)
     async_read = non_blocking and block is not None and block.device == PINNED
@@ -95,6 +97,7 @@ def _device_to_device(call: Call, source: FakeCudaTensor, dst_inner: torch.Tenso
     rt = call.rt
     src_stream = rt.current_stream(source._fakegpu_index)
     dst_stream = rt.current_stream(index)
+    rt.tally("copy between devices", src_stream)
     rt.order.launch(src_stream)
     rt.order.launch(dst_stream)
     rt.order.join(src_stream, dst_stream)
@@ -147,6 +150,7 @@ def _copy_(call: Call) -> Any:
         return _host_to_device(call, src, inner_of(dst), di, non_blocking, label, dst=dst)  # type: ignore[arg-type]
     if di is None:  # device to host
         stream = rt.current_stream(si)
+        rt.tally("copy to host", stream)
         rt.order.launch(stream)
         block = device_block(rt, src)
         if block is not None:
@@ -184,6 +188,7 @@ def _record_stream(call: Call) -> Any:
     if not is_fake(t):
         return None
     if not call.rt.skipped("record_stream"):
+        call.rt.tally("record_stream", stream)
         block = device_block(call.rt, t)
         if block is not None:
             block.recorded.add(stream)

@@ -314,6 +314,7 @@ class Call:
         written on the current stream."""
         rt = self.rt
         stream = rt.current_stream(index)
+        rt.tally("kernel", stream)
         rt.order.launch(stream)
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         for fake in reads:
@@ -408,6 +409,8 @@ class Call:
             self.name.endswith("_like") or self.name.startswith("new_")
         )
         sync = self.name in _SYNC
+        if not view_only or sync:
+            rt.tally("copy to host" if sync else "kernel", stream)
         label = self.label()
         for t in in_args:
             write = id(t) in written_ids

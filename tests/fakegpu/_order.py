@@ -16,9 +16,11 @@ queues and locks this model does not see, and treating them as one program keeps
 reporting races between host threads, which are not its subject.
 
 Allocator rule: a device block freed while a stream other than the one that allocated it may
-still use it (its last access there is not ordered before the allocating stream's present),
-and that stream was not named with ``record_stream``, is a hazard: CUDA's caching allocator
-hands the block to the allocating stream's next allocation at once.
+still use it, and that stream was not named with ``record_stream``, is a hazard: CUDA's caching
+allocator hands the block to the allocating stream's next allocation at once. "May still use
+it": its last access there is ordered neither before the allocating stream's present nor
+before the host's (work that reuses the block is enqueued by the host after the free, so a
+host that has waited for the access, through an event or a synchronize, makes the free safe).
 """
 
 from __future__ import annotations
@@ -168,7 +170,8 @@ class Order:
             owner = block.stream
             if owner is None:  # host memory: CUDA's host allocator waits for its streams
                 return
-            present = self.clock(owner)
+            present = Clock(self.clock(owner))
+            present.join(self.clock(HOST))  # later work on ``owner`` is enqueued after now
             for access in block.accesses():
                 agent = access.agent
                 if agent in (owner, HOST) or agent in block.recorded:

@@ -202,6 +202,7 @@ def test_a_one_replica_run_copies_no_frozen_weight() -> None:
 
 def test_a_sparse_gradient_is_not_copied_early_but_left_for_the_fold() -> None:
     from centralstore.variables import folding
+    from centralstore.variables.buckets import GradientBuckets
     from centralstore.variables.records import Central
     from centralstore.variables.views import View
 
@@ -210,5 +211,6 @@ def test_a_sparse_gradient_is_not_copied_early_but_left_for_the_fold() -> None:
     view = View(record, weight, private=True)
     grad = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2))
     weight.grad = grad
-    folding.start_copy(view, weight)  # no CUDA call: the sparse gradient stays on the view
-    assert weight.grad is grad and not view.pending
+    buckets = GradientBuckets()
+    folding.start_copy(buckets, view, weight)  # no CUDA call: the sparse gradient stays
+    assert weight.grad is grad and not view.pending and buckets.synced  # nothing arrived

@@ -4,9 +4,11 @@ variables, or discarded when the run failed.
 Gradients are summed in replica order onto the parameter device and added to what ``.grad``
 already holds, one ``torch._foreach_add_`` per replica. Writes combine by each variable's
 aggregation. From CUDA replicas to a CPU parameter device, each gradient's copy starts from
-its post-accumulate-grad hook, on a side stream into pinned memory, while backward is still
-running; the sync point only waits for it. When the sync point happens is the store's
-business (``store.py``).
+its post-accumulate-grad hook while backward is still running: it lands in the replica's
+pinned gradient buckets, copied on a side stream a bucket at a time (``buckets.py``), and
+the sync point only waits for them. Those gradients are views of buffers the next step
+reuses: a sum is never written into them, and a sum that is one of them alone is copied.
+When the sync point happens is the store's business (``store.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from .._aggregation import VariableAggregation
+from .buckets import GradientBuckets
 from .views import View
 
 
@@ -25,21 +28,14 @@ def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
     return device.type == "cuda" and parameter_device.type == "cpu"
 
 
-def start_copy(view: View, tensor: torch.Tensor) -> None:
-    """Start copying the gradient just accumulated on ``tensor`` to pinned host memory."""
+def start_copy(buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
+    """Start copying the gradient just accumulated on ``tensor`` to pinned host memory: into
+    its slot of the replica's ``buckets``, on the side stream of its GPU."""
     grad = tensor.grad
     if grad is None or grad.is_sparse:  # a sparse gradient waits on the view for the fold
         return
     tensor.grad = None
-    stream = _side_stream(grad.device)
-    stream.wait_stream(torch.cuda.current_stream(grad.device))
-    with torch.cuda.stream(stream):
-        host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=True)
-        host.copy_(grad, non_blocking=True)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
-    grad.record_stream(stream)
-    view.pending.append((host, event))
+    view.pending.append(buckets.copy(view.record.key, grad, _side_stream(grad.device)))
 
 
 _side_streams: dict[torch.device, Any] = {}
@@ -52,12 +48,15 @@ def _side_stream(device: torch.device) -> Any:
     return stream
 
 
-def gradients_of(view: View) -> list[torch.Tensor]:
-    """The view's gradients, in order, taken off it."""
+def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Tensor]:
+    """The view's gradients, in order, taken off it. The ids of those that are views of a
+    gradient bucket, which the next step overwrites, go to ``borrowed``."""
     grads = []
-    for host, event in view.pending:
-        event.synchronize()
-        grads.append(host)
+    for copy in view.pending:
+        grad = copy.take()
+        if copy.borrowed and borrowed is not None:
+            borrowed.add(id(grad))
+        grads.append(grad)
     view.pending.clear()
     for tensor in (view.tensor, view.alias):
         if tensor is not None and tensor.grad is not None:
@@ -66,10 +65,15 @@ def gradients_of(view: View) -> list[torch.Tensor]:
     return grads
 
 
-def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> None:
+def add_in_order(
+    sums: list[torch.Tensor | None], grads: list[torch.Tensor | None],
+    borrowed: frozenset[int] | set[int] = frozenset(),
+) -> None:
     """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
-    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum."""
-    targets, sources = [], []
+    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. A sum whose
+    id is in ``borrowed`` (a view of a gradient bucket) is not written: it is replaced by a
+    new one (one ``_foreach_add``), whose values are the same as the in-place sum's."""
+    targets, sources, fresh = [], [], []
     for i, grad in enumerate(grads):
         if grad is None:
             continue
@@ -78,12 +82,18 @@ def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | Non
             sums[i] = grad
         elif held.is_sparse or grad.is_sparse:
             sums[i] = held + grad
+        elif id(held) in borrowed:
+            fresh.append(i)
         else:
             targets.append(held)
             sources.append(grad)
-    if targets:
-        with torch.no_grad():
+    with torch.no_grad():
+        if targets:
             torch._foreach_add_(targets, sources)
+        if fresh:
+            totals = torch._foreach_add([sums[i] for i in fresh], [grads[i] for i in fresh])  # type: ignore[misc]
+            for i, total in zip(fresh, totals):
+                sums[i] = total
 
 
 def fold_gradients(views: list[View]) -> list[torch.Tensor]:
@@ -93,10 +103,11 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
     received: list[torch.Tensor] = []
     index: dict[int, int] = {}  # id of a central variable -> its place in ``received``
     rounds: list[list[torch.Tensor | None]] = []  # round k: each central's k-th gradient
+    borrowed: set[int] = set()  # ids of gradients that are views of a bucket
     for view in views:
         tensor = view.tensor
         if view.pending or view.alias is not None:
-            grads = gradients_of(view)
+            grads = gradients_of(view, borrowed)
             if not grads:
                 continue
         else:  # the common case, without the loops of gradients_of
@@ -124,8 +135,10 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
     if rounds:
         sums: list[torch.Tensor | None] = [central.grad for central in received]
         for grads_k in rounds:
-            add_in_order(sums, grads_k)
+            add_in_order(sums, grads_k, borrowed)
         for central, total in zip(received, sums):
+            if total is not None and id(total) in borrowed:  # the only gradient it received
+                total = total.clone()
             central.grad = total
     return received
 

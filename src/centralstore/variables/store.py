@@ -31,6 +31,7 @@ from .. import _context
 from .._aggregation import VariableAggregation, VariableSynchronization
 from .._placement import Placement
 from . import folding, steps, unscoped
+from .buckets import GradientBuckets
 from .modules import record_unseen
 from .records import Central, check_aggregation, check_on_read, default_buffer_aggregation
 from .runs import EMPTY, OwnRun, Plan, ReplicasRun, Run
@@ -378,10 +379,12 @@ class VariableStore:
         for views in self.replicas:
             views.epoch += 1
 
-    def _on_gradient(self, view: View, tensor: torch.Tensor) -> None:
+    def _on_gradient(
+        self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
+    ) -> None:
         """A view's gradient has accumulated on a GPU: start its copy to the parameter
-        device while backward goes on."""
-        folding.start_copy(view, tensor)
+        device, into its replica's ``buckets``, while backward goes on."""
+        folding.start_copy(buckets, view, tensor)
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
         """(Runs that use views.) A backward after ``run`` through one of its ``outputs`` (a

@@ -16,10 +16,11 @@ first, so replicas never race on central storage; the sync point folds the write
 aggregation (``folding.py``).
 
 Where gradients are copied to the parameter device while backward runs (CUDA replicas, CPU
-parameters), each view has a hook that starts its copy. Every gradient hook holds its view
-and its receiver weakly: the garbage collector cannot see the references a tensor's hooks
-hold, so a strong one from a view's hook back to the view would keep the view, its tensor and
-the model's weights alive forever.
+parameters), each view has a hook that starts its copy, into its replica's gradient buckets
+(``buckets.py``). Every gradient hook holds its view, the buckets and its receiver weakly:
+the garbage collector cannot see the references a tensor's hooks hold, so a strong one from
+a view's hook back to the view would keep the view, its tensor and the model's weights alive
+forever.
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
+from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
 
-# Where a view's gradient goes once it has accumulated: the store's receiver, held weakly.
-GradientReceiver = Callable[["View", torch.Tensor], None]
+# Where a view's gradient goes once it has accumulated, with the buckets of the view's
+# replica: the store's receiver, held weakly.
+GradientReceiver = Callable[[GradientBuckets, "View", torch.Tensor], None]
 
 READ, DELTA, ASSIGN = 0, 1, 2
 _DELTA_NAMES = frozenset({"add_", "sub_", "__iadd__", "__isub__"})
@@ -114,7 +117,7 @@ class View:
         self.stamp = -1
         self.start_version = tensor._version
         self.epoch = -1
-        self.pending: list[tuple[torch.Tensor, Any]] = []  # (host gradient, CUDA event)
+        self.pending: list[GradientCopy] = []  # gradients on their way to host memory
         # ON_READ: the generation of the record this copy belongs to, and its value when the
         # epoch began (its write since then is the difference)
         self.generation = -1
@@ -125,12 +128,12 @@ class View:
 
 
 def _on_gradient(
-    view_ref: weakref.ref[View], receiver_ref: weakref.WeakMethod[GradientReceiver],
-    tensor: torch.Tensor,
+    view_ref: weakref.ref[View], buckets_ref: weakref.ref[GradientBuckets],
+    receiver_ref: weakref.WeakMethod[GradientReceiver], tensor: torch.Tensor,
 ) -> None:
-    view, receiver = view_ref(), receiver_ref()
-    if view is not None and receiver is not None:
-        receiver(view, tensor)
+    view, buckets, receiver = view_ref(), buckets_ref(), receiver_ref()
+    if view is not None and buckets is not None and receiver is not None:
+        receiver(buckets, view, tensor)
 
 
 class ReplicaViews:
@@ -157,6 +160,7 @@ class ReplicaViews:
         self._copies: Any = None  # a CUDA event after the latest copy from host memory
         self.epoch = 0
         self._receiver = receiver  # None: no gradient hooks (the sync point takes them)
+        self.gradient_buckets = GradientBuckets()  # where the hooks copy gradients to
 
     def forget(self, key: int) -> None:
         self.views.pop(key, None)
@@ -305,7 +309,10 @@ class ReplicaViews:
             tensor.requires_grad_(True)
             if self._receiver is not None:
                 tensor.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                    functools.partial(_on_gradient, weakref.ref(view), self._receiver)
+                    functools.partial(
+                        _on_gradient, weakref.ref(view), weakref.ref(self.gradient_buckets),
+                        self._receiver,
+                    )
                 )
 
     def _route(self, view: View) -> None:

@@ -1,0 +1,367 @@
+"""Pinned host buckets for the gradients that a CUDA replica copies to the CPU during backward.
+
+A replica's gradients land in flat pinned buffers, buckets of ``BUCKET_BYTES`` per dtype, laid
+out in the order the gradients arrived at the step before: backward's order, so a bucket fills
+early and all at once (DDP rebuilds its buckets from its first iteration's order the same way).
+The buffers are allocated once and reused at every step; the layout is built again from a
+step's arrivals when that step brought a gradient it had no slot for, or left a slot empty
+(the variables, their shapes or the ones that are used changed). A gradient that crosses
+a bucket's end lands in two pieces.
+
+The CUDA calls per bucket and step are a constant few, whatever the number of gradients in
+it: when its last gradient has arrived, the side stream waits for the streams that produced
+them, concatenates them (one kernel), copies the result into the pinned buffer (one copy) and
+records the bucket's event; the sync point synchronizes that event once. The gradients are
+held until then rather than named to ``record_stream`` one by one: once the host has waited
+for the event, freeing them is safe. A bucket some of whose gradients never came is copied at
+the sync point, each run of arrived pieces as above.
+
+Pinned memory per replica, for gradients of ``G`` bytes of one dtype: ``ceil(G / B)`` buckets
+(``B = BUCKET_BYTES``), each ``B`` bytes but the last, which torch's caching host allocator
+rounds up to a power of two. That is at most ``G`` rounded up to whole buckets, and under
+``2 G``; ``B`` being a power of two, the full buckets take no rounding. It is allocated at
+the first sync point and stays while the layout does.
+
+A gradient the layout has no slot for (at the first step, or for a variable new to it) waits
+on its GPU until the sync point, which lays the buckets out again from the step's arrivals and
+copies it there: the layout is built when the gradients are known, and the first step pins
+nothing else. A gradient that cannot land in its slot is copied alone, as before buckets (a
+pinned block of its own, an event, ``record_stream``): a second gradient for a slot before
+the sync point took the first, or one for a bucket whose earlier contents are not yet taken.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, final
+
+import torch
+
+BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allocator serves
+
+
+class Piece(NamedTuple):
+    """Where a run of one gradient's elements lands in a bucket."""
+
+    position: int  # among the bucket's pieces, which are in the order of their offsets
+    start: int  # the run, in the flattened gradient
+    stop: int
+    offset: int  # its first element in the bucket
+
+
+class BucketState(enum.Enum):
+    EMPTY = "empty"  # nothing in it: the next gradient starts a fill
+    FILLING = "filling"  # gradients arriving; none copied yet
+    COPYING = "copying"  # the copy queued on the side stream, and the event after it
+    READ = "read"  # the host waited for the copy; its gradients may not all be taken yet
+
+
+@final
+class Bucket:
+    """One pinned buffer of gradients of one dtype, and the fill in progress."""
+
+    __slots__ = ("_event", "_held", "_side", "_streams", "arrived", "host", "pieces", "state",
+                 "unread")
+
+    def __init__(self, dtype: torch.dtype, numel: int, pieces: list[Piece]) -> None:
+        self.host = torch.empty(numel, dtype=dtype, pin_memory=True)
+        self.pieces = pieces
+        self.state = BucketState.EMPTY
+        self.arrived = 0
+        self.unread = 0  # pieces copied in and not yet taken by a sync point
+        self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
+        self._streams: list[Any] = []  # the streams that produced them
+        self._side: Any = None
+        self._event: Any = None
+
+    def accepts(self, piece: Piece) -> bool:
+        """Whether ``piece`` may land now: the bucket is empty (a fill read and all taken
+        empties it), or its fill is open and has not had the piece yet."""
+        if self.state is BucketState.READ and self.unread == 0:
+            self.state = BucketState.EMPTY
+        if self.state is BucketState.EMPTY:
+            return True
+        return self.state is BucketState.FILLING and self._held[piece.position] is None
+
+    def add(self, piece: Piece, flat: torch.Tensor, stream: Any, side: Any) -> None:
+        """``piece`` of the flattened gradient ``flat``, produced on ``stream``, has arrived;
+        the last piece of the bucket starts its copy on ``side``."""
+        if self.state is BucketState.EMPTY:
+            self.state, self.arrived, self._side = BucketState.FILLING, 0, side
+        self._held[piece.position] = flat[piece.start:piece.stop]
+        if stream not in self._streams:
+            self._streams.append(stream)
+        self.arrived += 1
+        self.unread += 1
+        if self.arrived == len(self.pieces):
+            self._launch()
+
+    def _launch(self) -> None:
+        """Copy the arrived runs into the pinned buffer on the side stream, then record the
+        event the sync point waits for."""
+        side = self._side
+        for stream in self._streams:
+            side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for first, last in self._runs():
+                runs = [held for held in self._held[first:last + 1] if held is not None]
+                flat = runs[0] if len(runs) == 1 else torch.cat(runs)
+                begin, end = self.pieces[first], self.pieces[last]
+                stop = end.offset + end.stop - end.start
+                self.host[begin.offset:stop].copy_(flat, non_blocking=True)
+            if self._event is None:
+                self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record(side)
+        self.state = BucketState.COPYING
+
+    def _runs(self) -> list[tuple[int, int]]:
+        """The arrived pieces as runs of consecutive indices, first and last of each."""
+        runs: list[tuple[int, int]] = []
+        for i, held in enumerate(self._held):
+            if held is None:
+                continue
+            if runs and runs[-1][1] == i - 1:
+                runs[-1] = (runs[-1][0], i)
+            else:
+                runs.append((i, i))
+        return runs
+
+    def wait(self) -> None:
+        """Make the buffer readable on the host: a fill still open is copied now (its
+        missing gradients never came), and the host waits for the event, once per fill. The
+        gradients copied are let go only then."""
+        if self.state is BucketState.FILLING:
+            self._launch()
+        if self.state is BucketState.COPYING:
+            self._event.synchronize()
+            self._held = [None] * len(self.pieces)
+            self._streams = []
+            self.state = BucketState.READ
+
+
+class Slot(NamedTuple):
+    """Where one variable's gradient lands: its pieces, and its view of the bucket when it
+    lies in one piece."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    pieces: tuple[tuple[Bucket, Piece], ...]
+    host: torch.Tensor | None
+
+
+class GradientCopy(abc.ABC):
+    """A gradient on its way to host memory, as a view holds it until the sync point."""
+
+    # Whether the tensor ``take`` returns is a view of a bucket, reused at the next step:
+    # what the sync point keeps must then be a copy.
+    borrowed: bool
+
+    @abc.abstractmethod
+    def take(self) -> torch.Tensor:
+        """The gradient in host memory, once its copy has finished."""
+
+
+@final
+class InBucket(GradientCopy):
+    """A gradient copied into its slot of the buckets."""
+
+    __slots__ = ("_owner", "_slot", "borrowed")
+
+    def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
+        self._owner = owner
+        self._slot = slot
+        self.borrowed = slot.host is not None
+
+    def take(self) -> torch.Tensor:
+        slot = self._slot
+        for bucket, _ in slot.pieces:
+            bucket.wait()
+        if slot.host is not None:
+            grad = slot.host
+        else:  # in pieces, across buckets (or none, for an empty gradient)
+            grad = torch.cat([
+                bucket.host[piece.offset:piece.offset + piece.stop - piece.start]
+                for bucket, piece in slot.pieces
+            ] or [torch.empty(0, dtype=slot.dtype)]).view(slot.shape)
+        for bucket, _ in slot.pieces:
+            bucket.unread -= 1
+        self._owner.synced = True
+        return grad
+
+
+@final
+class Alone(GradientCopy):
+    """A gradient copied into a pinned block of its own."""
+
+    __slots__ = ("_event", "_host", "_owner")
+    borrowed = False
+
+    def __init__(self, owner: GradientBuckets, grad: torch.Tensor, stream: Any, side: Any) -> None:
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            self._host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=True)
+            self._host.copy_(grad, non_blocking=True)
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._event.record(side)
+        grad.record_stream(side)
+        self._owner = owner
+
+    def take(self) -> torch.Tensor:
+        self._event.synchronize()
+        self._owner.synced = True
+        return self._host
+
+
+@final
+class Deferred(GradientCopy):
+    """A gradient the layout had no slot for: held on its GPU until the sync point, which
+    lays the buckets out again, this step's arrivals included, and copies it there."""
+
+    __slots__ = ("_copy", "_owner", "grad", "key", "side", "stream")
+
+    def __init__(
+        self, owner: GradientBuckets, key: int, grad: torch.Tensor, stream: Any, side: Any
+    ) -> None:
+        self._owner = owner
+        self.key, self.stream, self.side = key, stream, side
+        self.grad: torch.Tensor | None = grad
+        self._copy: GradientCopy | None = None
+
+    def place(self, start: Callable[[torch.Tensor, Any, Any], GradientCopy]) -> None:
+        """Start its copy (``start(grad, stream, side)``), which holds the gradient from now
+        on."""
+        grad, self.grad = self.grad, None
+        assert grad is not None  # placed once
+        self._copy = start(grad, self.stream, self.side)
+
+    @property
+    def borrowed(self) -> bool:  # type: ignore[override]
+        return self._copy is not None and self._copy.borrowed
+
+    def take(self) -> torch.Tensor:
+        if self._copy is None:
+            self._owner.settle()
+        assert self._copy is not None  # settle placed every deferred gradient
+        return self._copy.take()
+
+
+class _Arrival(NamedTuple):
+    key: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@final
+class GradientBuckets:
+    """One replica's gradient buckets: their layout, built from a step's arrivals, and the
+    step in progress (see the module docstring)."""
+
+    __slots__ = ("__weakref__", "_arrivals", "_deferred", "_filled", "_slots", "_stale",
+                 "synced")
+
+    def __init__(self) -> None:
+        self._slots: dict[int, Slot] = {}  # by the key of the central variable
+        self._arrivals: list[_Arrival] = []  # this step's gradients, in order
+        self._deferred: list[Deferred] = []  # this step's gradients without a slot
+        self._filled = 0  # slots that received their gradient this step
+        self._stale = False  # this step does not fit the layout
+        self.synced = True  # a sync point took gradients since the latest arrival
+
+    def copy(self, key: int, grad: torch.Tensor, side: Any) -> GradientCopy:
+        """Start copying ``grad``, the gradient of variable ``key``, to host memory on the
+        side stream ``side``."""
+        if self.synced:
+            self._next_step()
+        self._arrivals.append(_Arrival(key, grad.shape, grad.dtype))
+        stream = torch.cuda.current_stream(grad.device)
+        slot = self._slots.get(key)
+        if slot is None or slot.shape != grad.shape or slot.dtype != grad.dtype:
+            self._stale = True
+            deferred = Deferred(self, key, grad, stream, side)
+            self._deferred.append(deferred)
+            return deferred
+        return self._land(slot, grad, stream, side)
+
+    def _land(self, slot: Slot, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
+        if not all(bucket.accepts(piece) for bucket, piece in slot.pieces):
+            return Alone(self, grad, stream, side)
+        if grad.is_contiguous():
+            flat = grad.view(-1)
+        else:  # a copy, made where the gradient was (the sync point's stream may differ)
+            with torch.cuda.stream(stream):
+                flat = grad.reshape(-1)
+        for bucket, piece in slot.pieces:
+            bucket.add(piece, flat, stream, side)
+        self._filled += 1
+        return InBucket(self, slot)
+
+    def settle(self) -> None:
+        """At the sync point, with deferred gradients: the layout from this step's arrivals,
+        and those gradients copied into it."""
+        self._slots = lay_out(self._arrivals, BUCKET_BYTES)
+        deferred, self._deferred = self._deferred, []
+        for entry in deferred:
+            entry.place(functools.partial(self._land, self._slots[entry.key]))
+        self._stale, self._filled = False, len(self._slots)  # it fits this step
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The bytes of the pinned buffers of the present layout."""
+        buckets = {id(b): b for slot in self._slots.values() for b, _ in slot.pieces}
+        return sum(b.host.untyped_storage().nbytes() for b in buckets.values())
+
+    def _next_step(self) -> None:
+        """The first gradient after a sync point: lay out again if the step before did not
+        fit the layout (a slot left empty; one missing was laid out at the sync point)."""
+        self.synced = False
+        if self._stale or self._filled != len(self._slots):
+            self._slots = lay_out(self._arrivals, BUCKET_BYTES)
+        self._arrivals, self._filled, self._stale = [], 0, False
+        for entry in self._deferred:  # not taken at the sync point (a discarded view's)
+            entry.place(functools.partial(Alone, self))
+        self._deferred = []
+
+
+def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
+    """Slots for the gradients of ``arrivals`` (the first of each key), in their order: per
+    dtype one flat run cut into buckets of ``bucket_bytes``."""
+    by_dtype: dict[torch.dtype, list[_Arrival]] = {}
+    seen: set[int] = set()
+    for arrival in arrivals:
+        if arrival.key not in seen:
+            seen.add(arrival.key)
+            by_dtype.setdefault(arrival.dtype, []).append(arrival)
+    slots: dict[int, Slot] = {}
+    for dtype, group in by_dtype.items():
+        capacity = max(bucket_bytes // dtype.itemsize, 1)
+        total = sum(arrival.shape.numel() for arrival in group)
+        pieces: list[list[Piece]] = [[] for _ in range(0, total, capacity)]
+        placed: list[list[tuple[int, Piece]]] = []
+        offset = 0
+        for arrival in group:
+            numel, start, mine = arrival.shape.numel(), 0, []
+            while start < numel:
+                b, within = divmod(offset, capacity)
+                take = min(numel - start, capacity - within)
+                piece = Piece(len(pieces[b]), start, start + take, within)
+                pieces[b].append(piece)
+                mine.append((b, piece))
+                start += take
+                offset += take
+            placed.append(mine)
+        buckets = [
+            Bucket(dtype, min(capacity, total - b * capacity), bucket_pieces)
+            for b, bucket_pieces in enumerate(pieces)
+        ]
+        for arrival, mine in zip(group, placed, strict=True):
+            where = tuple((buckets[b], piece) for b, piece in mine)
+            host = None
+            if len(where) == 1:
+                bucket, piece = where[0]
+                stop = piece.offset + piece.stop - piece.start
+                host = bucket.host[piece.offset:stop].view(arrival.shape)
+            slots[arrival.key] = Slot(arrival.shape, dtype, where, host)
+    return slots

@@ -1,0 +1,414 @@
+"""The gradient buckets of CUDA replicas (``variables/buckets.py``) on two fake GPUs.
+
+The early copy of gradients to the CPU costs a constant few CUDA calls per bucket, whatever
+the number of parameters; the pinned memory it holds is the gradients' bytes rounded up to
+buckets, per replica, allocated once; and training through the buckets gives bit for bit what
+the same two replicas give on logical CPU devices (the twin: same gradients, same fold
+order), through every way the layout can change. Every test is checked for stream hazards at
+teardown (``fake_gpus``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import fakegpu
+import pytest
+import torch
+from fakegpu._pinned import rounded
+from replicas import strategy_of
+from torch import nn
+
+import centralstore as cs
+from centralstore.variables import buckets, folding
+
+GPUS = ("cuda:0", "cuda:1")
+uses_gpus = pytest.mark.usefixtures("fake_gpus")
+
+
+def _copy_calls(gpus: fakegpu.FakeGPUs, device: str) -> int:
+    """The CUDA calls made for the gradient copies of the replica on ``device``: everything
+    on its side stream (waits, kernels, copies, events recorded and synchronized,
+    ``record_stream``)."""
+    side = folding._side_stream(torch.device(device))
+    return sum(n for (_, agent), n in gpus.calls.items() if agent is side)
+
+
+def _pinned_allocations(gpus: fakegpu.FakeGPUs) -> int:
+    return gpus.calls["pinned allocation", "host"]
+
+
+def _stack(layers: int, width: int = 8) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+
+def _inputs(devices: tuple[str, ...], width: int = 8, seed: int = 0) -> cs.PerReplica:
+    generator = torch.Generator().manual_seed(seed)
+    return cs.PerReplica([torch.randn(4, width, generator=generator).to(d) for d in devices])
+
+
+class _Steps:
+    """Trains ``make()`` on ``devices`` with SGD (momentum), one ``run`` per step."""
+
+    def __init__(self, strategy: cs.Strategy, make: Callable[[], nn.Module]) -> None:
+        torch.manual_seed(0)
+        initial = make().state_dict()
+        with strategy.scope():
+            self.model = make()
+            self.model.load_state_dict(initial)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.strategy = strategy
+        self.devices = tuple(str(d) for d in strategy.compute_devices)
+
+    def step(
+        self, seed: int = 0, loss: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+        runs: int = 1, zero: bool = True,
+    ) -> None:
+        model = self.model
+        compute = loss or (lambda m, x: m(x).square().mean())
+        for run in range(runs):
+            x = _inputs(self.devices, seed=seed * 10 + run)
+            self.strategy.run(lambda x: compute(model, x).backward(), args=(x,))
+        self.optimizer.step()
+        if zero:
+            self.optimizer.zero_grad()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        return {
+            k: None if p.grad is None else p.grad.detach().cpu()
+            for k, p in self.model.named_parameters()
+        }
+
+
+def _on_gpus(make: Callable[[], nn.Module]) -> _Steps:
+    return _Steps(cs.CentralStorageStrategy(list(GPUS), parameter_device="cpu"), make)
+
+
+def _on_cpus(make: Callable[[], nn.Module]) -> _Steps:
+    return _Steps(strategy_of(2, direct=False), make)
+
+
+def _assert_same(gpu: _Steps, cpu: _Steps) -> None:
+    for name, value in cpu.state().items():
+        assert torch.equal(gpu.state()[name], value), name
+    for name, grad in cpu.grads().items():
+        got = gpu.grads()[name]
+        assert (got is None) == (grad is None), name
+        assert got is None or torch.equal(got, grad), name
+
+
+@pytest.fixture
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """Buckets of 1 KiB: a few hundred parameters' worth of gradients span several, and
+    gradients cross their ends."""
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", 1024)
+    yield 1024
+
+
+# -- CUDA calls and pinned memory ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [25, 50], ids=["50-parameters", "100-parameters"])
+def test_the_early_copy_costs_five_cuda_calls_per_bucket_and_step(
+    fake_gpus: fakegpu.FakeGPUs, layers: int
+) -> None:
+    """One bucket (under 16 KiB of gradients): per replica and step, the side stream waits
+    for backward, concatenates, copies, records the bucket's event, and the sync point
+    synchronizes it: 5 calls for 50 parameters as for 100 (the copy of each gradient alone
+    made 5 per parameter, and pinned a block for each)."""
+    steps = _on_gpus(lambda: _stack(layers))
+    counts = []
+    for step in range(4):
+        before = {d: _copy_calls(fake_gpus, d) for d in GPUS}
+        pins = _pinned_allocations(fake_gpus)
+        steps.step(seed=step)
+        counts.append((
+            [_copy_calls(fake_gpus, d) - before[d] for d in GPUS],
+            _pinned_allocations(fake_gpus) - pins,
+        ))
+    # the first step pins the one bucket of each replica, the others pin nothing
+    assert counts == [([5, 5], 2)] + [([5, 5], 0)] * 3
+
+
+def test_the_calls_follow_the_buckets_not_the_parameters(
+    fake_gpus: fakegpu.FakeGPUs, small_buckets: int
+) -> None:
+    """50 parameters (7200 bytes of gradients) in 1 KiB buckets: 8 buckets, 4 or 5 calls
+    each."""
+    steps = _on_gpus(lambda: _stack(25))
+    steps.step(seed=0)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in steps.model.parameters())
+    count = math.ceil(gradient_bytes / small_buckets)
+    before = {d: _copy_calls(fake_gpus, d) for d in GPUS}
+    steps.step(seed=1)
+    for device in GPUS:  # 4 for a bucket in one piece (a gradient's part): nothing to join
+        assert 4 * count <= _copy_calls(fake_gpus, device) - before[device] <= 5 * count
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: _stack(25), id="one-bucket"),
+    pytest.param(lambda: nn.Sequential(nn.Linear(8, 30), nn.Linear(30, 7), nn.Linear(7, 3)),
+                 id="odd-sizes"),
+])
+@pytest.mark.parametrize("bucket_bytes", [1 << 24, 1024, 128], ids=["16MiB", "1KiB", "128B"])
+def test_pinned_memory_is_the_gradients_rounded_up_to_buckets_and_stays(
+    fake_gpus: fakegpu.FakeGPUs, monkeypatch: pytest.MonkeyPatch,
+    make: Callable[[], nn.Module], bucket_bytes: int,
+) -> None:
+    """Over 20 steps the pinned memory held for gradients is, per replica, the buckets'
+    sizes rounded up to powers of two by the host allocator: at most the gradients' bytes
+    rounded up to whole buckets, and under twice them; it is all allocated by the first
+    step."""
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
+    steps = _on_gpus(make)
+    before = fake_gpus.pinned.reserved  # the central variables, pinned in the scope
+    gradient_bytes = sum(p.numel() * p.element_size() for p in steps.model.parameters())
+    full, rest = divmod(gradient_bytes, bucket_bytes)
+    per_replica = full * bucket_bytes + (rounded(rest) if rest else 0)  # buckets are 2^k
+    held = []
+    for step in range(20):
+        steps.step(seed=step)
+        held.append(fake_gpus.pinned.reserved - before)
+    assert held == [2 * per_replica] * 20
+    assert per_replica <= math.ceil(gradient_bytes / bucket_bytes) * bucket_bytes
+    assert per_replica < 2 * gradient_bytes
+    replicas = steps.strategy._store.replicas  # the buffers ask for the gradients' bytes
+    assert [r.gradient_buckets.pinned_bytes for r in replicas] == [gradient_bytes] * 2
+
+
+# -- the same results as the CPU twin --------------------------------------------------------
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 24, 1024, 100], ids=["16MiB", "1KiB", "100B"])
+@uses_gpus
+def test_training_through_buckets_is_bit_for_bit_the_cpu_twins(
+    monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+) -> None:
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 30), nn.Tanh(), nn.Linear(30, 7), nn.Linear(7, 8))
+
+    gpu, cpu = _on_gpus(make), _on_cpus(make)
+    for step in range(4):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, zero=step < 3)  # the last step's .grad is compared too
+    _assert_same(gpu, cpu)
+
+
+@uses_gpus
+def test_gradients_accumulated_across_runs_and_steps_do_not_alias_the_buckets(
+    small_buckets: int,
+) -> None:
+    """Two runs per step and ``.grad`` kept across steps (no ``zero_grad``): each sync point
+    adds into ``.grad``, and the ``.grad`` of a step is not the buffer the next step's
+    copies overwrite."""
+    gpu, cpu = _on_gpus(lambda: _stack(3)), _on_cpus(lambda: _stack(3))
+    for step in range(3):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, runs=2, zero=False)
+        _assert_same(gpu, cpu)
+    kept = [p.grad for p in gpu.model.parameters()]
+    values = [g.clone() for g in kept if g is not None]
+    assert len(values) == len(kept)
+    gpu.model.zero_grad()  # set to None: the next sync point's sum is the first gradient's
+    for seed in (9, 10):
+        gpu.step(seed=seed, runs=2)
+    for grad, value in zip(kept, values, strict=True):
+        assert torch.equal(grad, value)  # type: ignore[arg-type]
+
+
+@uses_gpus
+def test_one_replicas_gradient_alone_is_copied_out_of_its_bucket() -> None:
+    strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")
+    twin = cs.CentralStorageStrategy(["cpu:0"])
+    gpu, cpu = _Steps(strategy, lambda: _stack(2)), _Steps(twin, lambda: _stack(2))
+    grads = []
+    for step in range(3):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, zero=False)
+        grads.append(gpu.model[1].bias.grad)
+        _assert_same(gpu, cpu)
+    assert len({id(g) for g in grads}) == 1  # accumulated into in place, a plain tensor
+    assert grads[0] is not None and not grads[0].is_pinned()
+
+
+class _Branches(nn.Module):
+    """A trunk and three heads; which heads a step uses is the caller's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
+        x = self.trunk(x)
+        return sum((self.heads[i](x) for i in heads), torch.zeros_like(x))
+
+
+def _heads_loss(heads: tuple[int, ...], passes: int = 1) -> Callable[..., torch.Tensor]:
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(passes - 1):
+            model(x, heads).square().mean().backward()
+        return model(x, heads).square().mean()
+
+    return loss
+
+
+def _layout_of(steps: _Steps) -> tuple[int, ...]:
+    slots = steps.strategy._store.replicas[0].gradient_buckets._slots
+    return tuple(id(bucket) for slot in slots.values() for bucket, _ in slot.pieces)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 24, 300], ids=["16MiB", "300B"])
+def test_the_layout_follows_the_parameters_that_are_used(
+    fake_gpus: fakegpu.FakeGPUs, monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+) -> None:
+    """Heads that come and go (a slot left empty, gradients without a slot), a parameter
+    replaced by a new one: the same values as the twin, and the buckets laid out again only
+    when a step did not fit them."""
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
+    plan = [(0,), (0,), (0, 1), (0, 1), (1,), (1,), (0, 1, 2), (0, 1, 2), (0, 1, 2)]
+    gpu, cpu = _on_gpus(_Branches), _on_cpus(_Branches)
+    layouts = []
+    for step, heads in enumerate(plan):
+        if step == 7:
+            for steps in (gpu, cpu):
+                with steps.strategy.scope():
+                    steps.model.heads[2].bias = nn.Parameter(torch.full((8,), 0.5))
+                steps.optimizer.add_param_group({"params": [steps.model.heads[2].bias]})
+        for steps in (gpu, cpu):
+            steps.step(seed=step, loss=_heads_loss(heads))
+        layouts.append(_layout_of(gpu))
+        _assert_same(gpu, cpu)
+    changed = [i for i in range(1, len(plan)) if layouts[i] != layouts[i - 1]]
+    # laid out at the sync points of steps 2 (head 1 new), 6 (heads 0 and 2 new) and 7 (the
+    # new bias), and at the start of step 5 (head 0's slots left empty at step 4)
+    assert changed == [2, 5, 6, 7]
+
+
+def test_a_second_backward_in_a_run_copies_its_gradients_alone(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """Its gradients find their slots taken until the sync point: each is copied alone (a
+    pinned block, which the host allocator then keeps for the next such step). The fold
+    adds a replica's two gradients, then the other's, as before buckets, where the CPU twin
+    adds each replica's sum of two: equal to rounding."""
+    gpu, cpu = _on_gpus(_Branches), _on_cpus(_Branches)
+    allocations = []
+    for step in range(4):
+        pins = _pinned_allocations(fake_gpus)
+        for steps in (gpu, cpu):
+            steps.step(seed=step, loss=_heads_loss((0, 1, 2), passes=2))
+        allocations.append(_pinned_allocations(fake_gpus) - pins)
+        for name, value in cpu.state().items():
+            torch.testing.assert_close(gpu.state()[name], value, msg=name)
+    parameters = len(list(gpu.model.parameters()))
+    assert allocations == [2 + 2 * parameters] + [2 * parameters] * 3  # + the buckets
+    reserved = fake_gpus.pinned.reserved
+    gpu.step(seed=4, loss=_heads_loss((0, 1, 2), passes=2))
+    assert fake_gpus.pinned.reserved == reserved  # the blocks of the step before, reused
+
+
+@uses_gpus
+def test_a_failed_run_leaves_the_buckets_ready_for_the_next() -> None:
+    gpu, cpu = _on_gpus(lambda: _stack(3)), _on_cpus(lambda: _stack(3))
+    for steps in (gpu, cpu):
+        steps.step(seed=0)
+
+        def fails(x: torch.Tensor, model: nn.Module = steps.model) -> None:
+            model(x).sum().backward()
+            raise RuntimeError("after backward")
+
+        with pytest.raises(RuntimeError, match="after backward"):
+            steps.strategy.run(fails, args=(_inputs(steps.devices),))
+        steps.step(seed=1)
+    _assert_same(gpu, cpu)
+
+
+# -- the layout, as a pure function ----------------------------------------------------------
+
+
+def _arrival(key: int, *shape: int, dtype: torch.dtype = torch.float32) -> Any:
+    return buckets._Arrival(key, torch.Size(shape), dtype)
+
+
+@uses_gpus
+def test_the_layout_cuts_each_dtypes_gradients_into_buckets_in_arrival_order() -> None:
+    arrivals = [
+        _arrival(1, 3, 4), _arrival(2, 10), _arrival(3, 2, dtype=torch.float16),
+        _arrival(1, 3, 4), _arrival(4, 0), _arrival(5, 30),
+    ]
+    slots = buckets.lay_out(arrivals, bucket_bytes=64)  # 16 float32s, 32 float16s per bucket
+    where = {
+        key: [(slot.pieces.index((b, p)), b.host.numel(), tuple(p)) for b, p in slot.pieces]
+        for key, slot in slots.items()
+    }
+    assert list(slots) == [1, 2, 4, 5, 3]  # by dtype, first arrivals first
+    float32 = [b for b, _ in slots[1].pieces + slots[2].pieces + slots[5].pieces]
+    sizes = sorted({id(b): b.host.numel() for b in float32}.items(), key=lambda kv: -kv[1])
+    assert [n for _, n in sizes] == [16, 16, 16, 4]  # 52 elements: 3 full buckets and 4
+    assert [tuple(p) for _, p in slots[1].pieces] == [(0, 0, 12, 0)]
+    assert [tuple(p) for _, p in slots[2].pieces] == [(1, 0, 4, 12), (0, 4, 10, 0)]
+    assert [tuple(p) for _, p in slots[5].pieces] == [(1, 0, 10, 6), (0, 10, 26, 0),
+                                                      (0, 26, 30, 0)]
+    assert slots[4].pieces == () and slots[3].host is not None
+    assert slots[1].host is not None and slots[1].host.shape == (3, 4)
+    assert slots[2].host is None  # across two buckets: assembled when taken
+    assert where[3] == [(0, 2, (0, 0, 2, 0))]
+    assert all(b.host.is_pinned() for b in float32)
+
+
+# -- the synchronizations of the buckets -------------------------------------------------------
+
+
+def test_gradients_let_go_before_their_bucket_is_waited_for_are_a_hazard(
+    fake_gpus: fakegpu.FakeGPUs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bucket holds its gradients until the host has waited for its event, instead of
+    ``record_stream`` for each: let go as soon as the copy is queued, their blocks may go
+    to backward's next allocation while the side stream still reads them."""
+    launch = buckets.Bucket._launch
+
+    def let_go(self: buckets.Bucket) -> None:
+        launch(self)
+        self._held = [None] * len(self.pieces)
+
+    steps = _on_gpus(lambda: _stack(3))
+    steps.step(seed=0)
+    steps.step(seed=1)
+    assert fake_gpus.hazards == [], fake_gpus.report()
+    monkeypatch.setattr(buckets.Bucket, "_launch", let_go)
+    steps.step(seed=2)
+    import gc
+
+    gc.collect()
+    hazards = fake_gpus.take_hazards()
+    assert any(h.kind == "free" for h in hazards), "\n".join(map(str, hazards))
+
+
+def test_a_deferred_gradient_left_at_its_sync_point_is_copied_alone_at_the_next_step(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """A gradient without a slot whose view a sync point did not fold (the layout it would
+    have got was never built) is copied alone when the next step begins, and taken later."""
+    side = torch.cuda.Stream(0)
+    gradients = buckets.GradientBuckets()
+
+    def grad(value: float) -> torch.Tensor:
+        return torch.full((3,), value, device="cuda:0")
+
+    gradients.copy(1, grad(1.0), side).take()  # the first sync point lays out variable 1
+    in_bucket = gradients.copy(1, grad(2.0), side)
+    late = gradients.copy(2, grad(3.0), side)  # no slot for variable 2: deferred
+    assert isinstance(in_bucket, buckets.InBucket) and isinstance(late, buckets.Deferred)
+    assert torch.equal(in_bucket.take(), torch.full((3,), 2.0))  # the sync point's only
+    pins = _pinned_allocations(fake_gpus)
+    gradients.copy(1, grad(4.0), side)  # the next step: laid out for 1 and 2, and late alone
+    assert _pinned_allocations(fake_gpus) - pins == 2  # the new bucket, and late's block
+    assert torch.equal(late.take(), torch.full((3,), 3.0)) and not late.borrowed
