@@ -177,15 +177,17 @@ class EarlyExchange:
         sources = []
         for views in self._replicas:
             mine = views.views.get(key)
-            if mine is None or mine.epoch != views.epoch or mine.alias is not None or mine.pending:
-                return  # not used by this replica in this run (yet), or written, or copied
+            # Only views that share the variable's storage (so its device, dtype and shape):
+            # a private copy (on another device, or written) waits for the fold.
+            if mine is None or mine.private or mine.epoch != views.epoch or mine.pending:
+                return
             tensor = mine.tensor
             grad = tensor.grad
             if (
-                grad is None or grad.is_sparse or grad.dtype != plan.dtypes[j]
-                or grad.device != plan.devices[j] or grad.shape != plan.slots[j].shape
+                grad is None or grad.is_sparse or tensor.dtype is not plan.dtypes[j]
+                or tensor.shape != plan.slots[j].shape  # set through .data since the plan
             ):
-                return  # the fold converts it, or the layout left the plan
+                return
             sources.append(_Source(mine, tensor, grad, grad._version))
         self._sources[j] = sources
         self._missing[plan.slots[j].bucket] -= 1
@@ -224,7 +226,7 @@ class EarlyExchange:
                 for view, tensor, grad, version in self._sources[j] or ():
                     if (
                         view.tensor is not tensor or tensor.grad is not grad
-                        or grad._version != version or view.alias is not None or view.pending
+                        or grad._version != version or view.private or view.pending
                     ):
                         return False
         return True
