@@ -361,6 +361,33 @@ def failure_mid_backward(rank: int) -> dict[str, Any]:
     }
 
 
+def again_scenario() -> dict[str, Any]:
+    """Each run backs twice, so the buckets that left during the first backward are not what
+    the fold produces: every worker exchanges again from the fold; after two such runs the
+    layout's buckets no longer leave early."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=30, bucket_cap_mb=BUCKET)
+    with strategy.scope():
+        net = mlp()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
+    out: dict[str, Any] = {"initial": net.state_dict(), "collectives": [], "grads": []}
+
+    def twice() -> None:
+        net(x[:4]).sum().backward()
+        net(x[4:]).sum().backward()
+
+    for _ in range(3):
+        for p in net.parameters():
+            p.grad = None
+        before = strategy.traffic["collectives"]
+        strategy.run(twice)
+        out["collectives"].append(strategy.traffic["collectives"] - before)
+        out["grads"].append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+    return out
+
+
 def faulty_training(timeout: float, peer: str) -> Iterator[None]:
     """Train a small model for 5 steps, yielding after each; worker 1 dies (``peer`` "dead")
     or hangs ("hung") in the middle of its third step."""
@@ -467,6 +494,8 @@ def main() -> None:
         results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")
     elif scenario == "errors":
         results = errors_scenario()
+    elif scenario == "again":
+        results = again_scenario()
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

@@ -199,6 +199,25 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
     assert all(r["mid_backward_discarded"] for r in results), results
 
 
+def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Path) -> None:
+    results = launch(tmp_path, 2, "again", str(tmp_path))
+    oracle = helper.mlp()
+    oracle.load_state_dict(results[0]["initial"])
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    oracle(x[:4]).sum().backward()
+    oracle(x[4:]).sum().backward()
+    expected = [2 * p.grad for p in oracle.parameters() if p.grad is not None]  # 2 workers
+    for result in results:
+        # 3 buckets during the first backward, the agreement, 3 buckets again from the fold;
+        # twice, and then the buckets wait for the sync point: the agreement and 3 buckets
+        assert result["collectives"] == [7, 7, 4]
+        for grads in result["grads"]:
+            assert len(grads) == len(expected) == 4
+            for got, want, first in zip(grads, expected, results[0]["grads"][0], strict=True):
+                torch.testing.assert_close(got, want)
+                assert torch.equal(got, first)  # every run and worker alike, bit for bit
+
+
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
     timeout = 6.0
     port = str(free_port())
