@@ -5,10 +5,10 @@ Three tables:
               in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
               SGD) and on bench_train.py's small transformer (global batch 32, Adam): W = 2
               workers of R = 1 and of R = 2 local replicas (DDP always runs one model per
-              process on the worker's half of the batch). The two alternate round by round
-              (which goes first alternates too); each round times ``--steps`` steps after one
-              untimed one; the table gives the median over ``--rounds`` rounds of the mean
-              step, and the ratio of the medians.
+              process on the worker's half of the batch). The two alternate step by step
+              (which goes first alternates too, so both see the same load on a shared
+              machine); each round times ``--steps`` steps of each; the table gives the
+              median over ``--rounds`` rounds of the mean step, and the ratio of the medians.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -173,22 +173,21 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
         nn.functional.cross_entropy(ddp(xs), ys).backward()  # type: ignore[no-untyped-call]
         ddp_optimizer.step()
 
-    def timed(step: Any) -> float:
-        step()  # the first step after the other one ran is slower
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return 1000 * (time.perf_counter() - start) / steps
-
     for _ in range(2):
         cs_step()
         ddp_step()
-    times: dict[str, list[float]] = {"cs": [], "ddp": []}
-    for r in range(rounds):
-        order = [("cs", cs_step), ("ddp", ddp_step)]
-        for name, step in order if r % 2 == 0 else order[::-1]:
-            times[name].append(timed(step))
-    return {name: statistics.median(values) for name, values in times.items()}
+    order = [("cs", cs_step), ("ddp", ddp_step)]
+    means: dict[str, list[float]] = {"cs": [], "ddp": []}
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {"cs": [], "ddp": []}
+        for i in range(steps):  # step by step, each after the other's, so both see one load
+            for name, step in order if i % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                step()
+                times[name].append(1000 * (time.perf_counter() - start))
+        for name, values in times.items():
+            means[name].append(statistics.fmean(values))
+    return {name: statistics.median(values) for name, values in means.items()}
 
 
 def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
