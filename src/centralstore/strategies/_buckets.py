@@ -201,15 +201,15 @@ class EarlyExchange:
 
     def _pack_early(self, bucket: list[int]) -> torch.Tensor:
         """The bucket's local sum over the replicas, in replica order, as the fold adds."""
-        sources = [self._sources[j] for j in bucket]
+        sources = [s for j in bucket if (s := self._sources[j]) is not None]  # all: complete
         with torch.no_grad():
-            flat = torch.cat([s[0].grad.reshape(-1) for s in sources if s is not None])
+            flat = torch.cat([s[0].grad.reshape(-1) for s in sources])
             if len(self._replicas) > 1:
                 plan = self._plan
                 pieces = torch.split(flat, [plan.numels[j] for j in bucket])
                 views = [p.view(plan.slots[j].shape) for p, j in zip(pieces, bucket, strict=True)]
                 for r in range(1, len(self._replicas)):
-                    torch._foreach_add_(views, [s[r].grad for s in sources if s is not None])
+                    torch._foreach_add_(views, [s[r].grad for s in sources])
         return flat
 
     def _launch(self, flat: torch.Tensor) -> None:
@@ -252,8 +252,10 @@ class EarlyExchange:
         plan = self._plan
         for bucket in plan.buckets[len(self.started):]:
             parts = [
-                _flat(None if fresh is None else fresh[j], plan.numels[j], plan.dtypes[j],
-                      plan.devices[j])
+                flat_gradient(
+                    None if fresh is None else fresh[j], plan.numels[j], plan.dtypes[j],
+                    plan.devices[j],
+                )
                 for j in bucket
             ]
             self._launch(torch.cat(parts))
@@ -278,7 +280,7 @@ class EarlyExchange:
         return out
 
 
-def _flat(
+def flat_gradient(
     grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """One variable's part of a bucket: its gradient flat (dense), or zeros."""

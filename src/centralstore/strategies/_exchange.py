@@ -42,7 +42,13 @@ import torch
 
 from .._aggregation import VariableAggregation, write_term, written_value
 from ..variables.folding import add_in_order
-from ._buckets import FIRST_BUCKET_BYTES, BucketPlan, EarlyExchange, bucket_indices
+from ._buckets import (
+    FIRST_BUCKET_BYTES,
+    BucketPlan,
+    EarlyExchange,
+    bucket_indices,
+    flat_gradient,
+)
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
@@ -121,7 +127,6 @@ def _restore(trainable: list[torch.Tensor], stash: list[Any], fresh: list[Any]) 
         tensor.grad = total
 
 
-
 @final
 class ProcessGroup(Collectives):
     """The workers of one ``torch.distributed`` process group, whose sync points exchange
@@ -144,6 +149,8 @@ class ProcessGroup(Collectives):
         self._arm(store)
 
     def _arm(self, store: VariableStore) -> None:
+        """The run in progress may start the agreed plan's buckets during its backward
+        (decided alike on every worker: from the last agreement, at the same call)."""
         plan = self._plan
         if self._early is None and plan is not None and plan.usable:
             self._early = EarlyExchange(
@@ -297,12 +304,6 @@ def _flags(
     return has_grad, table[:, len(fresh) : len(fresh) + n], table[:, len(fresh) + n :]
 
 
-def _flat(grad: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
-    if grad is None:
-        return torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    return (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
-
-
 def _exchange_gradients(
     workers: Collectives,
     trainable: list[torch.Tensor],
@@ -317,7 +318,10 @@ def _exchange_gradients(
     )
     started = []
     for bucket in buckets:  # pack the next bucket while the previous one travels
-        flat = torch.cat([_flat(fresh[i], trainable[i]) for i in bucket]).to(workers.device)
+        flat = torch.cat([
+            flat_gradient(fresh[i], trainable[i].numel(), trainable[i].dtype, trainable[i].device)
+            for i in bucket
+        ]).to(workers.device)
         started.append(
             (bucket, flat, workers.start_gradient_all_reduce("gradient all-reduce", flat))
         )
