@@ -1,15 +1,22 @@
-"""Multi-worker cost on gloo over loopback: step time, bytes per step, all-reduce time.
+"""Multi-worker cost on gloo over loopback: against DDP, step time, bytes per step, all-reduce.
 
-Two tables:
-  steps       MultiWorkerCentralStorageStrategy training the MLP 784-1024-1024-10 on a global
-              batch of 512 with W = 1 and W = 2 worker processes (R local replicas each, the
-              host's cores split between them), against a plain PyTorch loop; milliseconds per step
+Three tables:
+  vs DDP      MultiWorkerCentralStorageStrategy against torch.nn.parallel.DistributedDataParallel
+              in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
+              SGD) and on bench_train.py's small transformer (global batch 32, Adam): W = 2
+              workers of R = 1 and of R = 2 local replicas (DDP always runs one model per
+              process on the worker's half of the batch). The two alternate step by step
+              (which goes first alternates too, so both see the same load on a shared
+              machine); each round times ``--steps`` steps of each; the table gives the
+              median over ``--rounds`` rounds of the mean step, and the ratio of the medians.
+  steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
+              cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
               all-reduce puts about 2 (W-1)/W times that on the wire).
   all-reduce  torch.distributed.all_reduce (SUM) of one flat float32 gradient buffer of
               1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
 
-    python benchmarks/bench_multiworker.py [--steps 12] [--sizes-mb 1 4 16 64 100]
+    python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
@@ -26,9 +33,11 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_train import Transformer
 from torch import nn
 
 import centralstore as cs
@@ -122,6 +131,65 @@ def _worker_steps(config: str, steps: int, local: int) -> dict[str, float]:
     return result
 
 
+# name -> (model, global batch, one example's shape, optimizer)
+_DDP_MODELS: dict[str, tuple[Any, int, tuple[int, ...], Any]] = {
+    "mlp": (_mlp, BATCH, (784,), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
+    "transformer": (Transformer, 32, (16, 64), lambda p: torch.optim.Adam(p, lr=1e-3)),
+}
+
+
+def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[str, float]:
+    """This strategy and DDP in the same processes, alternating: ms per step of each."""
+    build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
+    torch.manual_seed(0)
+    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+    strategy = MultiWorkerCentralStorageStrategy(
+        [f"cpu:{i}" for i in range(local)], timeout=120
+    )
+    rank, world = strategy.worker_index, strategy.num_workers
+    torch.manual_seed(1)
+    with strategy.scope():
+        model = build()
+        optimizer = make_optimizer(model.parameters())
+    inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=batch).backward()  # type: ignore[no-untyped-call]
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=inputs)
+        optimizer.step()
+
+    torch.manual_seed(1)
+    ddp = nn.parallel.DistributedDataParallel(build())
+    ddp_optimizer = make_optimizer(ddp.parameters())
+    share = batch // world
+    xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+
+    def ddp_step() -> None:
+        ddp_optimizer.zero_grad()
+        nn.functional.cross_entropy(ddp(xs), ys).backward()  # type: ignore[no-untyped-call]
+        ddp_optimizer.step()
+
+    for _ in range(2):
+        cs_step()
+        ddp_step()
+    order = [("cs", cs_step), ("ddp", ddp_step)]
+    means: dict[str, list[float]] = {"cs": [], "ddp": []}
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {"cs": [], "ddp": []}
+        for i in range(steps):  # step by step, each after the other's, so both see one load
+            for name, step in order if i % 2 == 0 else order[::-1]:
+                start = time.perf_counter()
+                step()
+                times[name].append(1000 * (time.perf_counter() - start))
+        for name, values in times.items():
+            means[name].append(statistics.fmean(values))
+    return {name: statistics.median(values) for name, values in means.items()}
+
+
 def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rows = {}
@@ -142,10 +210,16 @@ def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
 def _worker(argv: list[str]) -> None:
     if argv[0] == "steps":
         result = _worker_steps(argv[1], int(argv[2]), int(argv[3]))
+    elif argv[0] == "ddp":
+        result = _worker_ddp(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
     else:
         result = _worker_allreduce([float(s) for s in argv[2:]], int(argv[1]))
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result))
+    # Skip the interpreter's teardown: freeing DDP's reducer there joins gloo threads that
+    # can wait forever (torch 2.13), after the numbers are out.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # -- driver ---------------------------------------------------------------------------------
@@ -156,11 +230,25 @@ def main() -> None:
         _worker(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
     args = parser.parse_args()
     cores = os.cpu_count() or 1
+    threads = max(cores // 2, 1)
+    print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
+          f"alternating: median of {args.rounds} rounds of {args.steps} steps\n")
+    print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
+          f"{'cs / DDP':>9}")
+    for model_name in _DDP_MODELS:
+        for local in (1, 2):
+            row = _launch(
+                2, ["ddp", model_name, str(local), str(args.steps), str(args.rounds)], threads
+            )
+            print(f"{model_name:<12} {f'W=2 x R={local}':<14} {row['cs']:>11.2f} "
+                  f"{row['ddp']:>12.2f} {row['cs'] / row['ddp']:>8.3f}x")
+    print()
     parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
     print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
           f"float32 gradients), global batch {BATCH}, {cores} cores, gloo on loopback\n")

@@ -229,6 +229,16 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
         results[f"{name}/initial"] = {k: v.clone() for k, v in model.state_dict().items()}
         train(strategy, model, optimizer)
         results[f"{name}/final"] = model.state_dict()
+    # The same training with every bucket exchanged after the fold, as before buckets left
+    # during backward: the same weights, bit for bit.
+    late = MultiWorkerCentralStorageStrategy(devices, **settings)
+    late._collectives._arm = lambda store: None  # type: ignore[method-assign]
+    with late.scope():
+        model = mlp()
+        model.load_state_dict(results["sgd/initial"])
+        optimizer = OPTIMIZERS["sgd"](list(model.parameters()))
+    train(late, model, optimizer)
+    results["sgd/after fold"] = model.state_dict()
     torch.manual_seed(200 + rank)
     with strategy.scope():
         model = bn_model()
@@ -241,18 +251,25 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
     strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
     with strategy.scope():
         model = mlp()
-    strategy.run(lambda: None)  # the first run's broadcast
+    strategy.run(lambda: None)  # the first run's broadcast; its sync point plans the buckets
     before = strategy.traffic
     x = torch.randn(4 * strategy.num_replicas_in_sync, 6)
-    strategy.run(lambda x, net=model: net(x).sum().backward(), args=(
+    started: list[int] = []  # per local replica: collectives started when its backward returned
+
+    def step(x: torch.Tensor, net: nn.Module = model) -> None:
+        net(x).sum().backward()
+        started.append(strategy.traffic["collectives"] - before["collectives"])
+
+    strategy.run(step, args=(
         strategy.experimental_distribute_values_from_function(
             lambda c: x[c.replica_id_in_sync_group::c.num_replicas_in_sync]
         ),
     ))
     after = strategy.traffic
     results["step_traffic"] = {k: after[k] - before[k] for k in after}
+    results["started_in_backward"] = started
     parameter = weakref.ref(next(model.parameters()))  # the exchange keeps no model alive
-    del model
+    del model, step
     gc.collect()
     results["freed"] = parameter() is None
     return results
@@ -299,6 +316,75 @@ def errors_scenario() -> dict[str, Any]:
     out["step_seconds"] = time.monotonic() - start
     after = [model.weight.grad, model.weight, counter]
     out["discarded"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    out.update(failure_mid_backward(rank))
+    return out
+
+
+def failure_mid_backward(rank: int) -> dict[str, Any]:
+    """Worker 1 raises in the middle of its backward, after the first of three buckets left
+    (worker 0's backward starts all three): the run is discarded on both, ``.grad`` as
+    before it."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=20, bucket_cap_mb=BUCKET)
+    with strategy.scope():
+        net = mlp()
+    x = torch.randn(4, 6)
+    strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
+    before = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+    started: list[int] = []
+
+    def step() -> None:
+        count = strategy.traffic["collectives"]
+
+        def boom(grad: torch.Tensor) -> None:
+            started.append(strategy.traffic["collectives"] - count)
+            raise ValueError("boom in the backward of worker 1")
+
+        hidden = net[1](net[0](x))
+        if rank == 1:
+            hidden.register_hook(boom)
+        net[2](hidden).sum().backward()
+        started.append(strategy.traffic["collectives"] - count)
+
+    error = ""
+    try:
+        strategy.run(step)
+    except Exception as caught:
+        error = f"{type(caught).__name__}: {caught}"
+    after = [p.grad for p in net.parameters()]
+    return {
+        "mid_backward": error,
+        "mid_backward_started": started,
+        "mid_backward_discarded": len(before) == len(after) == 4
+        and all(torch.equal(a, b) for a, b in zip(after, before, strict=True)),
+    }
+
+
+def again_scenario() -> dict[str, Any]:
+    """Each run backs twice, so the buckets that left during the first backward are not what
+    the fold produces: every worker exchanges again from the fold; after two such runs the
+    layout's buckets no longer leave early."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=30, bucket_cap_mb=BUCKET)
+    with strategy.scope():
+        net = mlp()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
+    out: dict[str, Any] = {"initial": net.state_dict(), "collectives": [], "grads": []}
+
+    def twice() -> None:
+        net(x[:4]).sum().backward()
+        net(x[4:]).sum().backward()
+
+    for _ in range(3):
+        for p in net.parameters():
+            p.grad = None
+        before = strategy.traffic["collectives"]
+        strategy.run(twice)
+        out["collectives"].append(strategy.traffic["collectives"] - before)
+        out["grads"].append([p.grad.clone() for p in net.parameters() if p.grad is not None])
     return out
 
 
@@ -408,6 +494,8 @@ def main() -> None:
         results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")
     elif scenario == "errors":
         results = errors_scenario()
+    elif scenario == "again":
+        results = again_scenario()
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

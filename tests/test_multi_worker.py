@@ -99,6 +99,9 @@ def check_training(results: list[dict[str, Any]], replicas: int) -> None:
             assert_state_close(result[f"{name}/final"], oracle.state_dict(), f"{name} rank {rank}")
             for key, value in result[f"{name}/final"].items():  # identical, not only close
                 assert torch.equal(value, results[0][f"{name}/final"][key]), (name, rank, key)
+    for rank, result in enumerate(results):  # buckets left during backward, or after the fold
+        for key, value in result["sgd/after fold"].items():
+            assert torch.equal(value, result["sgd/final"][key]), (rank, key)
     twin = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     with twin.scope():
         model = helper.bn_model()
@@ -111,10 +114,14 @@ def check_training(results: list[dict[str, Any]], replicas: int) -> None:
 
 def check_traffic(results: list[dict[str, Any]]) -> None:
     """Hierarchical reduction: one training ``run`` sends one agreement row and one gradient
-    per worker (here in 3 buckets of at most 256 bytes), whatever the number of local replicas."""
+    per worker (here in 3 buckets of at most 256 bytes), whatever the number of local
+    replicas; the buckets leave during the last local replica's backward, not at the sync
+    point."""
     parameters = sum(p.numel() for p in helper.mlp().parameters())
     for result in results:
         assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 6 * 8 + 4 * parameters}
+        *earlier, last = result["started_in_backward"]
+        assert last == 3 and all(n == 0 for n in earlier), result["started_in_backward"]
         assert result["freed"]  # and the exchange holds central variables weakly
 
 
@@ -184,6 +191,31 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
         "RuntimeError: strategy.run failed on worker(s) [1]"
     ), results
     assert "ValueError: boom in the step of worker 1" in results[0]["step"], results
+    # worker 1 raised in its backward after one of the three buckets had left; worker 0's
+    # backward had started all three: discarded on both
+    assert results[1]["mid_backward"].startswith("ValueError: boom in the backward of worker 1")
+    assert results[0]["mid_backward"].startswith("RuntimeError: strategy.run failed on worker")
+    assert [r["mid_backward_started"] for r in results] == [[3], [1]]
+    assert all(r["mid_backward_discarded"] for r in results), results
+
+
+def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Path) -> None:
+    results = launch(tmp_path, 2, "again", str(tmp_path))
+    oracle = helper.mlp()
+    oracle.load_state_dict(results[0]["initial"])
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    oracle(x[:4]).sum().backward()
+    oracle(x[4:]).sum().backward()
+    expected = [2 * p.grad for p in oracle.parameters() if p.grad is not None]  # 2 workers
+    for result in results:
+        # 3 buckets during the first backward, the agreement, 3 buckets again from the fold;
+        # twice, and then the buckets wait for the sync point: the agreement and 3 buckets
+        assert result["collectives"] == [7, 7, 4]
+        for grads in result["grads"]:
+            assert len(grads) == len(expected) == 4
+            for got, want, first in zip(grads, expected, results[0]["grads"][0], strict=True):
+                torch.testing.assert_close(got, want)
+                assert torch.equal(got, first)  # every run and worker alike, bit for bit
 
 
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:

@@ -1,13 +1,18 @@
 """``VariableAggregation``: how writes to a central variable from several replicas combine.
 
 A module of its own, imported at load time by everything that compares aggregations by
-identity, so that there is exactly one enum class.
+identity, so that there is exactly one enum class. The arithmetic of the combination lives
+here too, once (``write_term``, ``written_value``): a process combines its replicas' writes
+with it (``variables/folding.py``), and the workers combine theirs with it across processes
+(``strategies/_exchange.py``).
 """
 
 from __future__ import annotations
 
 import enum
 from typing import TypeVar
+
+import torch
 
 
 class VariableAggregation(enum.Enum):
@@ -60,3 +65,75 @@ def _member(cls: type[E], value: E | str, what: str) -> E:
     raise ValueError(
         f"{what} must be one of {[m.name for m in cls]}. Received: {what}={value!r}"
     )
+
+
+# -- how writes combine: one arithmetic for the replicas of a process and for the workers ----
+#
+# A *group* of writers is one replica, or one worker's replicas already combined. Each group
+# gives a term; the terms are summed (in order on one process, by an all-reduce across
+# workers); ``written_value`` turns the sum into the variable's new value. A group that only
+# added gives its change (a delta); once any writer assigned, SUM and MEAN combine final
+# values instead. Only the first group's term counts for ONLY_FIRST_REPLICA: the caller
+# leaves the others out (locally) or makes them zeros (across workers).
+
+
+def write_term(
+    aggregation: VariableAggregation,
+    start: torch.Tensor,
+    value: torch.Tensor,
+    count: int,
+    assigned: bool,
+    any_assigned: bool,
+) -> torch.Tensor:
+    """One group's term in the sum that combines the writes to a variable: ``count`` replicas
+    moved it from ``start`` to ``value`` (their own combination by ``aggregation``;
+    ``assigned``: one of them assigned; ``any_assigned``: some writer of any group did).
+
+    >>> c = torch.tensor(10.0)
+    >>> write_term(VariableAggregation.SUM, c, torch.tensor(13.0), 2, False, False)
+    tensor(3.)
+    >>> write_term(VariableAggregation.SUM, c, torch.tensor(13.0), 2, False, True)  # 11 + 12
+    tensor(23.)
+    >>> write_term(VariableAggregation.MEAN, c, torch.tensor(11.5), 2, False, False)
+    tensor(3.)
+    """
+    if not any_assigned:  # deltas; MEAN weights a group by its writers
+        delta = value - start
+        return delta * count if aggregation is VariableAggregation.MEAN and count != 1 else delta
+    if aggregation is VariableAggregation.MEAN:
+        return value * count if count != 1 else value
+    if aggregation is VariableAggregation.SUM and not assigned and count != 1:
+        return value + start * (count - 1)  # the sum of its writers' finals: start + delta each
+    return value
+
+
+def written_value(
+    aggregation: VariableAggregation,
+    start: torch.Tensor,
+    total: torch.Tensor,
+    count: int,
+    any_assigned: bool,
+) -> torch.Tensor:
+    """The variable's value after its writes: ``total`` is the sum of every group's
+    ``write_term`` and ``count`` the number of replicas that wrote (MEAN's denominator).
+
+    >>> c = torch.tensor(10.0)  # replicas writing 1 and 2 by add_, then by copy_
+    >>> [float(written_value(a, c, torch.tensor(3.0), 2, False)) for a in
+    ...  (VariableAggregation.SUM, VariableAggregation.MEAN)]
+    [13.0, 11.5]
+    >>> [float(written_value(a, c, torch.tensor(3.0), 2, True)) for a in
+    ...  (VariableAggregation.SUM, VariableAggregation.MEAN)]
+    [3.0, 1.5]
+    """
+    if aggregation is VariableAggregation.MEAN:
+        total = total / count
+    return total if any_assigned else start + total
+
+
+def sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:
+    """``terms[0] + terms[1] + ...``, left to right (reproducible at a fixed number of
+    replicas)."""
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total

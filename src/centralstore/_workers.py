@@ -33,6 +33,8 @@ class Workers(abc.ABC):
 
     num_workers: int  # how many worker processes
     worker_index: int  # which one this is (its rank)
+    # whether ``gradient_accumulated`` wants each replica's gradient as backward accumulates it
+    watches_gradients = False
 
     @abc.abstractmethod
     def reduce(
@@ -71,6 +73,12 @@ class Workers(abc.ABC):
     @abc.abstractmethod
     def describe(self) -> str:
         """Extra text for the strategy's ``repr``."""
+
+    # -- defaults ------------------------------------------------------------------------------
+
+    def gradient_accumulated(self, store: VariableStore, view: View) -> None:  # noqa: B027
+        """A replica's gradient has just accumulated on ``view`` while backward runs (called
+        only when ``watches_gradients``): the multi-worker exchange starts its buckets."""
 
 
 @final

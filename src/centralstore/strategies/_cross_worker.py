@@ -84,6 +84,15 @@ def _exit_on_uncaught_error() -> None:
     os._exit(1)
 
 
+def _gradient_group(group: Any, num_workers: int, timeout: timedelta) -> Any:
+    """A new process group of the same workers for gradient buckets, or None (one worker,
+    or a ``group`` of only some processes: creating a group needs every process)."""
+    if num_workers == 1 or num_workers != dist.get_world_size():
+        return None
+    ranks = list(range(num_workers)) if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks, timeout=timeout, backend=str(dist.get_backend(group)))
+
+
 class _Through(torch.autograd.Function):
     """The global value forward, the local term's gradient backward: a backward through
     ``reduce`` reaches this worker's replicas; the other workers' terms are constants."""
@@ -105,6 +114,10 @@ class Collectives(Workers):
     ``group`` is a process group, or None for the default one. ``device`` is where collective
     buffers live (the CPU for gloo, the GPU for NCCL); ``bucket_bytes`` caps one gradient
     all-reduce, so that the next bucket is packed while the previous one travels.
+    ``gradient_group``: a second group of the same workers, where gradient buckets travel
+    (``_buckets.py``: buckets that leave during backward must never interleave with other
+    collectives differently on different workers); None for one worker, or when ``group``
+    spans only some of the processes (then buckets travel in ``group``, after the agreement).
     ``traffic`` counts what this worker gave to collectives: their number and payload bytes.
     """
 
@@ -123,6 +136,7 @@ class Collectives(Workers):
         self.broken: str | None = None
         self._shared: list[Central] = []  # the central variables already broadcast
         self._ran = False
+        self.gradient_group = _gradient_group(group, self.num_workers, timeout)
 
     def describe(self) -> str:
         return f", worker {self.worker_index} of {self.num_workers}"
@@ -180,6 +194,13 @@ class Collectives(Workers):
         """Start a SUM all-reduce of ``flat`` in place; call the result to wait for it."""
         return self._start(
             what, lambda: dist.all_reduce(flat, group=self.group, async_op=True), flat
+        )
+
+    def start_gradient_all_reduce(self, what: str, flat: torch.Tensor) -> Callable[[], None]:
+        """``start_all_reduce`` in the process group of gradient buckets."""
+        group = self.group if self.gradient_group is None else self.gradient_group
+        return self._start(
+            what, lambda: dist.all_reduce(flat, group=group, async_op=True), flat
         )
 
     def all_reduce(self, what: str, flat: torch.Tensor) -> None:

@@ -10,11 +10,20 @@ At every sync point (the end of ``run``, ``merge_call``, ``optimizer.step()``) e
 3. agrees with the other workers on the layout and on what there is to exchange (one small
    all-gather; a second, of per-variable flags, only when some worker lacks a gradient or
    wrote a variable);
-4. all-reduces (SUM) the fresh gradients in flat buckets, in registration order, with zeros
-   where a worker has none: the traffic is one gradient per worker whatever its number of
-   replicas (hierarchical reduction);
+4. all-reduces (SUM) the fresh gradients in flat buckets (``_buckets.py``: reverse
+   registration order, a small first bucket), with zeros where a worker has none: the
+   traffic is one gradient per worker whatever its number of replicas (hierarchical
+   reduction);
 5. adds the set-aside ``.grad`` back, and combines the writes by each variable's aggregation
-   over the writers of every worker, as one process with all the replicas would.
+   over the writers of every worker, as one process with all the replicas would
+   (``_aggregation.write_term``).
+
+Inside ``run``, step 4 starts early: from the second sync point on, each run's buckets leave
+while its backward still runs, as soon as every local replica's gradients in them are there
+(``EarlyExchange``); the sync point starts the rest before the agreement and only waits.
+The agreement row says whether each worker's early buckets are what its fold produced; if
+any is not, every worker exchanges again from the fold, in step 4's order. The numbers are
+those of the exchange after the fold: the same local sums, the same buckets.
 
 When the run failed on any worker, every worker puts back its set-aside ``.grad`` and the
 values its replicas' writes replaced, and raises: the run is discarded everywhere.
@@ -31,8 +40,15 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
-from .._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation, write_term, written_value
 from ..variables.folding import add_in_order
+from ._buckets import (
+    FIRST_BUCKET_BYTES,
+    BucketPlan,
+    EarlyExchange,
+    bucket_indices,
+    flat_gradient,
+)
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
@@ -41,6 +57,10 @@ if TYPE_CHECKING:
     from ..variables.views import View
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
+# The early exchange, in the agreement row: this sync point ends a run whose buckets could
+# start early (every worker alike), this worker's early buckets passed their check, and this
+# worker started buckets (then every worker starts them all).
+ARMED, VALID, STARTED = 1, 2, 4
 
 
 class _Layout:
@@ -52,7 +72,9 @@ class _Layout:
 
     __slots__ = ("records", "signature", "tensors", "trainable", "trainable_flags")
 
-    def __init__(self, store: VariableStore, previous: _Layout | None) -> None:
+    def __init__(
+        self, store: VariableStore, previous: _Layout | None, bucket_bytes: int
+    ) -> None:
         records = list(store.records.values())
         tensors = [r.ref() for r in records]
         if any(t is None for t in tensors):  # dying right now: leave them out
@@ -69,8 +91,9 @@ class _Layout:
         ):
             self.signature = previous.signature
         else:
-            self.signature = signature([
-                (tuple(t.shape), str(t.dtype), t.requires_grad, r.aggregation.value)
+            self.signature = signature([bucket_bytes] + [  # the buckets must match too
+                (tuple(t.shape), str(t.dtype), t.device.type, t.requires_grad,
+                 r.aggregation.value)
                 for r, t in zip(records, self.tensors, strict=True)
             ])
 
@@ -107,39 +130,91 @@ def _restore(trainable: list[torch.Tensor], stash: list[Any], fresh: list[Any]) 
 @final
 class ProcessGroup(Collectives):
     """The workers of one ``torch.distributed`` process group, whose sync points exchange
-    what each worker's replicas added."""
+    what each worker's replicas added.
+
+    ``_plan``: the buckets of the layout the workers last agreed on (None before the first
+    sync point, or without a process group for gradients); ``_early``: the run in progress
+    whose buckets may start while its backward runs, until its next sync point.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._layout: _Layout | None = None  # the previous sync point's, for its signature
+        self._plan: BucketPlan | None = None
+        self._early: EarlyExchange | None = None
+        self.watches_gradients = self.gradient_group is not None
+
+    def begin_run(self, store: VariableStore) -> None:
+        super().begin_run(store)
+        self._arm(store)
+
+    def _arm(self, store: VariableStore) -> None:
+        """The run in progress may start the agreed plan's buckets during its backward
+        (decided alike on every worker: from the last agreement, at the same call)."""
+        plan = self._plan
+        if self._early is None and plan is not None and plan.usable:
+            self._early = EarlyExchange(
+                plan, store.replicas,
+                lambda flat: self.start_gradient_all_reduce("gradient all-reduce", flat),
+                self.device,
+            )
+
+    def gradient_accumulated(self, store: VariableStore, view: View) -> None:
+        early = self._early
+        if early is not None:
+            early.gradient_accumulated(view)
 
     def sync(self, store: VariableStore, error: BaseException | None) -> None:
-        layout = _Layout(store, self._layout)
+        layout = _Layout(store, self._layout, self.bucket_bytes)
         self._layout = layout
+        early, self._early = self._early, None
         try:
-            sync_across(self, store, layout, error)
+            table = sync_across(self, store, layout, early, error)
+            self._follow(layout, table, early)
         finally:
             layout.forget_tensors()
+        if store.in_run:  # a merge_call's sync point: the rest of the run may start early too
+            self._arm(store)
+
+    def _follow(
+        self, layout: _Layout, table: torch.Tensor, early: EarlyExchange | None
+    ) -> None:
+        """After a sync point every worker passed (the same ``table`` everywhere): the plan
+        of the agreed layout, and how its early exchange fared."""
+        if self.gradient_group is None or not layout.trainable:
+            return
+        flags = table[:, 5].tolist()
+        if early is not None and any(f & STARTED for f in flags):
+            early.plan.strike(not all(f & VALID for f in flags))
+        plan = self._plan
+        if plan is None or not plan.fits(layout.records, layout.trainable_flags):
+            self._plan = BucketPlan(
+                layout.records, layout.trainable_flags, layout.trainable,
+                FIRST_BUCKET_BYTES, self.bucket_bytes,
+            )
 
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         store.pending.append(view)  # exchanged at the next sync point, by every worker
 
 
 def sync_across(
-    workers: Collectives,
+    workers: ProcessGroup,
     store: VariableStore,
     layout: _Layout,
+    early: EarlyExchange | None,
     run_error: BaseException | None,
-) -> None:
+) -> torch.Tensor:
     """The sync point of ``store`` (its variables: ``layout``) across ``workers``
-    (``run_error``: this worker's ``run`` failed; the workers still agree, then every
-    worker discards the run and raises)."""
+    (``early``: the run's buckets that may have left already; ``run_error``: this worker's
+    ``run`` failed; the workers still agree, then every worker discards the run and raises).
+    Returns the agreement's table."""
     writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
     stash = [t.grad for t in trainable]
     for t in trainable:
         t.grad = None
+    valid = early is None or (not (early.early and store.pending) and early.check_sources())
     try:
         store.fold(discard=run_error is not None)
     except BaseException:
@@ -148,9 +223,19 @@ def sync_across(
     fresh = [t.grad for t in trainable]
     have = sum(g is not None for g in fresh)
     state = NONE if not have else ALL if have == len(fresh) else 1
+    flags = 0
+    fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     try:
+        if early is not None:
+            valid = valid and fits and early.check_fold(fresh)
+            if early.error is not None:
+                raise early.error
+            if early.started or (have and run_error is None):
+                early.start_rest(fresh if fits else None)  # travels during the agreement
+            flags = ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
         table = workers.agree(
-            Kind.SYNC, layout.signature, state, len(writes), failed=run_error is not None
+            Kind.SYNC, layout.signature, state, len(writes), flags,
+            failed=run_error is not None,
         )
         if len(set(table[:, 2].tolist())) > 1:
             workers.mark_broken("the workers' central variables differ")
@@ -160,6 +245,17 @@ def sync_across(
                 "Build the same model on every worker, inside strategy.scope(), in the same "
                 "order."
             )
+        all_flags = table[:, 5].tolist()
+        if len({f & ARMED for f in all_flags}) > 1:  # cannot happen while workers are in step
+            workers.mark_broken("the workers disagree on the early gradient exchange")
+            raise RuntimeError(
+                "The workers disagree on whether this sync point's gradients left early "
+                f"(agreement flags {all_flags}): they are out of step. Every worker must "
+                "make the same strategy calls in the same order."
+            )
+        started = early is not None and any(f & STARTED for f in all_flags)
+        if early is not None and started and not early.all_started:
+            early.start_rest(fresh if fits else None)  # this worker had nothing: zeros
     except BaseException:
         _restore(trainable, stash, fresh)
         raise
@@ -168,18 +264,28 @@ def sync_across(
         with torch.no_grad():
             for i, value in before.items():
                 layout.tensors[i].copy_(value)
+        if early is not None and started:
+            early.wait()  # every bucket is done before the next collective
         workers.raise_failures(table, "strategy.run", run_error)
     states, counts = table[:, 3].tolist(), table[:, 4].tolist()
     if not any(counts) and all(s == NONE for s in states):
+        if early is not None and started:
+            early.wait()
         _restore(trainable, stash, fresh)
+        return table
+    if not any(counts) and all(s == ALL for s in states):
+        has_grad, writers, assigned = [True] * len(trainable), None, None
     else:
-        if not any(counts) and all(s == ALL for s in states):
-            has_grad, writers, assigned = [True] * len(trainable), None, None
-        else:
-            has_grad, writers, assigned = _flags(workers, layout, fresh, writes)
+        has_grad, writers, assigned = _flags(workers, layout, fresh, writes)
+    if early is not None and started and all(f & VALID for f in all_flags):
+        _add_exchanged(trainable, stash, early.exchanged(has_grad), has_grad)
+    else:
+        if early is not None and started:
+            early.wait()  # left early but not what the fold produced somewhere: again
         _exchange_gradients(workers, trainable, stash, fresh, has_grad)
-        if writers is not None and assigned is not None and writers.any():
-            _exchange_writes(workers, layout, before, writers, assigned)
+    if writers is not None and assigned is not None and writers.any():
+        _exchange_writes(workers, layout, before, writers, assigned)
+    return table
 
 
 def _flags(
@@ -198,12 +304,6 @@ def _flags(
     return has_grad, table[:, len(fresh) : len(fresh) + n], table[:, len(fresh) + n :]
 
 
-def _flat(grad: torch.Tensor | None, tensor: torch.Tensor) -> torch.Tensor:
-    if grad is None:
-        return torch.zeros(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    return (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
-
-
 def _exchange_gradients(
     workers: Collectives,
     trainable: list[torch.Tensor],
@@ -211,26 +311,20 @@ def _exchange_gradients(
     fresh: list[Any],
     has_grad: list[bool],
 ) -> None:
-    """SUM all-reduce of the fresh gradients in flat buckets, then the stash added back."""
-    buckets: list[list[int]] = []
-    key: tuple[torch.dtype, torch.device] | None = None
-    size = 0
-    for i, tensor in enumerate(trainable):
-        if not has_grad[i]:
-            tensor.grad = stash[i]
-            continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if not buckets or key != (tensor.dtype, tensor.device) or (
-            size + nbytes > workers.bucket_bytes and size
-        ):
-            buckets.append([])
-            key, size = (tensor.dtype, tensor.device), 0
-        buckets[-1].append(i)
-        size += nbytes
+    """SUM all-reduce of the fresh gradients in flat buckets (the plan's order and sizes,
+    over the variables some worker has a gradient for), then the stash added back."""
+    buckets = bucket_indices(
+        trainable, has_grad, min(FIRST_BUCKET_BYTES, workers.bucket_bytes), workers.bucket_bytes
+    )
     started = []
     for bucket in buckets:  # pack the next bucket while the previous one travels
-        flat = torch.cat([_flat(fresh[i], trainable[i]) for i in bucket]).to(workers.device)
-        started.append((bucket, flat, workers.start_all_reduce("gradient all-reduce", flat)))
+        flat = torch.cat([
+            flat_gradient(fresh[i], trainable[i].numel(), trainable[i].dtype, trainable[i].device)
+            for i in bucket
+        ]).to(workers.device)
+        started.append(
+            (bucket, flat, workers.start_gradient_all_reduce("gradient all-reduce", flat))
+        )
     exchanged: list[torch.Tensor | None] = [None] * len(trainable)
     for bucket, flat, wait in started:
         wait()
@@ -238,10 +332,19 @@ def _exchange_gradients(
         pieces = torch.split(flat.to(home), [trainable[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces, strict=True):
             exchanged[i] = piece.view(trainable[i].shape)  # a view of the bucket: no copy
+    _add_exchanged(trainable, stash, exchanged, has_grad)
+
+
+def _add_exchanged(
+    trainable: list[torch.Tensor], stash: list[Any], exchanged: list[torch.Tensor | None],
+    has_grad: list[bool],
+) -> None:
+    """``.grad``: the set-aside gradients plus the exchanged sums, in place where they exist
+    (and the set-aside ones alone where no worker had a gradient)."""
     sums = list(stash)
     add_in_order(sums, exchanged)
-    for i in {i for bucket in buckets for i in bucket}:
-        trainable[i].grad = sums[i]
+    for i, tensor in enumerate(trainable):
+        tensor.grad = sums[i] if has_grad[i] else stash[i]
 
 
 def _exchange_writes(
@@ -251,42 +354,31 @@ def _exchange_writes(
     writers: torch.Tensor,
     assigned: torch.Tensor,
 ) -> None:
-    """Combine the writes of every worker's replicas by aggregation (docs/design.md §3.6).
-
-    Each worker has already combined its own writers into ``c_w`` from the common value
-    ``c0``; with ``n_w`` writers there, MEAN is ``sum(n_w c_w) / sum(n_w)``, SUM is
-    ``c0 + sum(c_w - c0)`` (or, when some replica assigned, the sum of every writer's final
-    value), and ONLY_FIRST_REPLICA takes ``c_w`` of the first worker that wrote.
-    """
+    """Combine the writes of every worker's replicas by aggregation (docs/design.md §3.6),
+    each worker one group of ``_aggregation.write_term``: its writers already combined into
+    its value, from the common value before the run; the terms are summed across workers."""
     rank = workers.worker_index
-    plan, contributions = [], []
+    plan, terms = [], []
     for i in writers.sum(dim=0).nonzero().flatten().tolist():
         record, tensor = layout.records[i], layout.tensors[i].detach()
         counts = writers[:, i].tolist()
         mine, start = counts[rank], before.get(i, tensor)
         aggregation = record.aggregation
         any_assigned = bool(assigned[:, i].any())
-        if aggregation is VariableAggregation.MEAN:
-            contribution = tensor * mine
-        elif aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-            first = next(r for r, n in enumerate(counts) if n)
-            contribution = tensor.clone() if rank == first else torch.zeros_like(tensor)
-        elif any_assigned:  # SUM of final values: a worker that only added holds c0 + deltas
-            own = tensor if assigned[rank, i] else start * mine + (tensor - start)
-            contribution = own if mine else torch.zeros_like(tensor)
-        else:  # SUM of deltas
-            contribution = tensor - start
-        plan.append((tensor, aggregation, sum(counts), any_assigned, start))
-        contributions.append(contribution)
-    totals = workers.sum_across("exchange of variable writes", contributions)
+        first = next(r for r, n in enumerate(counts) if n)
+        if not mine or (aggregation is VariableAggregation.ONLY_FIRST_REPLICA and rank != first):
+            terms.append(torch.zeros_like(tensor))
+        else:
+            terms.append(write_term(
+                aggregation, start, tensor, mine, bool(assigned[rank, i]), any_assigned
+            ))
+        writers_everywhere = (
+            1 if aggregation is VariableAggregation.ONLY_FIRST_REPLICA else sum(counts)
+        )
+        plan.append((tensor, aggregation, writers_everywhere, any_assigned, start))
+    totals = workers.sum_across("exchange of variable writes", terms)
     with torch.no_grad():
-        for (tensor, aggregation, total_writers, any_assigned, start), total in zip(
+        for (tensor, aggregation, count, any_assigned, start), total in zip(
             plan, totals, strict=True
         ):
-            if aggregation is VariableAggregation.MEAN:
-                value = total / total_writers
-            elif aggregation is VariableAggregation.SUM and not any_assigned:
-                value = start + total
-            else:
-                value = total
-            tensor.copy_(value)
+            tensor.copy_(written_value(aggregation, start, total, count, any_assigned))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .._aggregation import VariableAggregation
+from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
 from .buckets import GradientBuckets
 from .views import View
 
@@ -183,7 +183,8 @@ def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
 
 def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) -> None:
     """Combine the replicas' writes into each central variable by its aggregation
-    (``offset``: the global id of the first of these replicas)."""
+    (``offset``: the global id of the first of these replicas). Each replica that wrote is
+    one group of ``_aggregation.write_term``, in replica order."""
     writers: dict[int, list[View]] = {}
     on_read: dict[int, list[tuple[int, View]]] = {}
     for replica, views in enumerate(touched):
@@ -205,24 +206,33 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             continue
         if num_replicas > 1 and aggregation is VariableAggregation.NONE:
             continue  # the replica that wrote has already raised
-        finals = [view.tensor.detach().to(central.device) for view in views]
         if num_replicas == 1:
-            value = finals[0]
-        elif any(view.assigned for view in views):
-            value = _combine(aggregation, finals)
-        else:
-            value = central + _combine(aggregation, [final - central for final in finals])
-        central.copy_(value)
+            central.copy_(views[0].tensor.detach())
+            continue
+        any_assigned = any(view.assigned for view in views)
+        if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            views = views[:1]
+        terms = [
+            write_term(
+                aggregation, central, view.tensor.detach().to(central.device), 1,
+                view.assigned, any_assigned,
+            )
+            for view in views
+        ]
+        central.copy_(
+            written_value(aggregation, central, sum_in_order(terms), len(views), any_assigned)
+        )
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
     """The central value of an ON_READ variable follows its replicas' copies: it is their
     reduction, and moves by what the replicas that wrote changed in their copies since the
     epoch began (SUM: the sum of the changes; MEAN: that over this process's replicas;
-    ONLY_FIRST_REPLICA: replica 0's). Across workers the exchange then combines the workers'
-    values as writes of the aggregation: SUM adds the workers' changes, MEAN averages the
-    workers' values weighted by their writers (exact when every replica wrote), and
-    ONLY_FIRST_REPLICA takes the first worker's."""
+    ONLY_FIRST_REPLICA: replica 0's), the arithmetic of writes that add, each copy's change
+    one term. Across workers the exchange then combines the workers' values as writes of the
+    aggregation: SUM adds the workers' changes, MEAN averages the workers' values weighted by
+    their writers (exact when every replica wrote), and ONLY_FIRST_REPLICA takes the first
+    worker's."""
     record = copies[0][1].record
     central = record.ref()
     if central is None:
@@ -230,27 +240,18 @@ def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
     aggregation = record.aggregation
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         copies = [(replica, view) for replica, view in copies if replica == 0]
-    changes = [
-        view.tensor.detach().to(central.device) - view.start.to(central.device)
+    terms = [
+        write_term(
+            aggregation, view.start.to(central.device), view.tensor.detach().to(central.device),
+            1, False, False,
+        )
         for _, view in copies if view.start is not None
     ]
-    if changes:
-        change = _combine(VariableAggregation.SUM, changes)
-        if aggregation is VariableAggregation.MEAN:
-            change = change / local_replicas
-        central.add_(change.to(central.dtype))
+    if terms:
+        central.copy_(
+            written_value(aggregation, central, sum_in_order(terms), local_replicas, False)
+        )
     record.synced = (central._version, central.data_ptr())
-
-
-def _combine(aggregation: Any, values: list[torch.Tensor]) -> torch.Tensor:
-    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        return values[0]
-    total = values[0]
-    for value in values[1:]:
-        total = total + value
-    if aggregation is VariableAggregation.MEAN:
-        return total / len(values)
-    return total
 
 
 def finish(touched: list[list[View]]) -> None:

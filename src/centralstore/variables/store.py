@@ -49,6 +49,11 @@ class Exchange(Protocol):
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
 
+    watches_gradients: bool  # whether it wants each view's gradient as it accumulates
+
+    def gradient_accumulated(self, store: VariableStore, view: View) -> None:
+        """A replica's gradient has just accumulated on ``view`` (while backward runs)."""
+
 
 class FoldHook(Protocol):
     """Replica state kept outside central variables (``centralstore.metrics``: metric
@@ -76,7 +81,7 @@ class VariableStore:
         )
         receiver = (
             weakref.WeakMethod(cast(GradientReceiver, self._on_gradient))
-            if self._overlaps else None
+            if self._overlaps or exchange.watches_gradients else None
         )
         self.replicas = [
             ReplicaViews(
@@ -382,9 +387,13 @@ class VariableStore:
     def _on_gradient(
         self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
     ) -> None:
-        """A view's gradient has accumulated on a GPU: start its copy to the parameter
-        device, into its replica's ``buckets``, while backward goes on."""
-        folding.start_copy(buckets, view, tensor)
+        """A view's gradient has accumulated: on a GPU, start its copy to the parameter
+        device, into its replica's ``buckets``, while backward goes on; or let the exchange
+        across workers start its buckets (``Exchange.watches_gradients``)."""
+        if self._overlaps:
+            folding.start_copy(buckets, view, tensor)
+        else:
+            self.exchange.gradient_accumulated(self, view)
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
         """(Runs that use views.) A backward after ``run`` through one of its ``outputs`` (a

@@ -1,0 +1,289 @@
+"""Gradient buckets across workers, started while backward runs (as DDP starts its own).
+
+``BucketPlan`` cuts the trainable central variables into buckets: in reverse registration
+order (backward produces the last layers' gradients first), the first bucket small (DDP's 1 MB)
+so that the first all-reduce starts early, the others ``bucket_bytes``. It is built from a
+layout every worker agreed on at a sync point, so every worker holds the same buckets.
+
+``EarlyExchange`` is one run's use of the plan. Each local replica's view of a variable has
+a post-accumulate-grad hook (the store's gradient receiver); once every local replica holds
+a gradient for every variable of the next bucket, the bucket's local sum (replica order, the
+fold's own arithmetic) starts its all-reduce while backward goes on. The sync point starts
+the buckets left over from the local fold, and checks that what left early is what the fold
+produced (the same gradient tensors, unmoved); when a worker's check fails (a second
+backward, a gradient that arrived outside ``run``), every worker exchanges again from the
+fold. Buckets travel in a process group of their own, so that the other collectives a run
+makes (``all_reduce`` in a replica, ``merge_call``) never interleave with them differently
+on different workers: on every worker an early exchange starts every bucket of the plan, in
+plan order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, final
+
+import torch
+
+if TYPE_CHECKING:
+    from ..variables.records import Central
+    from ..variables.views import ReplicaViews, View
+
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def bucket_indices(
+    tensors: Sequence[torch.Tensor], include: Sequence[bool], first_bytes: int,
+    bucket_bytes: int,
+) -> list[list[int]]:
+    """The indices of the included ``tensors`` in buckets: reverse order, a new bucket where
+    dtype or device changes or the bucket would pass its size (``first_bytes`` for the first,
+    ``bucket_bytes`` after), a tensor larger than that alone.
+
+    >>> ts = [torch.zeros(n) for n in (64, 16, 48, 3)]  # 256, 64, 192 and 12 bytes
+    >>> bucket_indices(ts, [True] * 4, 256, 256)
+    [[3, 2], [1], [0]]
+    >>> bucket_indices(ts, [True, True, False, True], 64, 1024)
+    [[3], [1, 0]]
+    """
+    buckets: list[list[int]] = []
+    key: tuple[torch.dtype, torch.device] | None = None
+    size = 0
+    for i in reversed(range(len(tensors))):
+        if not include[i]:
+            continue
+        tensor = tensors[i]
+        nbytes = tensor.numel() * tensor.element_size()
+        cap = first_bytes if len(buckets) <= 1 else bucket_bytes
+        if not buckets or key != (tensor.dtype, tensor.device) or (size + nbytes > cap and size):
+            buckets.append([])
+            key, size = (tensor.dtype, tensor.device), 0
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+class _Slot(NamedTuple):
+    """Where a trainable variable's gradient travels: its bucket, and its shape."""
+
+    bucket: int
+    shape: torch.Size
+
+
+@final
+class BucketPlan:
+    """The buckets of the trainable central variables of one agreed layout (``records``,
+    ``trainable_flags``: which of them required grad), indices into its trainable ones.
+    ``usable`` turns False when early exchanges keep failing their check (``strike``)."""
+
+    __slots__ = (
+        "buckets", "devices", "dtypes", "index", "numels", "records", "slots", "strikes",
+        "trainable_flags", "trainable_records", "usable",
+    )
+
+    STRIKES = 2  # early exchanges in a row that failed their check before the plan gives up
+
+    def __init__(
+        self, records: list[Central], trainable_flags: list[bool],
+        trainable: list[torch.Tensor], first_bytes: int, bucket_bytes: int,
+    ) -> None:
+        self.records = records
+        self.trainable_flags = trainable_flags
+        self.buckets = bucket_indices(
+            trainable, [True] * len(trainable), min(first_bytes, bucket_bytes), bucket_bytes
+        )
+        self.trainable_records = [
+            r for r, flag in zip(records, trainable_flags, strict=True) if flag
+        ]
+        self.index = {r.key: j for j, r in enumerate(self.trainable_records)}  # key -> index
+        self.slots = [_Slot(0, t.shape) for t in trainable]
+        for b, bucket in enumerate(self.buckets):
+            for j in bucket:
+                self.slots[j] = _Slot(b, trainable[j].shape)
+        self.numels = [t.numel() for t in trainable]
+        self.dtypes = [t.dtype for t in trainable]
+        self.devices = [t.device for t in trainable]
+        self.usable = True
+        self.strikes = 0
+
+    def fits(self, records: list[Central], trainable_flags: list[bool]) -> bool:
+        """Whether the plan is that of this layout (identity comparison, at C speed)."""
+        return records == self.records and trainable_flags == self.trainable_flags
+
+    def strike(self, failed: bool) -> None:
+        """An early exchange passed (``failed`` False) or failed its check on some worker."""
+        self.strikes = self.strikes + 1 if failed else 0
+        if self.strikes >= self.STRIKES:
+            self.usable = False
+
+
+class _Source(NamedTuple):
+    """A replica's gradient that left early, and what must still hold at the sync point."""
+
+    view: View
+    tensor: torch.Tensor
+    grad: torch.Tensor
+    version: int
+
+
+StartAllReduce = Callable[[torch.Tensor], Callable[[], None]]
+
+
+@final
+class EarlyExchange:
+    """The buckets of one run, started across the workers as the local replicas' gradients
+    come in (``gradient_accumulated``), the rest at the sync point (``start_rest``).
+
+    ``replicas``: the local replicas' views; ``start``: starts a SUM all-reduce of a flat
+    buffer in place and returns the function that waits for it; ``device``: where buffers
+    travel. ``early``: how many buckets left from the replicas' gradients.
+    """
+
+    __slots__ = (
+        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early", "error",
+        "started",
+    )
+
+    def __init__(
+        self, plan: BucketPlan, replicas: list[ReplicaViews], start: StartAllReduce,
+        device: torch.device,
+    ) -> None:
+        self._plan = plan
+        self._replicas = replicas
+        self._start = start
+        self._device = device
+        self._missing = [len(bucket) for bucket in plan.buckets]
+        self._sources: list[list[_Source] | None] = [None] * len(plan.numels)
+        self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
+        self.early = 0
+        self.error: Exception | None = None  # a collective that failed in a hook
+
+    @property
+    def plan(self) -> BucketPlan:
+        return self._plan
+
+    def gradient_accumulated(self, view: View) -> None:
+        """A local replica's gradient of ``view`` has accumulated: when every local replica
+        now holds one, the variable is ready; start the buckets that are complete, in order.
+        (Never raises into the backward: a failed collective waits for the sync point.)"""
+        key = view.record.key
+        plan = self._plan
+        j = plan.index.get(key)
+        if (
+            j is None or plan.trainable_records[j] is not view.record  # a key reused
+            or self._sources[j] is not None or self.error is not None
+        ):
+            return
+        sources = []
+        for views in self._replicas:
+            mine = views.views.get(key)
+            # Only views that share the variable's storage (so its device, dtype and shape):
+            # a private copy (on another device, or written) waits for the fold.
+            if mine is None or mine.private or mine.epoch != views.epoch or mine.pending:
+                return
+            tensor = mine.tensor
+            grad = tensor.grad
+            if (
+                grad is None or grad.is_sparse or tensor.dtype is not plan.dtypes[j]
+                or tensor.shape != plan.slots[j].shape  # set through .data since the plan
+            ):
+                return
+            sources.append(_Source(mine, tensor, grad, grad._version))
+        self._sources[j] = sources
+        self._missing[plan.slots[j].bucket] -= 1
+        buckets = plan.buckets
+        try:
+            while len(self.started) < len(buckets) and not self._missing[len(self.started)]:
+                self._launch(self._pack_early(buckets[len(self.started)]))
+                self.early += 1
+        except Exception as error:
+            self.error = error
+
+    def _pack_early(self, bucket: list[int]) -> torch.Tensor:
+        """The bucket's local sum over the replicas, in replica order, as the fold adds."""
+        sources = [s for j in bucket if (s := self._sources[j]) is not None]  # all: complete
+        with torch.no_grad():
+            flat = torch.cat([s[0].grad.reshape(-1) for s in sources])
+            if len(self._replicas) > 1:
+                plan = self._plan
+                pieces = torch.split(flat, [plan.numels[j] for j in bucket])
+                views = [p.view(plan.slots[j].shape) for p, j in zip(pieces, bucket, strict=True)]
+                for r in range(1, len(self._replicas)):
+                    torch._foreach_add_(views, [s[r].grad for s in sources])
+        return flat
+
+    def _launch(self, flat: torch.Tensor) -> None:
+        flat = flat.to(self._device)
+        self.started.append((flat, self._start(flat)))
+
+    # -- at the sync point -------------------------------------------------------------------
+
+    def check_sources(self) -> bool:
+        """Before the fold: every gradient that left early is still its replica's gradient,
+        unchanged (a second backward replaces or moves it)."""
+        for bucket in self._plan.buckets[: self.early]:
+            for j in bucket:
+                for view, tensor, grad, version in self._sources[j] or ():
+                    if (
+                        view.tensor is not tensor or tensor.grad is not grad
+                        or grad._version != version or view.private or view.pending
+                    ):
+                        return False
+        return True
+
+    def check_fold(self, fresh: Sequence[Any]) -> bool:
+        """After the fold, ``fresh`` its gradients per trainable variable: each early one
+        began from replica 0's gradient, so nothing else (a gradient that arrived outside
+        ``run``, a parameter used directly) was folded in."""
+        for bucket in self._plan.buckets[: self.early]:
+            for j in bucket:
+                sources = self._sources[j]
+                if sources is None or fresh[j] is not sources[0].grad:
+                    return False
+        return True
+
+    @property
+    def all_started(self) -> bool:
+        return len(self.started) == len(self._plan.buckets)
+
+    def start_rest(self, fresh: Sequence[Any] | None) -> None:
+        """Start the buckets not yet started, from the fold's gradients ``fresh`` (zeros
+        where there is none, and everywhere for None: a layout that left the plan)."""
+        plan = self._plan
+        for bucket in plan.buckets[len(self.started):]:
+            parts = [
+                flat_gradient(
+                    None if fresh is None else fresh[j], plan.numels[j], plan.dtypes[j],
+                    plan.devices[j],
+                )
+                for j in bucket
+            ]
+            self._launch(torch.cat(parts))
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait for every started bucket; their flat sums, in plan order."""
+        for _, wait in self.started:
+            wait()
+        return [flat for flat, _ in self.started]
+
+    def exchanged(self, has_grad: Sequence[bool]) -> list[torch.Tensor | None]:
+        """Per trainable variable, its sum over the workers (a view of its bucket), or None
+        where no worker has a gradient."""
+        plan = self._plan
+        out: list[torch.Tensor | None] = [None] * len(plan.numels)
+        for bucket, flat in zip(plan.buckets, self.wait(), strict=True):
+            home = plan.devices[bucket[0]]
+            pieces = torch.split(flat.to(home), [plan.numels[j] for j in bucket])
+            for j, piece in zip(bucket, pieces, strict=True):
+                if has_grad[j]:
+                    out[j] = piece.view(plan.slots[j].shape)
+        return out
+
+
+def flat_gradient(
+    grad: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One variable's part of a bucket: its gradient flat (dense), or zeros."""
+    if grad is None:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    return (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
