@@ -1,13 +1,29 @@
-"""Input throughput: a DataLoader iterated directly, and through ``distribute_dataset``.
+"""Input throughput: a source iterated directly, and through ``distribute_dataset``.
 
-The source is MNIST-shaped: 60,000 float samples of 28x28 and int64 labels in a
-``TensorDataset``, global batch 256, so one pass is 235 batches. The loop body is empty, so
-the table shows the input pipeline's own cost. Every repeat runs each case once, interleaved,
-so that drifts in machine load hit the cases alike; the table shows medians (and the best
-pass, which is less sensitive to other processes on a shared machine). The target (docs/design.md
-§7) is a time ratio of at most 1.05 against the source.
+Two MNIST-shaped sources of 60,000 float samples of 28x28 and int64 labels, global batch 256
+(235 batches a pass): a ``DataLoader`` over a ``TensorDataset``, and the tf.data port of it,
+``cs.Dataset.from_tensor_slices(...).shuffle(10_000).batch(256)``. Both make each batch in
+Python, element by element, as input pipelines do.
 
-Run: ``python benchmarks/bench_input.py [--repeats 15]``
+Three tables. The first times passes whose loop body is empty, so it shows the distributed
+dataset's own cost: the time ratio of a pass over the distributed dataset to a pass over its
+source, taken within each round and then the median over rounds, with the quartiles of the
+rounds' ratios. ``source again`` is the source against itself, the noise of the machine: a
+ratio whose quartiles hold 1.000, or that lies within the source-again spread, is inside
+the noise. The target (issue 22) is at most 1.03 at R = 1 and R = 2.
+
+The second gives the cost of a step in microseconds over batches made in advance (a list),
+which is the distributed dataset's cost alone, whatever the source.
+
+The third runs a step that sleeps as long as the source takes to make a batch (its median,
+measured before the rounds): ``both`` is the pass with that step, against the larger of
+``loading`` (the distributed dataset, empty loop) and ``stepping`` (the sleeps alone). With
+full overlap the ratio is 1; made one after the other, 2. The target is at most 1.05.
+
+Every round runs each case once, the order reversed every other round, so that drifts in
+the machine's load hit the cases alike.
+
+Run: ``python benchmarks/bench_input.py [--rounds 9]``
 """
 
 from __future__ import annotations
@@ -15,61 +31,142 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from centralstore.input.dataset import Dataset
 from centralstore.input.distributed import distribute_dataset
 
 SAMPLES = 60_000
 GLOBAL_BATCH = 256
-SOURCE = "DataLoader (source)"
+REPLICAS = (1, 2, 4)
+OVERLAP_REPLICAS = (1, 2)
 
 
-def seconds_per_batch(source: Iterable[Any]) -> float:
-    """One full pass over ``source``: wall seconds per batch."""
+def devices(replicas: int) -> tuple[str, ...]:
+    return tuple(f"cpu:{i}" for i in range(replicas))
+
+
+def seconds_per_batch(source: Iterable[Any], step: float = 0.0) -> float:
+    """One full pass over ``source``, sleeping ``step`` seconds after each batch."""
     start = time.perf_counter()
-    count = sum(1 for _ in source)
+    count = 0
+    for _ in source:
+        count += 1
+        if step:
+            time.sleep(step)
     return (time.perf_counter() - start) / count
+
+
+def timed(source: Iterable[Any], step: float = 0.0) -> Callable[[], float]:
+    """A case: one pass over ``source`` with ``step`` seconds of sleep per batch."""
+    return lambda: seconds_per_batch(source, step)
+
+
+def sleeping(step: float, count: int) -> float:
+    """The step alone: ``count`` sleeps of ``step`` seconds, seconds per step."""
+    start = time.perf_counter()
+    for _ in range(count):
+        time.sleep(step)
+    return (time.perf_counter() - start) / count
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def interleaved(cases: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Every case once per round, in reversed order every other round."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            times[name].append(cases[name]())
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="passes per case")
+    parser.add_argument("--rounds", type=int, default=9, help="rounds of every case")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(SAMPLES, 28, 28), torch.randint(0, 10, (SAMPLES,)))
-    loader = DataLoader(data, batch_size=GLOBAL_BATCH)
-    cases: dict[str, Iterable[Any]] = {SOURCE: loader}
-    for replicas in (1, 2, 4):
-        devices = tuple(f"cpu:{i}" for i in range(replicas))
-        cases[f"distribute_dataset, R = {replicas}"] = distribute_dataset(loader, devices)
+    features, labels = torch.randn(SAMPLES, 28, 28), torch.randint(0, 10, (SAMPLES,))
+    sources: dict[str, Iterable[Any]] = {
+        "DataLoader": DataLoader(TensorDataset(features, labels), batch_size=GLOBAL_BATCH),
+        "cs.Dataset": Dataset.from_tensor_slices((features, labels))
+        .shuffle(10_000, seed=0)
+        .batch(GLOBAL_BATCH),
+    }
+    batches = len(sources["DataLoader"])  # type: ignore[arg-type]
 
-    for source in cases.values():  # warm-up: first-touch allocations, thread start-up
+    for source in sources.values():  # warm-up: first-touch allocations
         seconds_per_batch(source)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.repeats):
-        for name, source in cases.items():
-            times[name].append(seconds_per_batch(source))
+    loading = {
+        name: statistics.median(seconds_per_batch(source) for _ in range(3))
+        for name, source in sources.items()
+    }
 
-    median = {name: statistics.median(values) for name, values in times.items()}
-    best = {name: min(values) for name, values in times.items()}
+    cases: dict[str, Callable[[], float]] = {}
+    for name, source in sources.items():
+        step = loading[name]
+        cases[f"{name}|source"] = timed(source)
+        cases[f"{name}|source again"] = timed(source)
+        cases[f"{name}|stepping"] = lambda t=step: sleeping(t, batches)
+        for r in REPLICAS:
+            dist = distribute_dataset(source, devices(r))
+            cases[f"{name}|R = {r}"] = timed(dist)
+            if r in OVERLAP_REPLICAS:
+                cases[f"{name}|R = {r} both"] = timed(dist, step)
+    times = interleaved(cases, args.rounds)
+
     print(
-        f"{SAMPLES} samples of 28x28 float32, global batch {GLOBAL_BATCH}, {args.repeats} "
-        f"interleaved passes per case; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads"
+        f"{SAMPLES} samples of 28x28 float32, global batch {GLOBAL_BATCH}, {args.rounds} "
+        f"rounds; torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
     )
-    header = f"{'case':<28} {'batches/s':>10} {'time ratio':>11} {'best ratio':>11}"
+    header = f"{'case':<34} {'batches/s':>10} {'ratio':>7} {'quartiles':>15}"
     print(header)
     print("-" * len(header))
-    for name in cases:
-        print(
-            f"{name:<28} {1 / median[name]:>10.0f} {median[name] / median[SOURCE]:>10.3f}x "
-            f"{best[name] / best[SOURCE]:>10.3f}x"
-        )
+    for name in sources:
+        base = times[f"{name}|source"]
+        print(f"{name + ' (source)':<34} {1 / statistics.median(base):>10.0f} {1:>7.3f}")
+        for case in ["source again", *(f"R = {r}" for r in REPLICAS)]:
+            values = times[f"{name}|{case}"]
+            q1, median, q3 = quartiles([v / b for v, b in zip(values, base, strict=True)])
+            rate = 1 / statistics.median(values)
+            print(f"  {case:<32} {rate:>10.0f} {median:>7.3f} [{q1:.3f}, {q3:.3f}]")
+
+    print()
+    premade = list(sources["DataLoader"])
+    per_step = interleaved(
+        {f"R = {r}": timed(distribute_dataset(premade, devices(r))) for r in REPLICAS},
+        args.rounds * 5,
+    )
+    print("cost of a step over batches made in advance (a list of DataLoader batches), us:")
+    print("  " + "   ".join(f"{k}: {statistics.median(v) * 1e6:.1f}" for k, v in per_step.items()))
+
+    print()
+    header = (
+        f"{'step sleeping one loading time':<30} {'step ms':>8} {'loading':>8} {'stepping':>9} "
+        f"{'both':>8} {'both / max':>11} {'quartiles':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in sources:
+        stepping = times[f"{name}|stepping"]
+        for r in OVERLAP_REPLICAS:
+            load, both = times[f"{name}|R = {r}"], times[f"{name}|R = {r} both"]
+            ratios = [b / max(lo, s) for b, lo, s in zip(both, load, stepping, strict=True)]
+            q1, median, q3 = quartiles(ratios)
+            ms = [1e3 * statistics.median(v) for v in (load, stepping, both)]
+            print(
+                f"{name + f', R = {r}':<30} {loading[name] * 1e3:>8.2f} {ms[0]:>8.2f} "
+                f"{ms[1]:>9.2f} {ms[2]:>8.2f} {median:>11.3f} [{q1:.3f}, {q3:.3f}]"
+            )
 
 
 if __name__ == "__main__":
