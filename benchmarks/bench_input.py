@@ -1,75 +1,215 @@
-"""Input throughput: a DataLoader iterated directly, and through ``distribute_dataset``.
+"""Input throughput: a source iterated directly, and through ``distribute_dataset``.
 
-The source is MNIST-shaped: 60,000 float samples of 28x28 and int64 labels in a
-``TensorDataset``, global batch 256, so one pass is 235 batches. The loop body is empty, so
-the table shows the input pipeline's own cost. Every repeat runs each case once, interleaved,
-so that drifts in machine load hit the cases alike; the table shows medians (and the best
-pass, which is less sensitive to other processes on a shared machine). The target (docs/design.md
-§7) is a time ratio of at most 1.05 against the source.
+Two MNIST-shaped sources of 25,600 float samples of 28x28 and int64 labels, global batch 256
+(100 batches a pass): a ``DataLoader`` over a ``TensorDataset``, and a tf.data port of it that
+normalizes each image, ``cs.Dataset.from_tensor_slices(...).map(normalize).batch(256)``. Both
+make each batch in Python, element by element, as input pipelines do, and every batch costs
+about the same (a ``shuffle`` would make the first batch fill its whole buffer, which no step
+can overlap).
 
-Run: ``python benchmarks/bench_input.py [--repeats 15]``
+Three tables. The first times passes whose loop body is empty, so it shows the distributed
+dataset's own cost: the time ratio of a pass over the distributed dataset to a pass over its
+source, taken within each round and then the median over rounds, with the quartiles of the
+rounds' ratios, in wall time and in the process's CPU time (which a busy machine disturbs
+less: time spent waiting for a core is not in it). ``source again`` is the source against
+itself, the noise of the machine: a ratio whose quartiles hold 1.000, or that lies within the
+source-again spread, is inside the noise. The target (issue 22) is at most 1.03 at R = 1 and
+R = 2.
+
+The second gives the cost of a step in microseconds over batches made in advance (a list),
+which is the distributed dataset's cost alone, whatever the source.
+
+The third runs a step that sleeps as long as the source takes to make a batch (its median,
+measured before the rounds): ``both`` is the pass with that step, against the larger of
+``loading`` (the distributed dataset, empty loop) and ``stepping`` (the sleeps alone). With
+full overlap the ratio is 1 + 1/100 (the first batch is loaded before any step, and the last
+step runs after the last batch); made one after the other, 2. The target is at most 1.05.
+
+Each source has its rounds to itself, after one round that is not kept; every round runs
+each of its cases once, the order reversed every other round, so that drifts in the
+machine's load hit the cases alike.
+
+Run: ``python benchmarks/bench_input.py [--rounds 9]``
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from centralstore.input.dataset import Dataset
 from centralstore.input.distributed import distribute_dataset
 
-SAMPLES = 60_000
+SAMPLES = 25_600
 GLOBAL_BATCH = 256
-SOURCE = "DataLoader (source)"
+REPLICAS = (1, 2, 4)
+OVERLAP_REPLICAS = (1, 2)
 
 
-def seconds_per_batch(source: Iterable[Any]) -> float:
-    """One full pass over ``source``: wall seconds per batch."""
-    start = time.perf_counter()
-    count = sum(1 for _ in source)
-    return (time.perf_counter() - start) / count
+def normalize(image: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MNIST's usual normalization, one element at a time."""
+    return (image - 0.1307) / 0.3081, label
+
+
+def devices(replicas: int) -> tuple[str, ...]:
+    return tuple(f"cpu:{i}" for i in range(replicas))
+
+
+class Timing(NamedTuple):
+    """Seconds per batch of one pass: wall time and the process's CPU time."""
+
+    wall: float
+    cpu: float
+
+
+def seconds_per_batch(source: Iterable[Any], step: float = 0.0) -> Timing:
+    """One full pass over ``source``, sleeping ``step`` seconds after each batch.
+
+    The pass starts after a full collection, so that every pass meets the collector at the
+    same points: a pass over a ``cs.Dataset`` that shuffles 10,000 elements allocates enough
+    to trigger a generation-2 collection every other pass (about a third of the pass here),
+    which would otherwise land on the same cases round after round.
+    """
+    gc.collect()
+    start, cpu = time.perf_counter(), time.process_time()
+    count = 0
+    for _ in source:
+        count += 1
+        if step:
+            time.sleep(step)
+    return Timing((time.perf_counter() - start) / count, (time.process_time() - cpu) / count)
+
+
+def timed(source: Iterable[Any], step: float = 0.0) -> Callable[[], Timing]:
+    """A case: one pass over ``source`` with ``step`` seconds of sleep per batch."""
+    return lambda: seconds_per_batch(source, step)
+
+
+def sleeping(step: float, count: int) -> Timing:
+    """The step alone: ``count`` sleeps of ``step`` seconds, seconds per step."""
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(count):
+        time.sleep(step)
+    return Timing((time.perf_counter() - start) / count, (time.process_time() - cpu) / count)
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def interleaved(cases: dict[str, Callable[[], Timing]], rounds: int) -> dict[str, list[Timing]]:
+    """Every case once per round, in reversed order every other round, after one round that
+    is not kept (the first pass after other work pays for the allocator's and caches' state)."""
+    times: dict[str, list[Timing]] = {name: [] for name in cases}
+    names = list(cases)
+    for case in cases.values():
+        case()
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            times[name].append(cases[name]())
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15, help="passes per case")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds of every case")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(SAMPLES, 28, 28), torch.randint(0, 10, (SAMPLES,)))
-    loader = DataLoader(data, batch_size=GLOBAL_BATCH)
-    cases: dict[str, Iterable[Any]] = {SOURCE: loader}
-    for replicas in (1, 2, 4):
-        devices = tuple(f"cpu:{i}" for i in range(replicas))
-        cases[f"distribute_dataset, R = {replicas}"] = distribute_dataset(loader, devices)
+    features, labels = torch.randn(SAMPLES, 28, 28), torch.randint(0, 10, (SAMPLES,))
+    sources: dict[str, Iterable[Any]] = {
+        "DataLoader": DataLoader(TensorDataset(features, labels), batch_size=GLOBAL_BATCH),
+        "cs.Dataset": Dataset.from_tensor_slices((features, labels))
+        .map(normalize)
+        .batch(GLOBAL_BATCH),
+    }
+    batches = len(sources["DataLoader"])  # type: ignore[arg-type]
 
-    for source in cases.values():  # warm-up: first-touch allocations, thread start-up
-        seconds_per_batch(source)
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(args.repeats):
-        for name, source in cases.items():
-            times[name].append(seconds_per_batch(source))
+    # Each source in a block of rounds of its own: the first pass over one source after
+    # passes over the other is slower, which interleaving them would charge to one case.
+    times: dict[str, list[Timing]] = {}
+    loading: dict[str, float] = {}
+    for name, source in sources.items():
+        seconds_per_batch(source)  # warm-up: first-touch allocations
+        loading[name] = step = statistics.median(seconds_per_batch(source).wall for _ in range(3))
+        cases: dict[str, Callable[[], Timing]] = {}
+        cases[f"{name}|source"] = timed(source)
+        cases[f"{name}|source again"] = timed(source)
+        cases[f"{name}|stepping"] = lambda t=step: sleeping(t, batches)
+        for r in REPLICAS:
+            dist = distribute_dataset(source, devices(r))
+            cases[f"{name}|R = {r}"] = timed(dist)
+            if r in OVERLAP_REPLICAS:
+                cases[f"{name}|R = {r} both"] = timed(dist, step)
+        times.update(interleaved(cases, args.rounds))
 
-    median = {name: statistics.median(values) for name, values in times.items()}
-    best = {name: min(values) for name, values in times.items()}
     print(
-        f"{SAMPLES} samples of 28x28 float32, global batch {GLOBAL_BATCH}, {args.repeats} "
-        f"interleaved passes per case; torch {torch.__version__}, "
-        f"{torch.get_num_threads()} intra-op threads"
+        f"{SAMPLES} samples of 28x28 float32, global batch {GLOBAL_BATCH}, {args.rounds} "
+        f"rounds; torch {torch.__version__}, {torch.get_num_threads()} intra-op threads"
     )
-    header = f"{'case':<28} {'batches/s':>10} {'time ratio':>11} {'best ratio':>11}"
+    header = (
+        f"{'case':<24} {'batches/s':>10} {'wall ratio':>11} {'quartiles':>15} "
+        f"{'CPU ratio':>10} {'quartiles':>15}"
+    )
     print(header)
     print("-" * len(header))
-    for name in cases:
-        print(
-            f"{name:<28} {1 / median[name]:>10.0f} {median[name] / median[SOURCE]:>10.3f}x "
-            f"{best[name] / best[SOURCE]:>10.3f}x"
+    for name in sources:
+        base = times[f"{name}|source"]
+        rate = 1 / statistics.median(t.wall for t in base)
+        print(f"{name + ' (source)':<24} {rate:>10.0f} {1:>11.3f} {'':>15} {1:>10.3f}")
+        for case in ["source again", *(f"R = {r}" for r in REPLICAS)]:
+            values = times[f"{name}|{case}"]
+            pairs = list(zip(values, base, strict=True))
+            w1, wall, w3 = quartiles([v.wall / b.wall for v, b in pairs])
+            c1, cpu, c3 = quartiles([v.cpu / b.cpu for v, b in pairs])
+            rate = 1 / statistics.median(t.wall for t in values)
+            print(
+                f"  {case:<22} {rate:>10.0f} {wall:>11.3f} [{w1:.3f}, {w3:.3f}] "
+                f"{cpu:>10.3f} [{c1:.3f}, {c3:.3f}]"
+            )
+
+    print()
+    premade = list(sources["DataLoader"])
+    per_step = interleaved(
+        {f"R = {r}": timed(distribute_dataset(premade, devices(r))) for r in REPLICAS},
+        args.rounds * 5,
+    )
+    print("cost of a step over batches made in advance (a list of DataLoader batches), us:")
+    print(
+        "  "
+        + "   ".join(
+            f"{k}: {statistics.median(t.wall for t in v) * 1e6:.1f}" for k, v in per_step.items()
         )
+    )
+
+    print()
+    header = (
+        f"{'step sleeping one loading time':<30} {'step ms':>8} {'loading':>8} {'stepping':>9} "
+        f"{'both':>8} {'both / max':>11} {'quartiles':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name in sources:
+        stepping = times[f"{name}|stepping"]
+        for r in OVERLAP_REPLICAS:
+            load, both = times[f"{name}|R = {r}"], times[f"{name}|R = {r} both"]
+            ratios = [
+                b.wall / max(lo.wall, s.wall) for b, lo, s in zip(both, load, stepping, strict=True)
+            ]
+            q1, median, q3 = quartiles(ratios)
+            ms = [1e3 * statistics.median(t.wall for t in v) for v in (load, stepping, both)]
+            print(
+                f"{name + f', R = {r}':<30} {loading[name] * 1e3:>8.2f} {ms[0]:>8.2f} "
+                f"{ms[1]:>9.2f} {ms[2]:>8.2f} {median:>11.3f} [{q1:.3f}, {q3:.3f}]"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import re
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -300,8 +301,8 @@ def test_distributed_dataset_type() -> None:
 
 
 def test_host_replicas_make_steps_on_the_calling_thread() -> None:
-    """On the host there is no copy to overlap: no prefetch thread, and steps are made only
-    when the loop asks for them."""
+    """On the host the first steps are made on the calling thread, only when the loop asks
+    for them: a prefetch thread starts only once the loop's steps take time."""
     made: list[int] = []
 
     class Source:
@@ -316,6 +317,54 @@ def test_host_replicas_make_steps_on_the_calling_thread() -> None:
     next(iterator)
     assert made == [0]
     assert set(threading.enumerate()) == before
+
+
+def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> None:
+    """On the host the first steps are made on the calling thread; once the loop's steps
+    take time (here sleeps longer than making a batch), the source moves to the prefetch
+    thread for the rest of the pass, and the steps are those made without it."""
+    made_on: list[threading.Thread] = []
+
+    class Source:
+        def __iter__(self) -> Iterator[torch.Tensor]:
+            for i in range(8):
+                made_on.append(threading.current_thread())
+                time.sleep(0.002)
+                yield torch.arange(4) + i
+
+    dataset = distribute_dataset(Source(), TWO)
+    expected = [per_replica(step) for step in dataset]  # an empty loop: all made here
+    assert set(made_on) == {threading.current_thread()}
+    made_on.clear()
+    before = set(input_threads())
+    got = []
+    for step in dataset:
+        got.append(per_replica(step))
+        time.sleep(0.02)
+    assert got == expected
+    assert made_on[0] is threading.current_thread()
+    assert made_on[-1] is not threading.current_thread()
+    deadline = time.monotonic() + 2.0
+    while set(input_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(input_threads()) - before
+
+
+def test_a_position_saved_while_steps_are_made_ahead_resumes_exactly() -> None:
+    dataset = distribute_dataset(Dataset.range(40).shuffle(40, seed=1).batch(4), TWO)
+    before = set(input_threads())
+    iterator = iter(dataset)
+    for _ in range(4):
+        next(iterator)
+        time.sleep(0.01)
+    assert set(input_threads()) - before  # the rest of the pass is made ahead
+    state = iterator.state_dict()
+    assert state["steps"] == 4  # counted where the loop takes them
+    expected = [per_replica(step) for step in iterator]
+    restored = iter(dataset)
+    restored.load_state_dict(state)
+    assert [per_replica(step) for step in restored] == expected
+    assert len(expected) == 6
 
 
 # auto_shard_policy: worker 1 of a job of 2 workers with 2 replicas each, without processes.

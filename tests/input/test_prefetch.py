@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from centralstore.input import prefetch
-from centralstore.input.prefetch import PrefetchIterator
+from centralstore.input.prefetch import OverlapIterator, PrefetchIterator
 
 
 class Counting:
@@ -160,3 +160,133 @@ def test_a_process_exiting_while_a_stopped_producer_tears_its_source_down_exits_
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
+
+
+# OverlapIterator: on the calling thread until the consumer's steps take time.
+
+
+class Clock:
+    """A clock that a test moves: each ``next`` of an OverlapIterator reads it twice (before
+    and after making the item)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Timed:
+    """A source whose items take ``make`` seconds of the test's clock to make."""
+
+    def __init__(self, clock: Clock, make: float, count: int = 100) -> None:
+        self.clock, self.make, self.count = clock, make, count
+        self.threads: list[threading.Thread] = []
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.count):
+            self.threads.append(threading.current_thread())
+            self.clock.now += self.make
+            yield i
+
+
+def overlap_steps(away: list[float], make: float = 1.0) -> tuple[OverlapIterator, Timed]:
+    """An OverlapIterator whose consumer is away ``away[i]`` after taking item ``i``."""
+    clock = Clock()
+    source = Timed(clock, make)
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock)
+    for seconds in away:
+        next(iterator)
+        clock.now += seconds
+    return iterator, source
+
+
+def test_a_consumer_that_only_iterates_never_starts_a_thread() -> None:
+    iterator, source = overlap_steps([0.1] * 20)  # away 1/10 of the making time: not worth it
+    assert not iterator.ahead
+    assert set(source.threads) == {threading.current_thread()}
+
+
+def test_two_steps_in_a_row_worth_overlapping_move_the_source_to_a_thread() -> None:
+    before = input_threads()
+    iterator, _ = overlap_steps([0.125, 0.125])  # 1/8 of the making time, twice
+    assert not iterator.ahead  # the first item has no step before it
+    assert next(iterator) == 2
+    assert iterator.ahead
+    assert [next(iterator) for _ in range(3)] == [3, 4, 5]
+    assert len(input_threads() - before) == 1
+    iterator.close()
+    assert wait_until(lambda: input_threads() <= before)
+
+
+def test_items_cheaper_than_the_hand_offs_are_never_made_ahead() -> None:
+    iterator, _ = overlap_steps([1.0] * 10, make=5e-5)  # 50 us an item, 1 s a step
+    assert not iterator.ahead
+
+
+def test_one_long_pause_alone_does_not_start_a_thread() -> None:
+    iterator, _ = overlap_steps([0.0, 5.0, 0.0, 5.0, 0.0, 5.0, 0.0])
+    assert not iterator.ahead
+
+
+def test_items_made_ahead_continue_the_source_in_order_and_end_it() -> None:
+    clock = Clock()
+    source = Timed(clock, 1.0, count=6)
+    iterator = OverlapIterator(iter(source), buffer_size=2, clock=clock)
+    taken = []
+    for item in iterator:
+        taken.append(item)
+        clock.now += 1.0
+    assert taken == list(range(6))
+    assert iterator.ahead
+    assert source.threads[0] is threading.current_thread()
+    assert source.threads[-1] is not threading.current_thread()
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_an_error_after_the_move_reaches_the_consumer_as_the_same_object() -> None:
+    error = OSError("disk went away")
+    clock = Clock()
+
+    def flaky() -> Iterator[int]:
+        for i in range(4):
+            clock.now += 1.0
+            yield i
+        raise error
+
+    iterator = OverlapIterator(flaky(), buffer_size=1, clock=clock)
+    taken = []
+    with pytest.raises(OSError) as caught:
+        for item in iterator:
+            taken.append(item)
+            clock.now += 1.0
+    assert caught.value is error
+    assert taken == [0, 1, 2, 3]
+    assert iterator.ahead
+
+
+def test_close_before_the_move_closes_the_source() -> None:
+    closed = []
+
+    def source() -> Iterator[int]:
+        try:
+            yield from range(10)
+        finally:
+            closed.append(True)
+
+    iterator = OverlapIterator(source(), buffer_size=1)
+    assert next(iterator) == 0
+    iterator.close()
+    assert closed == [True]
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_dropping_an_iterator_that_moved_stops_its_thread() -> None:
+    before = input_threads()
+    iterator, _ = overlap_steps([1.0, 1.0, 1.0])
+    assert iterator.ahead
+    del iterator
+    gc.collect()
+    assert wait_until(lambda: input_threads() <= before)

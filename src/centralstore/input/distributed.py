@@ -1,13 +1,18 @@
 """Distributed datasets: global batches cut or dealt over replicas, placed, prefetched.
 
-Three stages. A *cut* turns source elements into steps of per-replica slices (``split_steps``
-applies the split rule to global batches, ``deal_steps`` deals whole elements round-robin;
-both in ``split.py``). A ``_Mover`` puts each slice on its replica's device. When
+Three stages. A *cut* turns source elements into steps of per-replica slices:
+``split_steps`` applies the split rule to global batches (``split.Split``), ``dealt_steps``
+deals whole elements round-robin (``split.deal_steps``). A ``_Mover`` puts each slice on its
+replica's device. A batch of tensors in plain tuples, lists and dicts, the usual
+``DataLoader`` and ``cs.Dataset`` batch, is cut and placed in one walk that rebuilds its
+structure as it goes; any other batch goes through pytree's flatten and unflatten. When
 replicas compute on GPUs, a ``PrefetchIterator`` (``prefetch.py``) runs both ahead of the
 training loop on a background thread with a bounded queue, so that the host-to-device copies
 overlap the step; the thread holds the source iterator and the stages, never the
-``DistributedIterator`` the user holds, so dropping that stops it. On the host the steps are
-made on the calling thread: the slices are views, and there is nothing to overlap.
+``DistributedIterator`` the user holds, so dropping that stops it. On the host the first
+steps are made on the calling thread, and an ``OverlapIterator`` hands the rest of the pass
+to that thread once the loop's steps take time, so that making a batch overlaps the step;
+a loop that does nothing else never starts it.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from ._base import DatasetBase
 from .data_options import AutoShardPolicy
 from .iterator import DistributedIterator, Exhausted, Step, Steps
 from .options import InputContext, InputOptions
-from .prefetch import PrefetchIterator
+from .prefetch import OverlapIterator, PrefetchIterator
 from .resume import Source, source_of
 from .spec import spec_of
-from .split import Columns, deal_steps, split_steps
+from .split import Columns, Split, deal_steps
 
-Cut = Callable[[Iterator[Any]], Iterator[tuple[Columns, _tree.TreeSpec]]]
+# A pass's elements, the placement and the source's mark -> the pass's steps.
+Cut = Callable[[Iterator[Any], "_Mover", Callable[[], Any]], Generator[Step, None, None]]
 
 
 # The placement: per-replica slices -> values on the replicas' devices.
@@ -122,7 +128,11 @@ class _CudaReady:
 
 
 class _Mover:
-    """Puts each local replica's slices on its device and builds the step's value."""
+    """Puts each local replica's slices on its device and builds the step's value.
+
+    Slices of a host tensor stay where they are when every replica is on the host (the
+    usual CPU case): the check is one ``is_cpu`` per leaf, not one per slice.
+    """
 
     def __init__(self, devices: tuple[str, ...], fetch_to_device: bool) -> None:
         targets: dict[str, _Target] = {}
@@ -132,33 +142,88 @@ class _Mover:
                 targets[name] = _CudaCopy(device) if device.type == "cuda" else _Copy(device)
         self._targets = [targets[name] for name in devices] if fetch_to_device else None
         self._distinct = list(targets.values())
+        self._host = all(storage_device(name).type == "cpu" for name in devices)
         self._per_replica = len(devices) > 1
 
-    def __call__(self, columns: Columns, spec: _tree.TreeSpec, mark: Any) -> Step:
+    def leaf(self, leaf: torch.Tensor, slices: Sequence[torch.Tensor]) -> Any:
+        """One leaf of the step: ``leaf``'s slices, placed, as a PerReplica (R >= 2)."""
         targets = self._targets
-        waits: tuple[Callable[[], None], ...] = ()
+        if targets is not None and not (self._host and leaf.is_cpu):
+            slices = [t.put(piece) for t, piece in zip(targets, slices, strict=True)]
+        return PerReplica(slices) if self._per_replica else slices[0]
+
+    def value(self, columns: Columns, spec: _tree.TreeSpec) -> Any:
+        """The step of any batch in the column layout (``split.py``)."""
+        targets = self._targets
         if targets is not None:
             columns = [
                 [t.put(leaf) for t, leaf in zip(targets, column, strict=True)] for column in columns
             ]
-            finished = (target.finish() for target in self._distinct)
-            waits = tuple(wait for wait in finished if wait is not None)
         if self._per_replica:
             leaves: list[Any] = [PerReplica(column) for column in columns]
         else:
             leaves = [column[0] for column in columns]
         if spec.is_leaf():
-            return leaves[0], waits, mark
-        return _tree.unflatten(leaves, spec), waits, mark
+            return leaves[0]
+        return _tree.unflatten(leaves, spec)
+
+    def waits(self) -> tuple[Callable[[], None], ...]:
+        """What the consumer runs before using the slices placed since the last call."""
+        if not self._distinct:
+            return ()
+        finished = (target.finish() for target in self._distinct)
+        return tuple(wait for wait in finished if wait is not None)
 
 
-def _steps(
-    elements: Iterator[Any], cut: Cut, place: _Mover, mark: Callable[[], Any]
+class _NotPlain(Exception):
+    """A batch that ``_plain_step`` does not walk: ``Split.leaves`` cuts it instead."""
+
+
+def _plain_step(node: Any, split: Split, place: _Mover) -> Any:
+    """The step of a batch of tensors in plain tuples, lists and dicts, built in one walk.
+
+    The structure is rebuilt as it is read, without pytree's flatten and unflatten, which
+    cost more than the rest of a step; dicts keep their order, as pytree's do. Anything else
+    (namedtuples, numpy arrays, strings, registered containers) raises ``_NotPlain``.
+    """
+    cls = type(node)
+    if cls is tuple or cls is list:
+        return cls([_plain_step(item, split, place) for item in node])
+    if cls is dict:
+        return {key: _plain_step(item, split, place) for key, item in node.items()}
+    if isinstance(node, torch.Tensor):
+        return place.leaf(node, split.tensor(node))
+    raise _NotPlain
+
+
+def split_steps(
+    batches: Iterator[Any], place: _Mover, mark: Callable[[], Any], *, split: Split
 ) -> Generator[Step, None, None]:
-    """The steps of one pass. ``mark()``, called once a step's elements are pulled (by the
-    prefetch thread, if any), is the source's position after them."""
-    for columns, spec in cut(elements):
-        yield place(columns, spec, mark())
+    """The steps of one pass of ``experimental_distribute_dataset``: a global batch each.
+
+    ``mark()``, called once a step's elements are pulled (by the prefetch thread, if any),
+    is the source's position after them. Batches of tensors in plain containers take the
+    one-walk path; the first batch that does not switches the pass to the general one.
+    """
+    plain = True
+    for batch in batches:
+        if plain:
+            try:
+                value = _plain_step(batch, split, place)
+            except _NotPlain:
+                plain = False
+                place.waits()  # forget what the walk placed before it stopped
+        if not plain:
+            value = place.value(*split.leaves(batch))
+        yield value, place.waits(), mark()
+
+
+def dealt_steps(
+    elements: Iterator[Any], place: _Mover, mark: Callable[[], Any], *, num_replicas: int
+) -> Generator[Step, None, None]:
+    """The steps of one pass of ``distribute_datasets_from_function``: R elements each."""
+    for columns, spec in deal_steps(elements, num_replicas):
+        yield place.value(columns, spec), place.waits(), mark()
 
 
 # The public face: the dataset (its iterator is in iterator.py).
@@ -189,9 +254,9 @@ class DistributedDataset:
         self._elements_per_step = elements_per_step
         self._devices = devices
         self._options = options
-        # Prefetch where there is a copy to overlap with the step. On the host the slices are
-        # views, and a producer thread only contends with the loop for the GIL: measured
-        # 1.055x the source's time against 1.012x without it, in a loop with compute.
+        # Prefetch from the first step where there is a copy to overlap with the step. On the
+        # host a thread pays two hand-offs a step, and gains only where the loop's step
+        # leaves time to make the next one: an OverlapIterator starts it once it does.
         self._to_gpu = any(storage_device(d).type == "cuda" for d in devices)
         self._spec: Any = None
         self._position = source_of(source)
@@ -205,10 +270,13 @@ class DistributedDataset:
         # A pipeline placed on the device puts its steps there too, only without prefetching.
         fetch = options.experimental_fetch_to_device or options.experimental_place_dataset_on_device
         place = _Mover(self._devices, fetch)
-        steps = _steps(elements, self._cut, place, self._position.mark)
-        if options.experimental_place_dataset_on_device or not (fetch and self._to_gpu):
+        steps = self._cut(elements, place, self._position.mark)
+        ahead = options.experimental_per_replica_buffer_size
+        if options.experimental_place_dataset_on_device:
             return steps
-        return PrefetchIterator(steps, options.experimental_per_replica_buffer_size)
+        if fetch and self._to_gpu:
+            return PrefetchIterator(steps, ahead)
+        return OverlapIterator(steps, ahead)
 
     @property
     def element_spec(self) -> Any:
@@ -225,7 +293,7 @@ class DistributedDataset:
         """
         if self._spec is None:
             place = _Mover(self._devices, False)
-            steps = _steps(iter(self._source), self._cut, place, lambda: None)
+            steps = self._cut(iter(self._source), place, lambda: None)
             first = next(steps, None)
             steps.close()
             if first is None:
@@ -324,12 +392,8 @@ def distribute_dataset(
         )
     if _auto_shard_policy(dataset) is AutoShardPolicy.OFF:
         global_replicas, replica_offset = len(devices), 0  # every worker sees all the data
-    cut = functools.partial(
-        split_steps,
-        num_replicas=global_replicas,
-        replica_offset=replica_offset,
-        local_replicas=len(devices),
-    )
+    split = Split(global_replicas, replica_offset, len(devices))
+    cut = functools.partial(split_steps, split=split)
     return DistributedDataset(dataset, cut, 1, devices, options)
 
 
@@ -367,7 +431,7 @@ def distribute_datasets_from_function(
         )
     dataset = dataset_fn(input_context)
     _check_source(dataset, call, "dataset_fn's result")
-    cut = functools.partial(deal_steps, num_replicas=len(devices))
+    cut = functools.partial(dealt_steps, num_replicas=len(devices))
     return DistributedDataset(dataset, cut, len(devices), devices, options)
 
 

@@ -1,6 +1,7 @@
 """``PrefetchIterator``: a source iterator run ahead on a background thread, bounded.
 
-It feeds ``Dataset.prefetch`` and the steps of a ``DistributedIterator``. The background
+It feeds ``Dataset.prefetch`` and the steps of a ``DistributedIterator`` (on the host through
+an ``OverlapIterator``, which starts it only once the consumer's steps take time). The background
 thread holds only the source iterator and its queues, never the iterator object the user
 holds: dropping that object (a ``break``, garbage collection) sets the stop event through
 ``weakref.finalize``, and the thread, which waits for room only with a timeout, ends
@@ -18,9 +19,12 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, final
 
+_WORTH = 8  # move to a thread once the consumer is away 1/_WORTH of an item's making time
+_WORTH_S = 1e-4  # and both take this long: two hand-offs cost tens of microseconds
+_STREAK = 2  # in this many consecutive steps (one long pause, a collection, is not a step)
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
 _EXIT_JOIN_S = 10.0  # how long the exit waits for all of them together
@@ -91,6 +95,76 @@ class PrefetchIterator(Iterator[Any]):
         self._halt()
         if self._thread is not threading.current_thread():
             self._thread.join(_JOIN_S)
+
+
+@final
+class OverlapIterator(Iterator[Any]):
+    """``source`` made on the calling thread until the consumer's steps take time, then run
+    ahead by a ``PrefetchIterator`` for the rest of the pass.
+
+    Made on the calling thread an item costs only itself; made ahead, it also costs two
+    thread hand-offs, which on a busy host can take longer than a small item, but it overlaps
+    whatever the consumer does between two ``next`` calls. So the first items are made here,
+    and each ``next`` compares the time the consumer was away since the last one with the time
+    the item took to make: once the consumer has been away at least 1/8 of it, and both took
+    at least 0.1 ms, in two steps in a row, the source moves to a background thread, and stays
+    there. A loop that only iterates never starts a thread, nor do items that cost less than
+    the hand-offs; a loop whose step sleeps, waits for I/O or for a device overlaps it with
+    making the next item.
+
+    >>> it = OverlapIterator(iter(range(3)), buffer_size=1)
+    >>> list(it), it.ahead
+    ([0, 1, 2], False)
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Any],
+        buffer_size: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._source = source
+        self._buffer_size = buffer_size
+        self._clock = clock
+        self._ahead: PrefetchIterator | None = None
+        self._returned: float | None = None  # when the consumer got the last item
+        self._streak = 0
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the items are now made on a background thread."""
+        return self._ahead is not None
+
+    def __iter__(self) -> OverlapIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ahead is not None:
+            return next(self._ahead)
+        clock = self._clock
+        start = clock()
+        item = next(self._source)
+        made = clock()
+        returned = self._returned
+        away, making = (start - returned if returned is not None else 0.0), made - start
+        if away * _WORTH >= making and min(away, making) >= _WORTH_S:
+            self._streak += 1
+            if self._streak == _STREAK:
+                self._ahead = PrefetchIterator(self._source, self._buffer_size)
+        else:
+            self._streak = 0
+        self._returned = made
+        return item
+
+    def close(self) -> None:
+        """Stop making items (and the background thread, if one makes them); ``next`` ends."""
+        if self._ahead is not None:
+            self._ahead.close()
+            return
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+        self._source = iter(())
 
 
 class _Signal:

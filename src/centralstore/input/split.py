@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NoReturn, final
 
 import numpy as np
 import torch
@@ -93,24 +93,73 @@ def split_leaves(
     >>> [[s.tolist() for s in column] for column in columns]
     [[[0, 1], [2, 3], [4]], [[0], [1], []]]
     """
-    if local_replicas is None:
-        local_replicas = num_replicas - replica_offset
-    _check_counts(num_replicas, replica_offset, local_replicas)
-    leaves, spec = _tree.flatten(batch, is_leaf=_is_string_batch)
-    leaves = [Strings(leaf) if _is_string_batch(leaf) else from_numpy(leaf) for leaf in leaves]
-    if num_replicas == 1:
-        return [[leaf] for leaf in leaves], spec
-    first, stop = replica_offset, replica_offset + local_replicas
-    whole = local_replicas == num_replicas
-    by_size: dict[int, list[int]] = {}  # most leaves share one first dimension
-    columns = []
-    for leaf in leaves:
-        size = _rows(leaf, num_replicas)
-        sizes = by_size.get(size)
+    return Split(num_replicas, replica_offset, local_replicas).leaves(batch)
+
+
+@final
+class Split:
+    """The split rule for one range of local replicas, keeping each batch size's cut.
+
+    A distributed dataset makes one per pass and cuts every global batch with it: the slice
+    sizes of a first dimension are computed once (most batches share one), and ``tensor``
+    is one ``split_with_sizes`` call per leaf, the whole per-leaf cost of the rule.
+
+    >>> split = Split(3, replica_offset=1, local_replicas=2)
+    >>> split.sizes(5), [s.tolist() for s in split.tensor(torch.arange(5))]
+    ((2, 2, 1), [[2, 3], [4]])
+    """
+
+    def __init__(
+        self, num_replicas: int, replica_offset: int = 0, local_replicas: int | None = None
+    ) -> None:
+        if local_replicas is None:
+            local_replicas = num_replicas - replica_offset
+        _check_counts(num_replicas, replica_offset, local_replicas)
+        self.num_replicas = num_replicas
+        self._first, self._stop = replica_offset, replica_offset + local_replicas
+        self._whole = local_replicas == num_replicas
+        self._sizes: dict[int, tuple[int, ...]] = {}
+
+    def sizes(self, size: int) -> tuple[int, ...]:
+        """``split_sizes(size, num_replicas)``, computed once per ``size`` (a tuple, which
+        ``split_with_sizes`` parses faster than a list)."""
+        sizes = self._sizes.get(size)
         if sizes is None:
-            sizes = by_size[size] = split_sizes(size, num_replicas)
-        columns.append(_split_leaf(leaf, sizes, first, stop, whole))
-    return columns, spec
+            sizes = self._sizes[size] = tuple(split_sizes(size, self.num_replicas))
+        return sizes
+
+    def tensor(self, leaf: torch.Tensor) -> Sequence[torch.Tensor]:
+        """The local replicas' slices of one tensor leaf, as views; with one replica the
+        leaf itself, scalars included. ``ValueError`` for a scalar with several."""
+        if self.num_replicas == 1:
+            return (leaf,)
+        if not leaf.dim():
+            _raise_scalar(leaf, self.num_replicas)
+        pieces = leaf.split_with_sizes(self.sizes(leaf.shape[0]))
+        return pieces if self._whole else pieces[self._first : self._stop]
+
+    def leaves(self, batch: Any) -> tuple[Columns, _tree.TreeSpec]:
+        """``split_leaves`` of ``batch``: any structure pytree knows, numpy arrays and lists
+        of strings included."""
+        leaves, spec = _tree.flatten(batch, is_leaf=_is_string_batch)
+        leaves = [Strings(leaf) if _is_string_batch(leaf) else from_numpy(leaf) for leaf in leaves]
+        if self.num_replicas == 1:
+            return [[leaf] for leaf in leaves], spec
+        columns = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.dim():
+                columns.append(list(self.tensor(leaf)))
+            else:
+                columns.append(self._sliced(leaf))
+        return columns, spec
+
+    def _sliced(self, leaf: Any) -> list[Any]:
+        """A leaf other than a tensor with rows: a ``Strings`` is sliced into lists, and
+        anything else raises (``_rows``)."""
+        sizes = self.sizes(_rows(leaf, self.num_replicas))  # raises for what has no rows
+        starts = itertools.accumulate(sizes, initial=0)
+        bounds = list(zip(starts, sizes, strict=False))[self._first : self._stop]
+        return [leaf[start : start + size] for start, size in bounds]
 
 
 def _is_string_batch(node: Any) -> bool:
@@ -121,16 +170,6 @@ def _is_string_batch(node: Any) -> bool:
         and bool(node)
         and all(isinstance(s, (str, bytes)) for s in node)
     )
-
-
-def split_steps(
-    batches: Iterable[Any], num_replicas: int, replica_offset: int, local_replicas: int
-) -> Iterator[tuple[Columns, _tree.TreeSpec]]:
-    """``split_leaves`` of every global batch: one step per batch, none dropped."""
-    for batch in batches:
-        yield split_leaves(
-            batch, num_replicas, replica_offset=replica_offset, local_replicas=local_replicas
-        )
 
 
 def deal_steps(
@@ -207,23 +246,7 @@ def _rows(leaf: Any, num_replicas: int) -> int:
     )
 
 
-def _split_leaf(
-    leaf: torch.Tensor | Strings, sizes: list[int], first: int, stop: int, whole: bool
-) -> list[Any]:
-    """Slices ``first .. stop - 1`` of one leaf along its first dimension.
-
-    One ``split_with_sizes`` call makes every tensor view (half the cost of a ``narrow``
-    each); strings are sliced into lists.
-    """
-    if isinstance(leaf, torch.Tensor):
-        pieces = leaf.split_with_sizes(sizes)
-        return list(pieces if whole else pieces[first:stop])
-    starts = itertools.accumulate(sizes, initial=0)
-    bounds = list(zip(starts, sizes, strict=False))[first:stop]
-    return [leaf[start : start + size] for start, size in bounds]
-
-
-def _raise_scalar(leaf: Any, num_replicas: int) -> None:
+def _raise_scalar(leaf: Any, num_replicas: int) -> NoReturn:
     what = "tensor (shape [])" if isinstance(leaf, torch.Tensor) else f"({type(leaf).__name__})"
     raise ValueError(
         f"Cannot split a scalar {what} over {num_replicas} replicas in "
