@@ -19,11 +19,22 @@ keep their views.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import repeat
+from operator import is_not
+
 import torch
 
 from .._aggregation import VariableAggregation
 from .folding import HeldHooks, add_in_order
 from .records import Central
+
+
+def _any(values: Iterable[torch.Tensor | None]) -> bool:
+    """Whether some value is not None, by identity at C speed. (``values.count(None)`` would
+    compare each tensor with ``==``, which costs about 20 us per tensor: torch raises a
+    ``TypeError`` for ``tensor == None`` and turns it into ``NotImplemented``.)"""
+    return any(map(is_not, values, repeat(None)))
 
 
 class Undo:
@@ -110,7 +121,7 @@ class DirectReplicas:
         self.tensors = tensors
         self._versions = [t._version for t in tensors]
         self._old: list[torch.Tensor | None] = [t.grad for t in tensors]
-        if self._old.count(None) != len(tensors):
+        if _any(self._old):
             for tensor, old in zip(tensors, self._old):
                 if old is not None:
                     tensor.grad = None
@@ -128,7 +139,7 @@ class DirectReplicas:
 
     def _take(self) -> list[torch.Tensor | None]:
         grads = [t.grad for t in self.tensors]
-        if grads.count(None) != len(grads):
+        if _any(grads):
             for tensor in self.tensors:
                 tensor.grad = None
         return grads
