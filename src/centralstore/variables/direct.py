@@ -115,13 +115,14 @@ class DirectReplicas:
     finishes or hands the baton on.
     """
 
-    __slots__ = ("_grads", "_hooks", "_old", "_open", "_versions", "tensors")
+    __slots__ = ("_grads", "_held", "_hooks", "_old", "_open", "_versions", "tensors")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
         self._versions = [t._version for t in tensors]
         self._old: list[torch.Tensor | None] = [t.grad for t in tensors]
-        if _any(self._old):
+        self._held = _any(self._old)  # whether some gradient was set aside
+        if self._held:
             for tensor, old in zip(tensors, self._old):
                 if old is not None:
                     tensor.grad = None
@@ -164,15 +165,42 @@ class DirectReplicas:
         Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
-        sums = list(self._old)
-        late = self._take()  # the last replica's, and a backward's since it finished
-        for grads in [*(self._grads[r] for r in sorted(self._grads)), late]:
-            add_in_order(sums, grads)
-        for tensor, total in zip(self.tensors, sums):
-            tensor.grad = total
+        taken = [self._grads[r] for r in sorted(self._grads)]
+        if self._held:
+            sums = list(self._old)
+            for grads in [*taken, self._take()]:  # the last replica's too, and a backward's
+                add_in_order(sums, grads)          # since it finished
+            for tensor, total in zip(self.tensors, sums):
+                tensor.grad = total
+        elif taken:
+            self._add_to_last(taken)
         hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
         self._forget()
         return hooked
+
+    def _add_to_last(self, taken: list[list[torch.Tensor | None]]) -> None:
+        """Nothing was set aside: the earlier replicas' gradients, summed in replica order,
+        are added to the last replica's where it left them, in ``.grad`` (``last + earlier``
+        is ``earlier + last`` bit for bit), so that ``.grad`` is set only where the last
+        replica has none."""
+        earlier: list[torch.Tensor | None] = [None] * len(self.tensors)
+        for grads in taken:
+            add_in_order(earlier, grads)
+        targets, sources = [], []
+        for tensor, total in zip(self.tensors, earlier):
+            if total is None:
+                continue
+            last = tensor.grad
+            if last is None:
+                tensor.grad = total
+            elif last.is_sparse or total.is_sparse:
+                tensor.grad = total + last
+            else:
+                targets.append(last)
+                sources.append(total)
+        if targets:
+            with torch.no_grad():
+                torch._foreach_add_(targets, sources)
 
     def rollback(self) -> None:
         """The run failed: ``.grad`` as before it."""
