@@ -26,10 +26,12 @@ warm-up tail column is the median of each configuration's first 50 steps after i
 (the first, compiling one, included) over its steady median. The machine is shared, so only
 ratios within one run mean anything. One intra-op thread by default (``--threads``): with two
 on the two shared cores, OpenMP's spinning threads made a GPT-2 tiny step take ten times as
-long (200 ms instead of 20) and vary by as much from round to round.
+long (200 ms instead of 20) and vary by as much from round to round. Times are the process's
+CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
+more runnable threads than cores, wall-clock time measures the neighbours.
 
     python benchmarks/bench_models.py [--rounds 7] [--steps 10] [--sizes 2 8]
-        [--compiled-sizes 8] [--models gpt2 bert vit cnn] [--threads 1]
+        [--compiled-sizes 8] [--models gpt2 bert vit cnn] [--threads 1] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -191,11 +193,15 @@ def make_step(model_name: str, config: str, per_replica: int, compile_: bool) ->
     return cs_step
 
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+_clock = CLOCKS["cpu"]
+
+
 def _time(step: Callable[[], None], steps: int) -> float:
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (_clock() - start) / steps * 1e3
 
 
 def measure(
@@ -235,11 +241,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--no-accumulation", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     options = parser.parse_args()
     torch.set_num_threads(options.threads)
+    global _clock
+    _clock = CLOCKS[options.clock]
     fixed = fix_mmap_threshold()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"{options.steps} steps x {options.rounds} rounds, medians, mmap threshold "
+          f"{options.steps} steps x {options.rounds} rounds, medians of {options.clock} time, "
+          f"mmap threshold "
           f"{'fixed' if fixed else 'dynamic'}; tail: first {FIRST} steps' median / steady\n")
     print(f"{'model':<6} {'mode':<8} {'P':>2} {'config':<10} {'ms/step':>8} {'ratio':>7} "
           f"{'against':<10} {'target':>6} {'tail':>6}")

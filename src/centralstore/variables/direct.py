@@ -168,8 +168,9 @@ class DirectReplicas:
         taken = [self._grads[r] for r in sorted(self._grads)]
         if self._held:
             sums = list(self._old)
-            for grads in [*taken, self._take()]:  # the last replica's too, and a backward's
-                add_in_order(sums, grads)          # since it finished
+            # the last replica's too (and a backward's since it finished), read in place
+            for grads in [*taken, [t.grad for t in self.tensors]]:
+                add_in_order(sums, grads)
             for tensor, total in zip(self.tensors, sums):
                 tensor.grad = total
         elif taken:
