@@ -30,7 +30,7 @@ long (200 ms instead of 20) and vary by as much from round to round. Times are t
 CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
 more runnable threads than cores, wall-clock time measures the neighbours.
 
-    python benchmarks/bench_models.py [--rounds 7] [--steps 10] [--sizes 2 8]
+    python benchmarks/bench_models.py [--rounds 5] [--steps 10] [--sizes 2 8]
         [--compiled-sizes 8] [--models gpt2 bert vit cnn] [--threads 1] [--clock cpu]
 """
 
@@ -232,7 +232,7 @@ RATIOS = {  # the ratio's row, its baseline, its target
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8],
                         help="examples per replica, eager")
