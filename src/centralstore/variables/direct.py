@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import repeat
-from operator import is_not
+from operator import attrgetter, is_not
 
 import torch
 
@@ -35,6 +35,17 @@ def _any(values: Iterable[torch.Tensor | None]) -> bool:
     compare each tensor with ``==``, which costs about 20 us per tensor: torch raises a
     ``TypeError`` for ``tensor == None`` and turns it into ``NotImplemented``.)"""
     return any(map(is_not, values, repeat(None)))
+
+
+# Read over every parameter in scope at each run: ``map`` with these loops in C.
+_grad = attrgetter("grad")
+_version = attrgetter("_version")
+_hooks = attrgetter("_post_accumulate_grad_hooks")
+
+
+def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
+    """``HeldHooks`` of ``tensors``, asked first in one pass whether any has a hook."""
+    return HeldHooks(tensors if any(map(_hooks, tensors)) else [])
 
 
 class Undo:
@@ -56,7 +67,7 @@ class Undo:
                     self._grads.append((tensor, held))
                 elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
                     self._state.append((tensor, tensor.detach().clone()))
-        self._hooks = HeldHooks([t for t, _ in self._grads])
+        self._hooks = _held_hooks([t for t, _ in self._grads])
 
     def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
@@ -119,8 +130,8 @@ class DirectReplicas:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
-        self._versions = [t._version for t in tensors]
-        self._old: list[torch.Tensor | None] = [t.grad for t in tensors]
+        self._versions = list(map(_version, tensors))
+        self._old: list[torch.Tensor | None] = list(map(_grad, tensors))
         self._held = _any(self._old)  # whether some gradient was set aside
         if self._held:
             for tensor, old in zip(tensors, self._old):
@@ -128,18 +139,18 @@ class DirectReplicas:
                     tensor.grad = None
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
-        self._hooks = HeldHooks(tensors)
+        self._hooks = _held_hooks(tensors)
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
-        if [t._version for t in self.tensors] == self._versions:
+        if list(map(_version, self.tensors)) == self._versions:
             return None
         return next(
             t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
         )
 
     def _take(self) -> list[torch.Tensor | None]:
-        grads = [t.grad for t in self.tensors]
+        grads = list(map(_grad, self.tensors))
         if _any(grads):
             for tensor in self.tensors:
                 tensor.grad = None
@@ -169,7 +180,7 @@ class DirectReplicas:
         if self._held:
             sums = list(self._old)
             # the last replica's too (and a backward's since it finished), read in place
-            for grads in [*taken, [t.grad for t in self.tensors]]:
+            for grads in [*taken, list(map(_grad, self.tensors))]:
                 add_in_order(sums, grads)
             for tensor, total in zip(self.tensors, sums):
                 tensor.grad = total
