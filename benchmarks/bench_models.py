@@ -34,7 +34,7 @@ more runnable threads than cores, wall-clock time measures the neighbours.
         [--compiled-sizes 4] [--models gpt2 bert vit cnn] [--compiled-models gpt2]
         [--threads 1] [--clock cpu]
 
-The defaults time 7 groups of configurations (four models eager, GPT-2 compiled, GPT-2
+The defaults time 6 groups of configurations (four models eager, GPT-2 compiled, GPT-2
 accumulating); ``--sizes 2 8 --compiled-models gpt2 bert vit`` covers more, at several times
 the runtime (each compilation takes tens of seconds).
 """
