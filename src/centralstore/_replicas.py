@@ -140,12 +140,6 @@ class RunState:
         self._turn: int | None = 0  # the replica holding the baton
         self.threaded = True
 
-    def first_error(self) -> BaseException | None:
-        """The error of the first replica that failed, if any."""
-        if not self.any_failed:
-            return None
-        return next((e for e in self.errors if e is not None), None)
-
     # -- called by replica bodies ------------------------------------------------------------
 
     def _blame_returned(self, early: int, kind: str, caller: int) -> None:

@@ -207,7 +207,7 @@ class Strategy(abc.ABC):
             except BaseException as interrupt:  # on the calling thread, between replicas
                 self._end_run(interrupt, outer)
                 raise
-            error = state.first_error()
+            error = next((e for e in state.errors if e is not None), None)
             self._end_run(error, outer)
         finally:
             store.release()
