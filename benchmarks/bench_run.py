@@ -17,7 +17,19 @@ machine is shared, so the cases are interleaved round by round: a drift in load 
 alike. The target (docs/design.md §7) is a median under 25 us for a trivial run with R = 2,
 aiming at 15.
 
-Run: ``python benchmarks/bench_run.py [--rounds 30] [--batch 200]``
+A second table times accumulation: a step over a chain of N ``Linear(4, 4)`` (N tensors,
+N / 2 layers) with R = 2, its run beginning with ``.grad`` filled (a second micro-batch
+without ``zero_grad``) or empty (``.grad`` set to None before each run, untimed), against
+plain PyTorch doing the two half-batch passes from the same state; and a no-op run with the
+same N variables in scope. A run beginning filled should cost no more per tensor than one
+beginning empty, and both should follow the work.
+
+Times are the process's CPU time by default (``--clock wall`` for wall-clock time): on a
+machine with several times more runnable threads than cores (a load average of 8 to 13 on 2
+cores while this was written), wall-clock time measures the neighbours. The threaded row's
+waits for the baton cost wall time that CPU time does not count.
+
+Run: ``python benchmarks/bench_run.py [--rounds 30] [--batch 200] [--clock cpu]``
 """
 
 from __future__ import annotations
@@ -37,12 +49,16 @@ REPLICAS = (1, 2, 4)
 TARGET_US = 25.0
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = CLOCKS["cpu"]
+
+
 def batch_time(call: Callable[[], Any], calls: int) -> float:
     """Microseconds per call over one batch of ``calls`` calls."""
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(calls):
         call()
-    return (time.perf_counter() - start) / calls * 1e6
+    return (_clock() - start) / calls * 1e6
 
 
 def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
@@ -123,17 +139,107 @@ def measure(rounds: int, batch: int) -> dict[tuple[str, int], tuple[float, float
     }
 
 
+CHAIN_TENSORS = (20, 200, 2000)
+ACCUMULATION = ("cs filled", "cs empty", "plain filled", "plain empty", "cs no-op")
+
+
+def chain(tensors: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(tensors // 2)])
+
+
+def accumulation_cases(tensors: int) -> dict[str, tuple[Callable[[], Any], nn.Module, bool]]:
+    """name -> (the call, the model whose ``.grad`` it starts from, whether filled)."""
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = chain(tensors)
+    plain = chain(tensors)
+    x = torch.randn(8, 4)
+    halves = cs.PerReplica([x[:4], x[4:]])
+
+    def step(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+
+    def through() -> None:
+        strategy.run(step, args=(halves,))
+
+    def plain_halves() -> None:
+        plain(x[:4]).sum().backward()
+        plain(x[4:]).sum().backward()
+
+    return {
+        "cs filled": (through, model, True),
+        "cs empty": (through, model, False),
+        "plain filled": (plain_halves, plain, True),
+        "plain empty": (plain_halves, plain, False),
+        "cs no-op": (lambda: strategy.run(lambda: None), model, True),
+    }
+
+
+def timed_from(call: Callable[[], Any], model: nn.Module, filled: bool, calls: int) -> float:
+    """Microseconds per call, each from filled or empty ``.grad`` (emptying it untimed)."""
+    parameters = list(model.parameters())
+    total = 0.0
+    for _ in range(calls):
+        if not filled:
+            for parameter in parameters:
+                parameter.grad = None
+        start = _clock()
+        call()
+        total += _clock() - start
+    return total / calls * 1e6
+
+
+def measure_accumulation(rounds: int) -> dict[tuple[int, str], float]:
+    """(tensors, case) -> median microseconds per call over alternating rounds."""
+    results: dict[tuple[int, str], float] = {}
+    for tensors in CHAIN_TENSORS:
+        cases_ = accumulation_cases(tensors)
+        calls = max(2, 2000 // tensors)
+        for call, model, filled in cases_.values():
+            timed_from(call, model, filled, 2)  # warm up, and fill .grad
+        samples: dict[str, list[float]] = {name: [] for name in cases_}
+        for round_ in range(rounds):
+            names = list(cases_) if round_ % 2 == 0 else list(reversed(cases_))
+            for name in names:
+                samples[name].append(timed_from(*cases_[name], calls))
+        for name, values in samples.items():
+            results[tensors, name] = statistics.median(values)
+    return results
+
+
+def print_accumulation(results: dict[tuple[int, str], float], rounds: int) -> None:
+    print(f"\naccumulation, R = 2: median microseconds per run over {rounds} rounds; "
+          "cs - plain per tensor")
+    header = f"{'tensors':>7}" + "".join(f"{name:>14}" for name in ACCUMULATION)
+    header += f"{'filled/tensor':>15}{'empty/tensor':>14}{'no-op/tensor':>14}"
+    print(header)
+    print("-" * len(header))
+    for tensors in CHAIN_TENSORS:
+        row = f"{tensors:>7}" + "".join(
+            f"{results[tensors, name]:>14.0f}" for name in ACCUMULATION
+        )
+        filled = (results[tensors, "cs filled"] - results[tensors, "plain filled"]) / tensors
+        empty = (results[tensors, "cs empty"] - results[tensors, "plain empty"]) / tensors
+        row += f"{filled:>15.2f}{empty:>14.2f}{results[tensors, 'cs no-op'] / tensors:>14.2f}"
+        print(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
     parser.add_argument("--batch", type=int, default=200, help="calls per timed batch")
+    parser.add_argument("--accumulation-rounds", type=int, default=10)
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     options = parser.parse_args()
+    global _clock
+    _clock = CLOCKS[options.clock]
     results = measure(options.rounds, options.batch)
 
     names = list(dict.fromkeys(name for name, _ in results))
     width = max(len(name) for name in names) + 2
     header = f"{'case':<{width}}" + "".join(f"{f'R={r} cs':>11}{'plain':>9}" for r in REPLICAS)
-    print(f"median microseconds per call, {options.rounds} rounds x {options.batch} calls, "
+    print(f"median microseconds ({options.clock} time) per call, {options.rounds} rounds x "
+          f"{options.batch} calls, "
           f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
     print(header)
     print("-" * len(header))
@@ -147,6 +253,9 @@ def main() -> None:
     verdict = "met" if trivial < TARGET_US else "MISSED"
     print(f"\ntarget: trivial run with R = 2 under {TARGET_US:.0f} us: {trivial:.1f} us "
           f"({verdict})")
+    if options.accumulation_rounds:
+        rounds = options.accumulation_rounds
+        print_accumulation(measure_accumulation(rounds), rounds)
 
 
 if __name__ == "__main__":

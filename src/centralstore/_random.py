@@ -1,25 +1,32 @@
-"""Each replica's random numbers: its own generator, derived from the global one.
+"""Each replica's random numbers: its own stream, derived from the global generator.
 
-With several replicas, each run begins by drawing one number from the global CPU generator;
-replica 0 then draws from the global generators, and every other replica from its own
-stream, seeded from that number and the replica's global id. So two identical programs give
-identical results on every path (replicas one after another, or passing the baton on
-threads), and no two replicas share a dropout mask or a noise sample, on logical CPU devices
-and on GPUs alike (``torch.manual_seed`` gives every GPU the same seed). A replica's
-generators are those of the CPU and, for a CUDA replica, of its GPU; they are swapped in
-when the replica runs and out when it waits or ends, so code between replicas and after
-``run`` draws from the global streams as before.
+With several replicas, each run begins by drawing one number from the global CPU generator.
+The replica with global id 0 then draws on from the global generators, as one device would;
+every other replica draws from a stream of its own, seeded from that number and its global
+id when it first runs. The generators hold the stream of the replica running: replicas run
+one at a time, and one that has finished needs its stream no more, so the next replica's
+seed simply replaces it, and after the run the global generators go on from the last
+replica's stream. Only a replica that waits in a rendezvous (``suspend``) has its state
+saved, and put back when it runs on. So two identical programs give identical results on
+every path (replicas one after another, or passing the baton on threads), re-seeding with
+``torch.manual_seed`` reproduces a run, and no two replicas share a dropout mask or a noise
+sample, on logical CPU devices and on GPUs alike (``torch.manual_seed`` gives every GPU the
+same seed). A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
+
+Not restoring the global state after each replica is what makes this cheap: a run of two
+replicas costs one draw and one ``manual_seed``, where saving and restoring the global
+state around every replica after the first cost a ``get_state`` copy (5 kB) and a
+``set_state`` more.
 
 >>> import torch
 >>> from centralstore._placement import Placement
 >>> randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 >>> def draws():
-...     randomness.begin()
+...     streams = randomness.begin()
 ...     out = []
 ...     for replica in range(2):
-...         randomness.enter(replica)
+...         streams.enter(replica)
 ...         out.append(torch.rand(()).item())
-...         randomness.leave(replica)
 ...     return out
 >>> _ = torch.manual_seed(0)
 >>> first = draws()
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._placement import Placement
@@ -47,9 +55,9 @@ def replica_seed(base: int, replica: int) -> int:
 
 class ReplicaRandomness:
     """The generators of a strategy's replicas (see the module's docstring): one per
-    strategy; ``begin`` starts each run of several replicas."""
+    strategy; ``begin`` starts the streams of each run of several replicas."""
 
-    __slots__ = ("_base", "_buffer", "_generators", "_global", "_ids", "_saved")
+    __slots__ = ("_array", "_buffer", "_generators", "_ids")
 
     def __init__(self, placement: Placement) -> None:
         self._ids = tuple(placement.replica_offset + r for r in range(placement.local_replicas))
@@ -57,46 +65,46 @@ class ReplicaRandomness:
             (torch.default_generator,)
             + ((torch.cuda.default_generators[device.index],) if device.type == "cuda" else ())
             for device in placement.storage_devices
-        ) if any(d.type == "cuda" for d in placement.storage_devices) else tuple(
-            (torch.default_generator,) for _ in placement.storage_devices
         )
-        self._buffer = torch.empty((), dtype=torch.int64, device="cpu")
-        self._base = 0
-        self._global: dict[Any, Any] = {}  # generator -> the global state it had
-        self._saved: dict[int, list[tuple[Any, Any]]] = {}  # replica -> its own states
+        # The draw lands in memory numpy reads: int() of a tensor would cost a dispatch more.
+        self._array = np.zeros((), dtype=np.int64)
+        self._buffer = torch.from_numpy(self._array)
 
-    def begin(self) -> None:
+    def begin(self) -> Streams:
         """A run begins: one draw from the global CPU generator seeds its replicas' streams,
         whatever happens in the run, so that every path agrees."""
-        self._base = int(self._buffer.random_(generator=torch.default_generator))
-        self._saved.clear()
+        self._buffer.random_(generator=torch.default_generator)
+        return Streams(int(self._array), self._ids, self._generators)
+
+
+class Streams:
+    """The replicas' streams in one run (a ``run`` inside ``merge_call`` has its own)."""
+
+    __slots__ = ("_base", "_generators", "_ids", "_saved")
+
+    def __init__(
+        self, base: int, ids: tuple[int, ...], generators: tuple[tuple[Any, ...], ...]
+    ) -> None:
+        self._base = base
+        self._ids = ids
+        self._generators = generators
+        self._saved: dict[int, list[tuple[Any, Any]]] = {}  # suspended replica -> its states
 
     def enter(self, replica: int) -> None:
-        """Replica ``replica`` starts or runs on: its streams in place of the global ones."""
+        """Replica ``replica`` starts, or runs on after a rendezvous: its streams in the
+        generators (the global ones for global replica 0, which starts first)."""
+        if self._saved:
+            saved = self._saved.pop(replica, None)
+            if saved is not None:
+                for generator, state in saved:
+                    generator.set_state(state)
+                return
         global_id = self._ids[replica]
-        if global_id == 0:
-            return
-        generators = self._generators[replica]
-        for generator in generators:
-            self._global[generator] = generator.get_state()
-        saved = self._saved.pop(replica, None)
-        if saved is not None:
-            for generator, state in saved:
-                generator.set_state(state)
-            return
-        seed = replica_seed(self._base, global_id)
-        for generator in generators:
-            generator.manual_seed(seed)
-
-    def leave(self, replica: int) -> None:
-        """Replica ``replica`` ends: the global streams are back."""
-        if self._ids[replica] != 0:
+        if global_id:
+            seed = replica_seed(self._base, global_id)
             for generator in self._generators[replica]:
-                generator.set_state(self._global.pop(generator))
+                generator.manual_seed(seed)
 
     def suspend(self, replica: int) -> None:
-        """Replica ``replica`` waits in a rendezvous: its streams are kept for ``enter``,
-        and the global ones are back."""
-        if self._ids[replica] != 0:
-            self._saved[replica] = [(g, g.get_state()) for g in self._generators[replica]]
-            self.leave(replica)
+        """Replica ``replica`` waits in a rendezvous: its streams are kept for ``enter``."""
+        self._saved[replica] = [(g, g.get_state()) for g in self._generators[replica]]

@@ -58,21 +58,24 @@ class _NoSwitch:
         pass
 
 
+_NO_SWITCH = _NoSwitch()
+
+
 class Environment:
     """Thread-local torch state the calling thread had, re-established on replica threads:
     grad mode, inference mode, autocast, the current CUDA stream of each replica's GPU (so
     that replica threads are ordered with the caller's work) and the number of intra-op
-    threads (replicas run one at a time, so each may use them all)."""
+    threads (replicas run one at a time, so each may use them all). Captured when every run
+    begins, so the common case (CPU devices, no autocast) costs a few cheap queries;
+    ``gpus`` are the replicas' GPUs, each once."""
 
     __slots__ = ("autocast", "grad_enabled", "inference", "streams", "threads")
 
-    def __init__(self, devices: Sequence[torch.device] = ()) -> None:
+    def __init__(self, gpus: Sequence[torch.device] = ()) -> None:
         self.threads = torch.get_num_threads()
-        cuda = {device for device in devices if device.type == "cuda"}
-        self.streams = [torch.cuda.current_stream(device) for device in cuda] if cuda else []
+        self.streams = [torch.cuda.current_stream(device) for device in gpus] if gpus else []
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
-        # Captured on every run, so the common case (no autocast) is one cheap query.
         self.autocast = [
             (kind, torch.get_autocast_dtype(kind))
             for kind in ("cpu", "cuda")
@@ -94,17 +97,20 @@ class Environment:
             yield
 
 
-# Stands in for a run's baton condition until its threads start; never waited on.
-_NO_CONDITION = threading.Condition()
-
-
 class RunState:
     """The shared state of one ``run``: outputs, errors, the rendezvous and the baton.
 
     Until ``threaded`` is set only the calling thread touches the state, so the sequential
-    path takes no lock; the condition is created when the threads start. From then on the
-    replica holding the baton (``_turn``) is the only one running replica code.
+    path takes no lock; the condition and the baton's fields are set up when the threads
+    start (``_begin_threads``), so that a run without a rendezvous never builds them. From
+    then on the replica holding the baton (``_turn``) is the only one running replica code.
     """
+
+    __slots__ = (
+        "_aborted", "_alive", "_arrived", "_body", "_cond", "_count", "_crew", "_generation",
+        "_pool", "_results", "_returned", "_running_threads", "_switch", "_turn",
+        "any_failed", "closed", "errors", "num_replicas", "outputs", "threaded",
+    )
 
     def __init__(
         self, num_replicas: int, pool: ThreadPool, body: Body, switch: Switch | None = None,
@@ -117,18 +123,22 @@ class RunState:
         self.closed = False
         self._pool = pool
         self._body = body
-        self._switch: Switch = _NoSwitch() if switch is None else switch
-        self._cond: threading.Condition = _NO_CONDITION
+        self._switch: Switch = _NO_SWITCH if switch is None else switch
         self._crew: int | None = None
+
+    def _begin_threads(self) -> None:
+        """(The first rendezvous, on the calling thread.) The baton starts with replica 0."""
+        self._cond: threading.Condition = threading.Condition(threading.Lock())
         self._aborted = False
         self._generation = 0
-        self._arrived: list[tuple[str, Any] | None] = [None] * num_replicas
+        self._arrived: list[tuple[str, Any] | None] = [None] * self.num_replicas
         self._count = 0
         self._results: Sequence[Any] = ()
         self._returned: set[int] = set()
         self._running_threads = 0
-        self._turn: int | None = None  # the replica holding the baton, once threaded
-        self._alive: set[int] = set()  # replicas that have not finished, once threaded
+        self._alive = set(range(self.num_replicas))  # replicas that have not finished
+        self._turn: int | None = 0  # the replica holding the baton
+        self.threaded = True
 
     # -- called by replica bodies ------------------------------------------------------------
 
@@ -190,10 +200,7 @@ class RunState:
             raise ReplicaAborted()
         self._switch.suspend(replica)  # may raise: then this replica fails, holding the baton
         if starting:
-            self._cond = threading.Condition(threading.Lock())
-            self._alive = set(range(self.num_replicas))
-            self._turn = 0
-            self.threaded = True
+            self._begin_threads()
         with self._cond:
             if not self._aborted and self._returned:
                 self._blame_returned(min(self._returned), kind, replica)

@@ -22,7 +22,7 @@ import torch
 
 from .. import _context, _integrations, _replicas, _tree
 from .._placement import Placement
-from .._random import ReplicaRandomness
+from .._random import ReplicaRandomness, Streams
 from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
@@ -75,6 +75,13 @@ class Strategy(abc.ABC):
             self._workers.num_workers > 1 and self._placement.local_replicas == 1
         )
         self._pool = _replicas.new_pool(self, type(self).__name__)
+        # Each replica's GPU, or None (``_device_guard``), and the GPUs once each: read once
+        # here, since ``torch.device.type`` costs half a microsecond per access.
+        self._gpus = tuple(
+            device if device.type == "cuda" else None
+            for device in self._placement.storage_devices
+        )
+        self._distinct_gpus = tuple(dict.fromkeys(d for d in self._gpus if d is not None))
         self._randomness = (
             ReplicaRandomness(self._placement) if self._placement.local_replicas > 1 else None
         )
@@ -189,18 +196,17 @@ class Strategy(abc.ABC):
             outer = store.run  # a run inside merge_call: the run it is nested in
             run = store.open_run()
             randomness = self._randomness
-            if randomness is not None:
-                randomness.begin()
-            environment = _replicas.Environment(self._placement.storage_devices)
+            streams = None if randomness is None else randomness.begin()
+            environment = _replicas.Environment(self._distinct_gpus)
 
             def body(state: _replicas.RunState, replica: int) -> None:
                 self._run_replica(
-                    state, run, randomness, replica, fn, *inputs[replica], environment
+                    state, run, streams, replica, fn, *inputs[replica], environment
                 )
 
             self._first_use.start(store)
             try:
-                state = _replicas.execute(local, self._pool, body, _Baton(run, randomness))
+                state = _replicas.execute(local, self._pool, body, _Baton(run, streams))
             except BaseException as interrupt:  # on the calling thread, between replicas
                 self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
@@ -250,7 +256,7 @@ class Strategy(abc.ABC):
         self,
         state: _replicas.RunState,
         run: Run,
-        randomness: ReplicaRandomness | None,
+        streams: Streams | None,
         replica: int,
         fn: Callable[..., Any],
         args: Sequence[Any],
@@ -263,8 +269,8 @@ class Strategy(abc.ABC):
             self, self._placement, self._workers, self._merge, replica, state
         )
         _context.push(_context.Entry(self, context, self._store))
-        if randomness is not None:
-            randomness.enter(replica)
+        if streams is not None:
+            streams.enter(replica)
         try:
             with (
                 environment.applied() if on_thread else _NOTHING,
@@ -279,8 +285,6 @@ class Strategy(abc.ABC):
         else:
             state.returned(replica, output)
         finally:
-            if randomness is not None:
-                randomness.leave(replica)
             _context.pop()
 
     def _merge(
@@ -326,10 +330,8 @@ class Strategy(abc.ABC):
         code on one GPU does: ``device="cuda"`` means its GPU, and a factory without a device
         creates on the CPU. (A ``torch.device`` context would place those too, but it is a
         ``TorchFunctionMode``: Python for every torch call of the replica.)"""
-        device = self._placement.storage_devices[replica]
-        if device.type != "cuda":
-            return _NOTHING
-        return torch.cuda.device(device)
+        device = self._gpus[replica]
+        return _NOTHING if device is None else torch.cuda.device(device)
 
     # -- reduce, gather, local results ----------------------------------------------------
 
@@ -499,20 +501,20 @@ class Strategy(abc.ABC):
 
 class _Baton:
     """What changes hands when a replica waits in a rendezvous (``_replicas.Switch``): its
-    variables' state and its random generators."""
+    variables' state and its random streams."""
 
-    __slots__ = ("_randomness", "_run")
+    __slots__ = ("_run", "_streams")
 
-    def __init__(self, run: Run, randomness: ReplicaRandomness | None) -> None:
+    def __init__(self, run: Run, streams: Streams | None) -> None:
         self._run = run
-        self._randomness = randomness
+        self._streams = streams
 
     def suspend(self, replica: int) -> None:
         self._run.suspend(replica)
-        if self._randomness is not None:
-            self._randomness.suspend(replica)
+        if self._streams is not None:
+            self._streams.suspend(replica)
 
     def resume(self, replica: int) -> None:
-        if self._randomness is not None:
-            self._randomness.enter(replica)
+        if self._streams is not None:
+            self._streams.enter(replica)
         self._run.resume(replica)

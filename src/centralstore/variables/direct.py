@@ -19,11 +19,33 @@ keep their views.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import repeat
+from operator import attrgetter, is_not
+
 import torch
 
 from .._aggregation import VariableAggregation
 from .folding import HeldHooks, add_in_order
 from .records import Central
+
+
+def _any(values: Iterable[torch.Tensor | None]) -> bool:
+    """Whether some value is not None, by identity at C speed. (``values.count(None)`` would
+    compare each tensor with ``==``, which costs about 20 us per tensor: torch raises a
+    ``TypeError`` for ``tensor == None`` and turns it into ``NotImplemented``.)"""
+    return any(map(is_not, values, repeat(None)))
+
+
+# Read over every parameter in scope at each run: ``map`` with these loops in C.
+_grad = attrgetter("grad")
+_version = attrgetter("_version")
+_hooks = attrgetter("_post_accumulate_grad_hooks")
+
+
+def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
+    """``HeldHooks`` of ``tensors``, asked first in one pass whether any has a hook."""
+    return HeldHooks(tensors if any(map(_hooks, tensors)) else [])
 
 
 class Undo:
@@ -45,7 +67,7 @@ class Undo:
                     self._grads.append((tensor, held))
                 elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
                     self._state.append((tensor, tensor.detach().clone()))
-        self._hooks = HeldHooks([t for t, _ in self._grads])
+        self._hooks = _held_hooks([t for t, _ in self._grads])
 
     def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
@@ -104,31 +126,32 @@ class DirectReplicas:
     finishes or hands the baton on.
     """
 
-    __slots__ = ("_grads", "_hooks", "_old", "_open", "_versions", "tensors")
+    __slots__ = ("_grads", "_held", "_hooks", "_old", "_open", "_versions", "tensors")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = tensors
-        self._versions = [t._version for t in tensors]
-        self._old: list[torch.Tensor | None] = [t.grad for t in tensors]
-        if self._old.count(None) != len(tensors):
+        self._versions = list(map(_version, tensors))
+        self._old: list[torch.Tensor | None] = list(map(_grad, tensors))
+        self._held = _any(self._old)  # whether some gradient was set aside
+        if self._held:
             for tensor, old in zip(tensors, self._old):
                 if old is not None:
                     tensor.grad = None
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
-        self._hooks = HeldHooks(tensors)
+        self._hooks = _held_hooks(tensors)
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
-        if [t._version for t in self.tensors] == self._versions:
+        if list(map(_version, self.tensors)) == self._versions:
             return None
         return next(
             t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
         )
 
     def _take(self) -> list[torch.Tensor | None]:
-        grads = [t.grad for t in self.tensors]
-        if grads.count(None) != len(grads):
+        grads = list(map(_grad, self.tensors))
+        if _any(grads):
             for tensor in self.tensors:
                 tensor.grad = None
         return grads
@@ -153,15 +176,43 @@ class DirectReplicas:
         Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
-        sums = list(self._old)
-        late = self._take()  # the last replica's, and a backward's since it finished
-        for grads in [*(self._grads[r] for r in sorted(self._grads)), late]:
-            add_in_order(sums, grads)
-        for tensor, total in zip(self.tensors, sums):
-            tensor.grad = total
+        taken = [self._grads[r] for r in sorted(self._grads)]
+        if self._held:
+            sums = list(self._old)
+            # the last replica's too (and a backward's since it finished), read in place
+            for grads in [*taken, list(map(_grad, self.tensors))]:
+                add_in_order(sums, grads)
+            for tensor, total in zip(self.tensors, sums):
+                tensor.grad = total
+        elif taken:
+            self._add_to_last(taken)
         hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
         self._forget()
         return hooked
+
+    def _add_to_last(self, taken: list[list[torch.Tensor | None]]) -> None:
+        """Nothing was set aside: the earlier replicas' gradients, summed in replica order,
+        are added to the last replica's where it left them, in ``.grad`` (``last + earlier``
+        is ``earlier + last`` bit for bit), so that ``.grad`` is set only where the last
+        replica has none."""
+        earlier: list[torch.Tensor | None] = [None] * len(self.tensors)
+        for grads in taken:
+            add_in_order(earlier, grads)
+        targets, sources = [], []
+        for tensor, total in zip(self.tensors, earlier):
+            if total is None:
+                continue
+            last = tensor.grad
+            if last is None:
+                tensor.grad = total
+            elif last.is_sparse or total.is_sparse:
+                tensor.grad = total + last
+            else:
+                targets.append(last)
+                sources.append(total)
+        if targets:
+            with torch.no_grad():
+                torch._foreach_add_(targets, sources)
 
     def rollback(self) -> None:
         """The run failed: ``.grad`` as before it."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Protocol, final
+from typing import Protocol, cast, final
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -196,14 +196,18 @@ class ReplicasRun(Run):
         self._store = store
         self._plan = plan
         lent = [t for record in plan.others if (t := record.ref()) is not None]
-        shared: list[torch.Tensor] = []
-        for record in plan.shared:  # another class must take the resolving one
-            tensor = record.ref()
-            if tensor is not None:
-                (shared if type(tensor) is torch.nn.Parameter else lent).append(tensor)
+        found = [record.ref() for record in plan.shared]
+        shared: list[torch.Tensor]
+        if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C
+            shared = cast(list[torch.Tensor], found)
+        else:  # dead ones, or another class, which must take the resolving one
+            shared = [t for t in found if type(t) is torch.nn.Parameter]
+            lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
         self._shared = DirectReplicas(shared) if shared else None
+        # whether some replica sees views (otherwise a backward after run reaches none)
+        self._views = bool(lent) or (bool(shared) and not all(store.on_parameters))
         self._shared_lent = False  # whether the shared parameters have the class now
         self._filled: Filled | None = None
         # what each suspended replica's own code had put in module slots (functional_call)
@@ -211,7 +215,7 @@ class ReplicasRun(Run):
 
     @property
     def uses_views(self) -> bool:
-        return True
+        return self._views
 
     def _direct(self, replica: int) -> bool:
         return self._shared is not None and self._store.on_parameters[replica]

@@ -1,0 +1,288 @@
+"""Training steps of small real models: centralstore against plain PyTorch doing the same work.
+
+Models (no timm or torchvision here: PyPI's torchvision is a CUDA build that does not load
+beside the CPU torch, so the vision transformer is transformers' ``ViTConfig``):
+  gpt2   GPT-2 tiny (transformers' GPT2Config: 2 layers, d = 64, 4 heads), sequences of 16
+  bert   BERT tiny (BertConfig: 2 layers, d = 64, 4 heads, feed-forward 128), 10 classes
+  vit    ViT tiny (ViTConfig: 32x32 images, patches of 8, 2 layers, d = 64), 10 classes
+  cnn    the demo's CNN (``centralstore.demo.job.make_model``) on 8x8 digits
+each at P examples per replica, eager and with the forward and loss ``torch.compile``d
+(static shapes, a code object per configuration, as in ``bench_train.py``). Configurations,
+all with AdamW and the loss scaled by the global batch:
+  plain    one device, a batch of P              (the baseline of cs R=1)
+  cs R=1   CentralStorageStrategy on cpu:0, a batch of P
+  whole    one device, one pass over 2P          (the floor's reference)
+  halves   one device, two passes of P that accumulate gradients (the same work as two
+           replicas: the baseline of cs R=2)
+  cs R=2   cpu:0 and cpu:1, P each
+and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, ``cs R=2 x4``
+(four runs of two replicas) against ``halves x4`` (the same 8 half-batch passes, plain).
+``halves / whole`` is what smaller batches cost by themselves: the part of the demo's gap to
+one device that is not centralstore.
+
+The order of the configurations alternates between rounds; each round takes one untimed step
+per configuration, then times ``--steps`` steps; the table gives medians over rounds. The
+warm-up tail column is the median of each configuration's first 50 steps after it is built
+(the first, compiling one, included) over its steady median. The machine is shared, so only
+ratios within one run mean anything. One intra-op thread by default (``--threads``): with two
+on the two shared cores, OpenMP's spinning threads made a GPT-2 tiny step take ten times as
+long (200 ms instead of 20) and vary by as much from round to round. Times are the process's
+CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
+more runnable threads than cores, wall-clock time measures the neighbours.
+
+    python benchmarks/bench_models.py [--rounds 5] [--steps 10] [--sizes 4]
+        [--compiled-sizes 4] [--models gpt2 bert vit cnn] [--compiled-models gpt2]
+        [--threads 1] [--clock cpu]
+
+The defaults time 6 groups of configurations (four models eager, GPT-2 compiled, GPT-2
+accumulating); ``--sizes 2 8 --compiled-models gpt2 bert vit`` covers more, at several times
+the runtime (each compilation takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from bench_train import fix_mmap_threshold
+from torch import nn
+
+import centralstore as cs
+from centralstore.demo.job import make_model as demo_cnn
+
+SEQUENCE = 16
+VOCAB = 512
+FIRST = 50  # steps of the warm-up tail
+MICRO_BATCHES = 4
+
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # per-example losses
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=64, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0,
+    ))
+
+
+def _bert() -> nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=SEQUENCE, num_labels=10,
+    ))
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    return ViTForImageClassification(ViTConfig(
+        image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, num_labels=10,
+    ))
+
+
+def _token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(
+        x.shape[0], -1
+    ).mean(1)
+
+
+def _class_loss(key: str) -> Loss:
+    def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(**{key: x}).logits, y, reduction="none")
+
+    return loss
+
+
+def _cnn_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randint(0, VOCAB, (n, SEQUENCE))
+    return x, x  # a language model's labels are its inputs (the model shifts them)
+
+
+def _classes(shape: tuple[int, ...], integer: bool = False) -> Callable[[int], Any]:
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randint(0, VOCAB, (n, *shape)) if integer else torch.randn(n, *shape)
+        return x, torch.randint(0, 10, (n,))
+
+    return make
+
+
+# name -> (build, inputs of n examples, per-example loss)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = {
+    "gpt2": (_gpt2, _tokens, _token_loss),
+    "bert": (_bert, _classes((SEQUENCE,), integer=True), _class_loss("input_ids")),
+    "vit": (_vit, _classes((3, 32, 32)), _class_loss("pixel_values")),
+    "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),
+}
+CONFIGS = ("plain", "cs R=1", "whole", "halves", "cs R=2")
+COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's
+ACCUMULATED = ("halves x4", "cs R=2 x4")
+
+
+def _compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled with static shapes and a code object of its own (see
+    ``bench_train.compiled_if``: configurations must not check each other's guards)."""
+    fn.__code__ = fn.__code__.replace(co_name=f"loss_{config.replace(' ', '_')}")
+    return torch.compile(fn, dynamic=False)
+
+
+def make_step(model_name: str, config: str, per_replica: int, compile_: bool) -> Callable[[], None]:
+    """One optimizer step of ``config`` on ``model_name``, ready to time."""
+    build, inputs, per_example = MODELS[model_name]
+    micro = MICRO_BATCHES if config.endswith("x4") else 1
+    replicas = 2 if config in ("whole", "halves", "cs R=2") or micro > 1 else 1
+    torch.manual_seed(0)
+    global_batch = per_replica * replicas * micro
+    x, y = inputs(global_batch)
+    slices = [
+        (x[i * per_replica:(i + 1) * per_replica], y[i * per_replica:(i + 1) * per_replica])
+        for i in range(replicas * micro)
+    ]
+    if not config.startswith("cs"):
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        parts = [(x, y)] if config == "whole" else slices
+
+        def plain_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+            return per_example(model, xs, ys).sum() / global_batch
+
+        loss = _compiled(plain_loss, config) if compile_ else plain_loss
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            for xs, ys in parts:
+                loss(xs, ys).backward()
+            optimizer.step()
+
+        return plain_step
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if replicas == 1:
+        arguments = [slices[0]]
+    else:
+        arguments = [
+            (cs.PerReplica([slices[2 * k][0], slices[2 * k + 1][0]]),
+             cs.PerReplica([slices[2 * k][1], slices[2 * k + 1][1]]))
+            for k in range(micro)
+        ]
+
+    def replica_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return cs.compute_average_loss(per_example(model, xs, ys), global_batch_size=global_batch)
+
+    replica = _compiled(replica_loss, config) if compile_ else replica_loss
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        replica(xs, ys).backward()
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        for args in arguments:
+            strategy.run(replica_step, args=args)
+        optimizer.step()
+
+    return cs_step
+
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+_clock = CLOCKS["cpu"]
+
+
+def _time(step: Callable[[], None], steps: int) -> float:
+    start = _clock()
+    for _ in range(steps):
+        step()
+    return (_clock() - start) / steps * 1e3
+
+
+def measure(
+    model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
+    rounds: int, steps: int,
+) -> dict[str, tuple[float, float]]:
+    """config -> (steady median ms per step, the first 50 steps' median over it)."""
+    made = {config: make_step(model_name, config, per_replica, compile_) for config in configs}
+    first: dict[str, float] = {}
+    for config, step in made.items():
+        first[config] = statistics.median(_time(step, 1) for _ in range(FIRST))
+    samples: dict[str, list[float]] = {config: [] for config in configs}
+    for round_ in range(rounds):
+        for config in configs if round_ % 2 == 0 else reversed(configs):
+            made[config]()  # untimed: the first step after a switch pays for it
+            samples[config].append(_time(made[config], steps))
+    steady = {config: statistics.median(v) for config, v in samples.items()}
+    return {config: (steady[config], first[config] / steady[config]) for config in configs}
+
+
+RATIOS = {  # the ratio's row, its baseline, its target
+    "cs R=1": ("plain", 1.02),
+    "cs R=2": ("halves", 1.03),
+    "halves": ("whole", None),
+    "cs R=2 x4": ("halves x4", 1.03),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[4],
+                        help="examples per replica, eager")
+    parser.add_argument("--compiled-sizes", type=int, nargs="*", default=[4],
+                        help="examples per replica, compiled")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--compiled-models", nargs="*", choices=list(MODELS), default=["gpt2"])
+    parser.add_argument("--no-accumulation", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
+    options = parser.parse_args()
+    torch.set_num_threads(options.threads)
+    global _clock
+    _clock = CLOCKS[options.clock]
+    fixed = fix_mmap_threshold()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"{options.steps} steps x {options.rounds} rounds, medians of {options.clock} time, "
+          f"mmap threshold "
+          f"{'fixed' if fixed else 'dynamic'}; tail: first {FIRST} steps' median / steady\n")
+    print(f"{'model':<6} {'mode':<8} {'P':>2} {'config':<10} {'ms/step':>8} {'ratio':>7} "
+          f"{'against':<10} {'target':>6} {'tail':>6}")
+    groups: list[tuple[str, str, int, tuple[str, ...]]] = []
+    for model_name in options.models:
+        for size in options.sizes:
+            groups.append((model_name, "eager", size, CONFIGS))
+        if model_name in options.compiled_models:
+            for size in options.compiled_sizes:
+                groups.append((model_name, "compiled", size, COMPILED))
+    if "gpt2" in options.models and not options.no_accumulation:
+        groups.append(("gpt2", "eager", 4, ACCUMULATED))
+    for model_name, mode, size, configs in groups:
+        results = measure(
+            model_name, configs, size, mode == "compiled", options.rounds, options.steps
+        )
+        for config in configs:
+            ms, tail = results[config]
+            against, target = RATIOS.get(config, (None, None))
+            if against not in results:  # the compiled groups have no eager floor's row
+                against, target = None, None
+            ratio = f"{ms / results[against][0]:7.3f}" if against else f"{'':7}"
+            goal = f"<={target:.2f}" if target else ""
+            print(f"{model_name:<6} {mode:<8} {size:>2} {config:<10} {ms:8.2f} {ratio} "
+                  f"{against or '':<10} {goal:>6} {tail:6.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

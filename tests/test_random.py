@@ -1,0 +1,71 @@
+"""Replica randomness (``_random.py``, docs/design.md §5.9): each replica's stream is its own
+whatever runs between its draws, and the generators after a run go on from the last
+replica's stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from replicas import context, local, strategy_of
+
+import centralstore as cs
+
+
+def _draws_around_a_merge(nested: bool, replicas: int) -> list[torch.Tensor]:
+    """Each replica's draws before and after a ``merge_call`` whose function runs a nested
+    ``strategy.run`` that draws too (``nested``), or does nothing."""
+    strategy = strategy_of(replicas)
+
+    def merge(s: cs.Strategy) -> None:
+        if nested:
+            s.run(lambda: torch.rand(5))
+            torch.rand(7)  # and the merge's own code draws
+
+    def step() -> torch.Tensor:
+        before = torch.rand(3)
+        context().merge_call(merge)
+        return torch.cat([before, torch.rand(3)])
+
+    torch.manual_seed(0)
+    return list(local(strategy, strategy.run(step)))
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_what_runs_while_replicas_wait_in_a_merge_leaves_their_streams_alone(
+    replicas: int,
+) -> None:
+    quiet = _draws_around_a_merge(nested=False, replicas=replicas)
+    busy = _draws_around_a_merge(nested=True, replicas=replicas)
+    for a, b in zip(quiet, busy, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(quiet[0], quiet[1])
+
+
+@pytest.mark.parametrize("rendezvous", [False, True])
+def test_after_a_run_the_generator_goes_on_from_the_last_replicas_stream(
+    rendezvous: bool,
+) -> None:
+    """Not restored to where it was before the run (that costs a copy of its state per
+    replica), but the same on every path: a second run, or a draw after the run, repeats
+    after the same seed."""
+    strategy = strategy_of(2)
+
+    def step() -> torch.Tensor:
+        if rendezvous:
+            context().all_reduce("sum", torch.zeros(()))
+        return torch.rand(4)
+
+    def program() -> tuple[list[torch.Tensor], torch.Tensor]:
+        torch.manual_seed(3)
+        first = local(strategy, strategy.run(step))
+        return [*first, *local(strategy, strategy.run(step))], torch.rand(4)
+
+    (runs, after), (runs_again, after_again) = program(), program()
+    for a, b in zip(runs, runs_again, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(after, after_again)
+    sequential = strategy_of(2)
+    torch.manual_seed(3)
+    sequential.run(lambda: torch.rand(4))
+    sequential.run(lambda: torch.rand(4))
+    assert torch.equal(torch.rand(4), after)  # every path leaves the same stream
