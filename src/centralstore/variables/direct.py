@@ -149,17 +149,21 @@ class DirectReplicas:
             t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
         )
 
-    def _take(self) -> list[torch.Tensor | None]:
+    def _take(self) -> list[torch.Tensor | None] | None:
+        """The gradients in ``.grad``, taken off (None: there are none, as in evaluation)."""
         grads = list(map(_grad, self.tensors))
-        if _any(grads):
-            for tensor in self.tensors:
-                tensor.grad = None
+        if not _any(grads):
+            return None
+        for tensor in self.tensors:
+            tensor.grad = None
         return grads
 
     def take_gradients(self, replica: int) -> None:
         """Replica ``replica`` finished: its gradients are kept for the sync point, and
         ``.grad`` is empty for the next one."""
-        self._grads[replica] = self._take()
+        grads = self._take()
+        if grads is not None:
+            self._grads[replica] = grads
 
     park = take_gradients  # the replica waits in a rendezvous
 
