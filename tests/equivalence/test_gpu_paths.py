@@ -281,3 +281,25 @@ def test_the_early_gradient_copy_pins_its_buckets_once(fake_gpu_placement: FakeP
     gpu_replicas = sum(d.startswith("cuda") for d in fake_gpu_placement.compute_devices)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert pinned[0][0] - held < 2 * gradient_bytes * gpu_replicas
+
+
+def test_modules_copied_in_scope_are_central_and_ones_built_outside_are_refused(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    import copy
+
+    strategy = strategy_for(fake_gpu_placement)
+    devices = fake_gpu_placement.compute_devices
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        copied = copy.deepcopy(model)
+    outside = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(
+        fake_gpu_placement.parameter_device
+    )
+    xs = to_replicas(X, devices)
+    strategy.run(lambda x: copied(x).sum().backward(), args=(xs,))
+    assert int(copied[1].num_batches_tracked) == 1
+    assert copied[0].weight.grad is not None and model[0].weight.grad is None
+    with pytest.raises(ValueError, match=r"The Linear module .* 'weight'"):
+        strategy.run(lambda x: outside(x), args=(xs,))
+    assert int(outside[1].num_batches_tracked) == 0
