@@ -173,3 +173,20 @@ def test_a_run_with_gradients_in_grad_compares_no_tensor_with_eq(
     strategy.run(step, args=args)
     monkeypatch.undo()
     assert compared == []
+
+
+def test_a_run_on_parameters_only_takes_no_views_and_one_with_a_buffer_does() -> None:
+    from centralstore.variables.runs import DirectRun, ReplicasRun
+
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 2)
+    modes: list[type] = []
+    strategy.run(lambda: modes.append(type(strategy._store.run)))
+    assert modes == [DirectRun, DirectRun]
+    with strategy.scope():
+        norm = nn.BatchNorm1d(2)  # a buffer: the replicas must not share its writes
+    modes.clear()
+    strategy.run(lambda: modes.append(type(strategy._store.run)))
+    assert modes == [ReplicasRun, ReplicasRun]
+    del model, norm

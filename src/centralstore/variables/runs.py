@@ -14,10 +14,14 @@ The modes:
 * ``EmptyRun``: the store has no variables.
 * ``OwnRun``: one replica computing where every variable lives (R = 1 on the parameter
   device): it uses them directly and keeps only an ``Undo`` record.
-* ``ReplicasRun``: several replicas, or one away from the variables. A replica that computes
-  where the parameters live uses those no replica may write directly (``DirectReplicas``);
-  every other variable, and every variable of the other replicas, is seen through views, in
-  the module slots (``modules.py``) and through the variables' class (``views.py``).
+* ``DirectRun``: several replicas, each computing where every variable lives, on variables
+  that are all parameters no replica may write (logical CPU devices with a model of
+  parameters only): every replica uses them directly (``DirectReplicas``), without views.
+* ``ReplicasRun``: several replicas otherwise, or one away from the variables. A replica that
+  computes where the parameters live uses those no replica may write directly
+  (``DirectReplicas``); every other variable, and every variable of the other replicas, is
+  seen through views, in the module slots (``modules.py``) and through the variables' class
+  (``views.py``).
 
 Replicas run one at a time, so each mode's state is that of the replica holding the baton.
 """
@@ -184,6 +188,71 @@ class OwnRun(Run):
 
 
 @final
+class DirectRun(Run):
+    """Several replicas, each computing where every variable lives, on variables that are
+    all parameters no replica may write (``Plan.others`` is empty): each replica uses them
+    directly, one after another, and finds only its own gradients in ``.grad``
+    (``DirectReplicas``). Nothing is lent a class or put in a slot, so a replica's entry
+    costs nothing and its exit a version check and, when it left gradients, their removal.
+    ``open`` gives None when a variable has died or is not a plain ``nn.Parameter``: such a
+    run is a ``ReplicasRun``."""
+
+    def __init__(self, store: Store, plan: Plan, tensors: list[torch.Tensor]) -> None:
+        self._store = store
+        self._slots = plan.slots
+        self._shared = DirectReplicas(tensors)
+        # what each suspended replica's own code had put in module slots (functional_call)
+        self._kept: dict[int, list[Replaced]] = {}
+
+    @classmethod
+    def open(cls, store: Store, plan: Plan) -> DirectRun | None:
+        if plan.others or not all(store.on_parameters):
+            return None
+        tensors = [record.ref() for record in plan.shared]
+        if set(map(type, tensors)) != {torch.nn.Parameter}:
+            return None
+        return cls(store, plan, cast(list[torch.Tensor], tensors))
+
+    def leave(self, replica: int, finished: bool) -> None:
+        if finished:
+            shared = self._shared
+            _check_shared(self._store, shared, replica)
+            if replica < len(self._store.replicas) - 1:  # the last one's stay for commit
+                shared.take_gradients(replica)
+
+    def suspend(self, replica: int) -> None:
+        self._kept[replica] = keep_replaced(self._slots)
+        _check_shared(self._store, self._shared, replica)
+        self._shared.park(replica)
+
+    def resume(self, replica: int) -> None:
+        self._shared.unpark(replica)
+        put_back(self._kept.pop(replica, []))
+
+    @contextlib.contextmanager
+    def cross_replica(self) -> Iterator[None]:
+        try:
+            with resolving(None):
+                yield
+        finally:  # the merge's sync point committed what came before
+            self._shared = DirectReplicas(self._shared.tensors)
+
+    def commit(self) -> list[torch.Tensor]:
+        return self._shared.commit()
+
+    def rollback(self) -> None:
+        self._shared.rollback()
+
+
+def _check_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
+    """Raise if replica ``replica`` wrote one of the parameters it used directly."""
+    written = shared.written()
+    if written is not None:
+        record = store.records[id(written)]
+        raise_shared_write(replica, record.owners[0][1], written)
+
+
+@final
 class ReplicasRun(Run):
     """Several replicas, or one computing away from its variables.
 
@@ -243,7 +312,7 @@ class ReplicasRun(Run):
         finally:
             shared = self._shared
             if finished and shared is not None and self._direct(replica):
-                self._check_shared(shared, replica)
+                _check_shared(self._store, shared, replica)
                 if replica < len(self._store.replicas) - 1:  # the last one's stay for commit
                     shared.take_gradients(replica)
 
@@ -254,7 +323,7 @@ class ReplicasRun(Run):
         self._kept[replica] = keep_replaced(self._plan.slots)
         shared = self._shared
         if shared is not None and self._direct(replica):
-            self._check_shared(shared, replica)
+            _check_shared(self._store, shared, replica)
             shared.park(replica)
 
     def resume(self, replica: int) -> None:
@@ -280,12 +349,6 @@ class ReplicasRun(Run):
             lend_class(lent)
             if self._shared is not None:  # the merge's sync point committed what came before
                 self._shared = DirectReplicas(self._shared.tensors)
-
-    def _check_shared(self, shared: DirectReplicas, replica: int) -> None:
-        written = shared.written()
-        if written is not None:
-            record = self._store.records[id(written)]
-            raise_shared_write(replica, record.owners[0][1], written)
 
     def _lend_shared(self, lent: bool) -> None:
         """Give the shared parameters the resolving class (for a replica that sees views of

@@ -34,7 +34,7 @@ from . import folding, steps, unscoped
 from .buckets import GradientBuckets
 from .modules import record_unseen
 from .records import Central, check_aggregation, check_on_read, default_buffer_aggregation
-from .runs import EMPTY, OwnRun, Plan, ReplicasRun, Run
+from .runs import EMPTY, DirectRun, OwnRun, Plan, ReplicasRun, Run
 from .views import GradientReceiver, ReplicaViews, View
 
 
@@ -303,7 +303,8 @@ class VariableStore:
         elif self.direct:
             run = OwnRun(self)
         else:
-            run = ReplicasRun(self, self.plan())
+            plan = self.plan()
+            run = DirectRun.open(self, plan) or ReplicasRun(self, plan)
             self._next_epoch()
         self.run = run
         self.in_run = True
