@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, NoReturn, TypeVar, overload
 
+import torch
+
 from . import _tree
+
+_Tensor = torch.Tensor
 
 T = TypeVar("T")
 
@@ -52,6 +56,37 @@ class PerReplica(Sequence[T], Generic[T]):
     def __repr__(self) -> str:
         inner = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"PerReplica({{\n{inner}\n}})"
+
+
+def split_flat(
+    args: Sequence[Any], kwargs: dict[str, Any], replicas: int
+) -> list[tuple[Sequence[Any], dict[str, Any]]] | None:
+    """Each replica's ``(args, kwargs)`` in one pass, for the arguments of nearly every
+    ``run``: no keyword arguments, and positional ones that are tensors or ``PerReplica``s of
+    ``replicas`` components each. None otherwise (containers, other leaves, another count):
+    the general walk (``select``) takes those, and its check names a wrong count.
+
+    >>> split_flat((PerReplica([1, 2]),), {}, 2)
+    [((1,), {}), ((2,), {})]
+    """
+    if kwargs:
+        return None
+    kinds = list(map(type, args))
+    if PerReplica not in kinds:
+        if all(kind is _Tensor for kind in kinds):
+            return [(args, kwargs)] * replicas
+        return None
+    columns: list[Sequence[Any]] = []
+    for arg, kind in zip(args, kinds):
+        if kind is PerReplica:
+            if len(arg._values) != replicas:
+                return None
+            columns.append(arg._values)
+        elif kind is _Tensor:
+            columns.append((arg,) * replicas)
+        else:
+            return None
+    return [(row, kwargs) for row in zip(*columns)]
 
 
 def select(tree: Any, replica: int) -> Any:

@@ -26,7 +26,7 @@ from .._random import ReplicaRandomness, Streams
 from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
-from .._values import PerReplica, ValueContext, local_results, regroup, select
+from .._values import PerReplica, ValueContext, local_results, regroup, select, split_flat
 from .._workers import OneProcess, Workers
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
@@ -184,11 +184,13 @@ class Strategy(abc.ABC):
         if not isinstance(kwargs, dict):
             raise ValueError(f"kwargs must be a dict. Received: kwargs={kwargs!r}")
         local = self._placement.local_replicas
-        if _tree.contains(args, PerReplica) or _tree.contains(kwargs, PerReplica):
-            self._check_components((args, kwargs), "run's arguments")
-            inputs = [(select(args, r), select(kwargs, r)) for r in range(local)]
-        else:
-            inputs = [(args, kwargs)] * local
+        inputs = split_flat(args, kwargs, local)
+        if inputs is None:  # nested arguments, or a wrong count of components
+            if _tree.contains(args, PerReplica) or _tree.contains(kwargs, PerReplica):
+                self._check_components((args, kwargs), "run's arguments")
+                inputs = [(select(args, r), select(kwargs, r)) for r in range(local)]
+            else:
+                inputs = [(args, kwargs)] * local
         store = self._store
         store.claim("strategy.run()")
         try:

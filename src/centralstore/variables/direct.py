@@ -26,6 +26,7 @@ from operator import attrgetter, is_not
 import torch
 
 from .._aggregation import VariableAggregation
+from .._autograd import no_grad
 from .folding import HeldHooks, add_in_order
 from .records import Central
 
@@ -41,6 +42,7 @@ def _any(values: Iterable[torch.Tensor | None]) -> bool:
 _grad = attrgetter("grad")
 _version = attrgetter("_version")
 _hooks = attrgetter("_post_accumulate_grad_hooks")
+_requires_grad = attrgetter("requires_grad")
 
 
 def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
@@ -51,23 +53,27 @@ def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
 class Undo:
     """What one run without views changed, and how to take it back."""
 
-    __slots__ = ("_grads", "_held", "_hooks", "_state")
+    __slots__ = ("_held", "_hooks", "_old", "_state", "_tensors")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self._grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._state: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._held = False  # whether some .grad was set aside
-        with torch.no_grad():
-            for tensor in tensors:
-                if tensor.requires_grad:
-                    held = tensor.grad
-                    if held is not None:
-                        tensor.grad = None
-                        self._held = True
-                    self._grads.append((tensor, held))
-                elif not isinstance(tensor, torch.nn.Parameter):  # frozen weights: not copied
-                    self._state.append((tensor, tensor.detach().clone()))
-        self._hooks = _held_hooks([t for t, _ in self._grads])
+        if all(map(_requires_grad, tensors)):  # a model of parameters only: passes in C
+            learned = tensors
+        else:
+            learned = [tensor for tensor in tensors if tensor.requires_grad]
+            self._state = [  # frozen weights are not copied
+                (tensor, tensor.detach().clone())
+                for tensor in tensors
+                if not tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter)
+            ]
+        self._tensors = learned
+        self._old: list[torch.Tensor | None] = list(map(_grad, learned))
+        self._held = _any(self._old)  # whether some .grad was set aside
+        if self._held:
+            for tensor, old in zip(learned, self._old):
+                if old is not None:
+                    tensor.grad = None
+        self._hooks = _held_hooks(learned)
 
     def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
@@ -75,25 +81,24 @@ class Undo:
         Returns the tensors with post-accumulate-grad hooks that received gradients."""
         hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
         if self._held:
-            tensors = [tensor for tensor, _ in self._grads]
-            sums = [held for _, held in self._grads]
-            add_in_order(sums, [tensor.grad for tensor in tensors])
-            for tensor, total in zip(tensors, sums):
+            sums = list(self._old)
+            add_in_order(sums, list(map(_grad, self._tensors)))
+            for tensor, total in zip(self._tensors, sums):
                 tensor.grad = total
         self._forget()
         return hooked
 
     def rollback(self) -> None:
         """Drop the run's work: gradients and the variables without grad as before it."""
-        with torch.no_grad():
-            for tensor, old in self._grads:
-                tensor.grad = old
+        for tensor, old in zip(self._tensors, self._old):
+            tensor.grad = old
+        with no_grad():
             for tensor, value in self._state:
                 tensor.copy_(value)
         self._forget()
 
     def _forget(self) -> None:
-        self._grads, self._state, self._held = [], [], False
+        self._tensors, self._old, self._state, self._held = [], [], [], False
         self._hooks.release()
 
 
@@ -199,9 +204,13 @@ class DirectReplicas:
         are added to the last replica's where it left them, in ``.grad`` (``last + earlier``
         is ``earlier + last`` bit for bit), so that ``.grad`` is set only where the last
         replica has none."""
-        earlier: list[torch.Tensor | None] = [None] * len(self.tensors)
-        for grads in taken:
-            add_in_order(earlier, grads)
+        earlier: list[torch.Tensor | None]
+        if len(taken) == 1:  # two replicas
+            earlier = taken[0]
+        else:
+            earlier = [None] * len(self.tensors)
+            for grads in taken:
+                add_in_order(earlier, grads)
         targets, sources = [], []
         for tensor, total in zip(self.tensors, earlier):
             if total is None:
@@ -215,7 +224,7 @@ class DirectReplicas:
                 targets.append(last)
                 sources.append(total)
         if targets:
-            with torch.no_grad():
+            with no_grad():
                 torch._foreach_add_(targets, sources)
 
     def rollback(self) -> None:

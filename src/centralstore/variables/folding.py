@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
+from .._autograd import no_grad
 from .buckets import GradientBuckets
 from .views import View
 
@@ -87,7 +88,9 @@ def add_in_order(
         else:
             targets.append(held)
             sources.append(grad)
-    with torch.no_grad():
+    if not (targets or fresh):
+        return
+    with no_grad():
         if targets:
             torch._foreach_add_(targets, sources)
         if fresh:

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _context
 from .._aggregation import VariableAggregation, VariableSynchronization
+from .._autograd import no_grad
 from .._placement import Placement
 from . import folding, steps, unscoped
 from .buckets import GradientBuckets
@@ -355,7 +356,7 @@ class VariableStore:
                 hook.fold(discard)
         received: list[torch.Tensor] = []
         if self.pending:
-            with torch.no_grad():
+            with no_grad():
                 received += folding.fold_gradients(self.pending)
             self.pending.clear()
         run = self.run  # what it did to the variables themselves: before the views' work
@@ -370,7 +371,7 @@ class VariableStore:
                     replica.unseen.clear()
                 folding.discard(touched)
             else:
-                with torch.no_grad():
+                with no_grad():
                     for views in touched:
                         received += folding.fold_gradients(views)
                     folding.apply_writes(
