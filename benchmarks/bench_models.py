@@ -20,8 +20,10 @@ and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, 
 ``halves / whole`` is what smaller batches cost by themselves: the part of the demo's gap to
 one device that is not centralstore.
 
-The order of the configurations alternates between rounds; each round takes one untimed step
-per configuration, then times ``--steps`` steps; the table gives medians over rounds. The
+The configurations take turns step by step, each step timed alone, in an order reversed every
+round; the table gives each configuration's median over its ``--rounds`` x ``--steps`` steps.
+(Timing each configuration's steps in a block of its own, as an earlier version did, let the
+shared machine's drift between blocks move a ratio by 5-10% from run to run.) The
 warm-up tail column is the median of each configuration's first 50 steps after it is built
 (the first, compiling one, included) over its steady median. The machine is shared, so only
 ratios within one run mean anything. One intra-op thread by default (``--threads``): with two
@@ -30,7 +32,7 @@ long (200 ms instead of 20) and vary by as much from round to round. Times are t
 CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
 more runnable threads than cores, wall-clock time measures the neighbours.
 
-    python benchmarks/bench_models.py [--rounds 5] [--steps 10] [--sizes 4]
+    python benchmarks/bench_models.py [--rounds 5] [--steps 20] [--sizes 4]
         [--compiled-sizes 4] [--models gpt2 bert vit cnn] [--compiled-models gpt2]
         [--threads 1] [--clock cpu]
 
@@ -221,9 +223,10 @@ def measure(
         first[config] = statistics.median(_time(step, 1) for _ in range(FIRST))
     samples: dict[str, list[float]] = {config: [] for config in configs}
     for round_ in range(rounds):
-        for config in configs if round_ % 2 == 0 else reversed(configs):
-            made[config]()  # untimed: the first step after a switch pays for it
-            samples[config].append(_time(made[config], steps))
+        order = configs if round_ % 2 == 0 else tuple(reversed(configs))
+        for _ in range(steps):  # step by step: a drift in the machine's load hits all alike
+            for config in order:
+                samples[config].append(_time(made[config], 1))
     steady = {config: statistics.median(v) for config, v in samples.items()}
     return {config: (steady[config], first[config] / steady[config]) for config in configs}
 
@@ -239,7 +242,7 @@ RATIOS = {  # the ratio's row, its baseline, its target
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
     parser.add_argument("--sizes", type=int, nargs="*", default=[4],
                         help="examples per replica, eager")
     parser.add_argument("--compiled-sizes", type=int, nargs="*", default=[4],
