@@ -73,6 +73,31 @@ def test_select_returns_a_tree_without_per_replica_unchanged() -> None:
     assert _values.select((), 3) == ()
 
 
+def test_split_flat_gives_each_replica_its_components_in_one_pass() -> None:
+    x, t = torch.zeros(2), torch.ones(1)
+    parts = _values.split_flat((cs.PerReplica([x, t]), t), {}, 2)
+    assert parts is not None
+    assert [len(args) for args, _ in parts] == [2, 2]
+    assert parts[0][0][0] is x and parts[1][0][0] is t and parts[1][0][1] is t
+    plain = (t, x)
+    assert _values.split_flat(plain, {}, 3) == [(plain, {})] * 3
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((cs.PerReplica([1, 2, 3]),), {}),  # a wrong count: the general walk's check names it
+        (([cs.PerReplica([1, 2])],), {}),  # nested
+        ((cs.PerReplica([1, 2]), 3.0), {}),  # a leaf that is not a tensor
+        ((), {"x": cs.PerReplica([1, 2])}),  # keyword arguments
+    ],
+)
+def test_split_flat_leaves_everything_else_to_the_general_walk(
+    args: tuple[object, ...], kwargs: dict[str, object]
+) -> None:
+    assert _values.split_flat(args, kwargs, 2) is None
+
+
 def test_regroup_keeps_replica_zeros_structure_and_wraps_differing_leaves() -> None:
     Point = namedtuple("Point", "x y")
     shared = torch.zeros(1)
