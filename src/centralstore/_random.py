@@ -73,7 +73,7 @@ class ReplicaRandomness:
     def begin(self) -> Streams:
         """A run begins: one draw from the global CPU generator seeds its replicas' streams,
         whatever happens in the run, so that every path agrees."""
-        self._buffer.random_(generator=torch.default_generator)
+        self._buffer.random_()  # the global CPU generator (a keyword costs 0.3 us)
         return Streams(int(self._array), self._ids, self._generators)
 
 
