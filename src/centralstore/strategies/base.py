@@ -199,7 +199,8 @@ class Strategy(abc.ABC):
             run = store.open_run()
             randomness = self._randomness
             streams = None if randomness is None else randomness.begin()
-            environment = _replicas.Environment(self._distinct_gpus)
+            # what replica threads re-establish (one replica never leaves the calling thread)
+            environment = _replicas.Environment(self._distinct_gpus) if local > 1 else None
 
             def body(state: _replicas.RunState, replica: int) -> None:
                 self._run_replica(
@@ -263,7 +264,7 @@ class Strategy(abc.ABC):
         fn: Callable[..., Any],
         args: Sequence[Any],
         kwargs: dict[str, Any],
-        environment: _replicas.Environment,
+        environment: _replicas.Environment | None,
     ) -> None:
         """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context."""
         on_thread = replica > 0 and state.threaded
@@ -275,7 +276,7 @@ class Strategy(abc.ABC):
             streams.enter(replica)
         try:
             with (
-                environment.applied() if on_thread else _NOTHING,
+                environment.applied() if on_thread and environment is not None else _NOTHING,
                 self._device_guard(replica),
                 run.replica(replica),
             ):

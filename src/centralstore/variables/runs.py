@@ -172,6 +172,9 @@ class OwnRun(Run):
         self._store = store
         self._undo = Undo(store.live())
 
+    def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
+        return _NOTHING  # nothing to do on entry or exit: the variables are the replica's own
+
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
         try:
