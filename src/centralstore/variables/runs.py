@@ -218,15 +218,11 @@ class DirectRun(Run):
 
     def leave(self, replica: int, finished: bool) -> None:
         if finished:
-            shared = self._shared
-            _check_shared(self._store, shared, replica)
-            if replica < len(self._store.replicas) - 1:  # the last one's stay for commit
-                shared.take_gradients(replica)
+            _finish_shared(self._store, self._shared, replica)
 
     def suspend(self, replica: int) -> None:
         self._kept[replica] = keep_replaced(self._slots)
-        _check_shared(self._store, self._shared, replica)
-        self._shared.park(replica)
+        _park_shared(self._store, self._shared, replica)
 
     def resume(self, replica: int) -> None:
         self._shared.unpark(replica)
@@ -253,6 +249,21 @@ def _check_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
     if written is not None:
         record = store.records[id(written)]
         raise_shared_write(replica, record.owners[0][1], written)
+
+
+def _finish_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
+    """Replica ``replica``, which used ``shared`` directly, returned: its writes are checked
+    and its gradients kept for the sync point (the last replica's stay in ``.grad``)."""
+    _check_shared(store, shared, replica)
+    if replica < len(store.replicas) - 1:
+        shared.take_gradients(replica)
+
+
+def _park_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
+    """Replica ``replica``, which used ``shared`` directly, waits in a rendezvous: its writes
+    are checked and its gradients parked until it runs on."""
+    _check_shared(store, shared, replica)
+    shared.park(replica)
 
 
 @final
@@ -315,9 +326,7 @@ class ReplicasRun(Run):
         finally:
             shared = self._shared
             if finished and shared is not None and self._direct(replica):
-                _check_shared(self._store, shared, replica)
-                if replica < len(self._store.replicas) - 1:  # the last one's stay for commit
-                    shared.take_gradients(replica)
+                _finish_shared(self._store, shared, replica)
 
     def suspend(self, replica: int) -> None:
         filled, self._filled = self._filled, None
@@ -326,8 +335,7 @@ class ReplicasRun(Run):
         self._kept[replica] = keep_replaced(self._plan.slots)
         shared = self._shared
         if shared is not None and self._direct(replica):
-            _check_shared(self._store, shared, replica)
-            shared.park(replica)
+            _park_shared(self._store, shared, replica)
 
     def resume(self, replica: int) -> None:
         shared = self._shared
