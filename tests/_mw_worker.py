@@ -268,8 +268,12 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
     after = strategy.traffic
     results["step_traffic"] = {k: after[k] - before[k] for k in after}
     results["started_in_backward"] = started
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    count = strategy.traffic["collectives"]
+    optimizer.step()  # nothing pending from a backward after run: no collective
+    results["step_collectives"] = strategy.traffic["collectives"] - count
     parameter = weakref.ref(next(model.parameters()))  # the exchange keeps no model alive
-    del model, step
+    del model, step, optimizer
     gc.collect()
     results["freed"] = parameter() is None
     return results
@@ -317,6 +321,32 @@ def errors_scenario() -> dict[str, Any]:
     after = [model.weight.grad, model.weight, counter]
     out["discarded"] = all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     out.update(failure_mid_backward(rank))
+    out.update(backward_on_one_worker(rank))
+    return out
+
+
+def backward_on_one_worker(rank: int) -> dict[str, Any]:
+    """Only worker 0 backs through the reduced loss after run: it has gradients pending at
+    its optimizer step, worker 1 has none and exchanges nothing there (an optimizer step
+    without gradients pending makes no collective), then reduces; both raise, out of step."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=20)
+    with strategy.scope():
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = strategy.reduce("SUM", strategy.run(lambda x: model(x).sum(), args=(torch.ones(3, 2),)),
+                           axis=None)
+    out: dict[str, Any] = {}
+    try:
+        if rank == 0:
+            loss.backward()
+        optimizer.step()
+        strategy.reduce("SUM", torch.ones(1), axis=None)
+    except RuntimeError as error:
+        out["lopsided"] = str(error)
+    else:
+        out["lopsided"] = "no error"
     return out
 
 

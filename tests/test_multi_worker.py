@@ -122,6 +122,7 @@ def check_traffic(results: list[dict[str, Any]]) -> None:
         assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 6 * 8 + 4 * parameters}
         *earlier, last = result["started_in_backward"]
         assert last == 3 and all(n == 0 for n in earlier), result["started_in_backward"]
+        assert result["step_collectives"] == 0, result  # the step after run: none
         assert result["freed"]  # and the exchange holds central variables weakly
 
 
@@ -197,6 +198,13 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
     assert results[0]["mid_backward"].startswith("RuntimeError: strategy.run failed on worker")
     assert [r["mid_backward_started"] for r in results] == [[3], [1]]
     assert all(r["mid_backward_discarded"] for r in results), results
+    # a backward after run on worker 0 alone: worker 0 raises at its optimizer step, worker 1
+    # (which had nothing to exchange there) at its next collective, both naming the cause
+    for result in results:
+        assert result["lopsided"].startswith("The workers are out of step"), result
+        assert "worker 0 in optimizer.step() with gradients pending" in result["lopsided"]
+        assert "worker 1 in reduce" in result["lopsided"], result
+        assert "A backward after run must happen on every worker" in result["lopsided"]
 
 
 def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Path) -> None:

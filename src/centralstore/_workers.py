@@ -70,6 +70,11 @@ class Workers(abc.ABC):
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
 
+    def sync_step(self, store: VariableStore) -> None:
+        """The sync point of an optimizer step over ``store``'s variables: what gradients a
+        backward after ``run`` left (``store.pending``) is folded in, over every worker."""
+        self.sync(store, None)
+
     @abc.abstractmethod
     def describe(self) -> str:
         """Extra text for the strategy's ``repr``."""

@@ -53,12 +53,14 @@ class Kind(enum.IntEnum):
     SYNC = 3
     REDUCE = 4
     GATHER = 5
+    STEP = 6
 
 
 _KIND_NAMES = {
     Kind.CONSTRUCTION: "the strategy's construction",
     Kind.BROADCAST: "the broadcast of new central variables (scope exit or run start)",
-    Kind.SYNC: "a sync point (end of run, merge_call or optimizer.step)",
+    Kind.SYNC: "a sync point (end of run or merge_call)",
+    Kind.STEP: "optimizer.step() with gradients pending from a backward after run",
     Kind.REDUCE: "reduce / all_reduce",
     Kind.GATHER: "gather / all_gather",
 }
@@ -263,10 +265,17 @@ class Collectives(Workers):
                 for rank, k in enumerate(kinds)
             )
             self.mark_broken(f"the workers were out of step ({where})")
+            hint = (
+                " A backward after run must happen on every worker or on none (a loss reduced "
+                "with strategy.reduce has the same value on every worker), since a worker "
+                "without gradients pending at optimizer.step() does not exchange; or call "
+                "backward inside run."
+                if Kind.STEP in kinds else ""
+            )
             raise RuntimeError(
                 f"The workers are out of step: {where}. Every worker must make the same "
                 "strategy calls (scope, run, reduce, gather, merge_call, optimizer.step) in "
-                "the same order, on central variables created the same way."
+                f"the same order, on central variables created the same way.{hint}"
             )
         return table
 

@@ -31,11 +31,14 @@ values its replicas' writes replaced, and raises: the run is discarded everywher
 Gradients that arrive outside ``run`` (a backward on a reduced loss) wait in
 ``store.pending`` until the next sync point, usually ``optimizer.step()``, and are exchanged
 there. Every worker reaches the same collectives in the same order, even one whose replicas
-produced nothing.
+produced nothing. The one exception is an optimizer step with nothing pending: since a
+backward after ``run`` happens on every worker or on none, such a step makes no collective
+at all (``ProcessGroup.sync_step``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import torch
@@ -165,25 +168,43 @@ class ProcessGroup(Collectives):
             early.gradient_accumulated(view)
 
     def sync(self, store: VariableStore, error: BaseException | None) -> None:
+        self._sync(store, error, Kind.SYNC)
+
+    def sync_step(self, store: VariableStore) -> None:
+        """An optimizer step's sync point. The only gradients it can find are those of a
+        backward after ``run`` (``store.pending``), and such a backward happens on every
+        worker or on none (it goes through a loss reduced over every worker, whose value is
+        the same everywhere). So a worker with none pending folds locally and exchanges
+        nothing, not even an agreement: a training step makes one cross-worker rendezvous,
+        at the end of ``run``, as DDP's makes one at the end of backward. A worker with
+        gradients pending agrees with the others on an optimizer step of their own; when
+        they had none and went on, the kinds of the agreement differ and every worker
+        raises (``Collectives.agree``)."""
+        if not store.pending:
+            store.fold()
+            return
+        self._sync(store, None, Kind.STEP)
+
+    def _sync(self, store: VariableStore, error: BaseException | None, kind: Kind) -> None:
         layout = _Layout(store, self._layout, self.bucket_bytes)
         self._layout = layout
         early, self._early = self._early, None
         try:
-            table = sync_across(self, store, layout, early, error)
-            self._follow(layout, table, early)
+            flags = sync_across(self, store, layout, early, error, kind)
+            self._follow(layout, flags, early)
         finally:
             layout.forget_tensors()
         if store.in_run:  # a merge_call's sync point: the rest of the run may start early too
             self._arm(store)
 
     def _follow(
-        self, layout: _Layout, table: torch.Tensor, early: EarlyExchange | None
+        self, layout: _Layout, flags: Sequence[int], early: EarlyExchange | None
     ) -> None:
-        """After a sync point every worker passed (the same ``table`` everywhere): the plan
-        of the agreed layout, and how its early exchange fared."""
+        """After a sync point every worker passed (the same agreement ``flags``, one per
+        worker, everywhere): the plan of the agreed layout, and how its early exchange
+        fared."""
         if self.gradient_group is None or not layout.trainable:
             return
-        flags = table[:, 5].tolist()
         if early is not None and any(f & STARTED for f in flags):
             early.plan.strike(not all(f & VALID for f in flags))
         plan = self._plan
@@ -203,11 +224,13 @@ def sync_across(
     layout: _Layout,
     early: EarlyExchange | None,
     run_error: BaseException | None,
-) -> torch.Tensor:
+    kind: Kind = Kind.SYNC,
+) -> Sequence[int]:
     """The sync point of ``store`` (its variables: ``layout``) across ``workers``
     (``early``: the run's buckets that may have left already; ``run_error``: this worker's
-    ``run`` failed; the workers still agree, then every worker discards the run and raises).
-    Returns the agreement's table."""
+    ``run`` failed; the workers still agree, then every worker discards the run and raises;
+    ``kind``: the agreement's, ``Kind.STEP`` for an optimizer step's). Returns every
+    worker's agreement flags."""
     writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
@@ -234,10 +257,11 @@ def sync_across(
                 early.start_rest(fresh if fits else None)  # travels during the agreement
             flags = ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
         table = workers.agree(
-            Kind.SYNC, layout.signature, state, len(writes), flags,
+            kind, layout.signature, state, len(writes), flags,
             failed=run_error is not None,
         )
-        if len(set(table[:, 2].tolist())) > 1:
+        _, failures, signatures, states, counts, all_flags = zip(*table.tolist())
+        if len(set(signatures)) > 1:
             workers.mark_broken("the workers' central variables differ")
             raise RuntimeError(
                 "The workers' central variables differ (number, shapes, dtypes, "
@@ -245,7 +269,6 @@ def sync_across(
                 "Build the same model on every worker, inside strategy.scope(), in the same "
                 "order."
             )
-        all_flags = table[:, 5].tolist()
         if len({f & ARMED for f in all_flags}) > 1:  # cannot happen while workers are in step
             workers.mark_broken("the workers disagree on the early gradient exchange")
             raise RuntimeError(
@@ -259,7 +282,7 @@ def sync_across(
     except BaseException:
         _restore(trainable, stash, fresh)
         raise
-    if table[:, 1].any():  # the run failed somewhere: discarded on every worker
+    if any(failures):  # the run failed somewhere: discarded on every worker
         _restore(trainable, stash, [None] * len(trainable))
         with torch.no_grad():
             for i, value in before.items():
@@ -267,25 +290,24 @@ def sync_across(
         if early is not None and started:
             early.wait()  # every bucket is done before the next collective
         workers.raise_failures(table, "strategy.run", run_error)
-    states, counts = table[:, 3].tolist(), table[:, 4].tolist()
     if not any(counts) and all(s == NONE for s in states):
         if early is not None and started:
             early.wait()
         _restore(trainable, stash, fresh)
-        return table
+        return all_flags
     if not any(counts) and all(s == ALL for s in states):
         has_grad, writers, assigned = [True] * len(trainable), None, None
     else:
         has_grad, writers, assigned = _flags(workers, layout, fresh, writes)
     if early is not None and started and all(f & VALID for f in all_flags):
-        _add_exchanged(trainable, stash, early.exchanged(has_grad), has_grad)
+        _add_exchanged(trainable, stash, early.exchanged(has_grad))
     else:
         if early is not None and started:
             early.wait()  # left early but not what the fold produced somewhere: again
         _exchange_gradients(workers, trainable, stash, fresh, has_grad)
     if writers is not None and assigned is not None and writers.any():
         _exchange_writes(workers, layout, before, writers, assigned)
-    return table
+    return all_flags
 
 
 def _flags(
@@ -332,19 +354,18 @@ def _exchange_gradients(
         pieces = torch.split(flat.to(home), [trainable[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces, strict=True):
             exchanged[i] = piece.view(trainable[i].shape)  # a view of the bucket: no copy
-    _add_exchanged(trainable, stash, exchanged, has_grad)
+    _add_exchanged(trainable, stash, exchanged)
 
 
 def _add_exchanged(
-    trainable: list[torch.Tensor], stash: list[Any], exchanged: list[torch.Tensor | None],
-    has_grad: list[bool],
+    trainable: list[torch.Tensor], stash: list[Any], exchanged: list[torch.Tensor | None]
 ) -> None:
-    """``.grad``: the set-aside gradients plus the exchanged sums, in place where they exist
-    (and the set-aside ones alone where no worker had a gradient)."""
+    """``.grad``: the set-aside gradients plus the exchanged sums (None where no worker had
+    a gradient), in place where they exist."""
     sums = list(stash)
-    add_in_order(sums, exchanged)
-    for i, tensor in enumerate(trainable):
-        tensor.grad = sums[i] if has_grad[i] else stash[i]
+    add_in_order(sums, exchanged)  # where no worker had a gradient: the stash alone
+    for tensor, total in zip(trainable, sums):
+        tensor.grad = total
 
 
 def _exchange_writes(

@@ -146,6 +146,10 @@ class MultiWorkerCentralStorageStrategy(Strategy):
     * A backward after ``run`` (on a reduced loss) leaves its gradients pending until the next
       sync point, normally ``optimizer.step()``, where they are exchanged: code that reads
       ``.grad`` in between (``clip_grad_norm_``) must call backward inside ``run`` instead.
+      Such a backward must happen on every worker or on none (a loss reduced over the
+      workers has the same value on each): an optimizer step with nothing pending makes no
+      collective, so that a training step meets the other workers once, at the end of
+      ``run``; a worker whose backward the others did not make raises at its step.
     * ``reduce``, ``gather``, ``all_reduce``, ``all_gather`` and ``merge_call`` span every
       worker (``merge_call``'s function runs once per worker); ``experimental_local_results``
       returns this worker's components. With one local replica, the plain values ``run``

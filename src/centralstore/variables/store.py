@@ -50,6 +50,9 @@ class Exchange(Protocol):
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         """A gradient reached ``view`` outside ``run`` (a backward on a reduced loss)."""
 
+    def sync_step(self, store: VariableStore) -> None:
+        """The sync point of an optimizer step over the variables of ``store``."""
+
     watches_gradients: bool  # whether it wants each view's gradient as it accumulates
 
     def gradient_accumulated(self, store: VariableStore, view: View) -> None:
@@ -342,7 +345,7 @@ class VariableStore:
         """The sync point of an optimizer step over these variables (``steps.py``); the
         strategy calls its workers' sync itself at the end of ``run`` and in ``merge_call``."""
         self.check_unseen()
-        self.exchange.sync(self, None)
+        self.exchange.sync_step(self)
 
     def fold(self, discard: bool = False) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
