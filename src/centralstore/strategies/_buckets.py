@@ -32,6 +32,22 @@ if TYPE_CHECKING:
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
 
 
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A new flat buffer of ``tensors`` one after another, never a view of one of them (the
+    all-reduce writes into it). One C call, as DDP's helpers make: about half the time of
+    ``torch.cat`` of reshaped tensors."""
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).clone()
+    return torch._C._nn.flatten_dense_tensors(list(tensors))
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as the tensors ``like``, one after another, in one C call:
+    about half the time of ``torch.split`` and a ``view`` apiece."""
+    return torch._C._nn.unflatten_dense_tensors(flat, list(like))
+
+
 def bucket_indices(
     tensors: Sequence[torch.Tensor], include: Sequence[bool], first_bytes: int,
     bucket_bytes: int,
@@ -77,8 +93,8 @@ class BucketPlan:
     ``usable`` turns False when early exchanges keep failing their check (``strike``)."""
 
     __slots__ = (
-        "buckets", "devices", "dtypes", "index", "numels", "records", "slots", "strikes",
-        "trainable_flags", "trainable_records", "usable",
+        "buckets", "devices", "dtypes", "index", "numels", "records", "shapes", "slots",
+        "strikes", "trainable_flags", "trainable_records", "usable",
     )
 
     STRIKES = 2  # early exchanges in a row that failed their check before the plan gives up
@@ -103,6 +119,11 @@ class BucketPlan:
         self.numels = [t.numel() for t in trainable]
         self.dtypes = [t.dtype for t in trainable]
         self.devices = [t.device for t in trainable]
+        # per bucket, tensors without storage of its variables' shapes, to ``unflatten`` it
+        self.shapes = [
+            [torch.empty(trainable[j].shape, device="meta") for j in bucket]
+            for bucket in self.buckets
+        ]
         self.usable = True
         self.strikes = 0
 
@@ -203,11 +224,10 @@ class EarlyExchange:
         """The bucket's local sum over the replicas, in replica order, as the fold adds."""
         sources = [s for j in bucket if (s := self._sources[j]) is not None]  # all: complete
         with torch.no_grad():
-            flat = torch.cat([s[0].grad.reshape(-1) for s in sources])
+            firsts = [s[0].grad for s in sources]
+            flat = pack(firsts)
             if len(self._replicas) > 1:
-                plan = self._plan
-                pieces = torch.split(flat, [plan.numels[j] for j in bucket])
-                views = [p.view(plan.slots[j].shape) for p, j in zip(pieces, bucket, strict=True)]
+                views = unflatten(flat, firsts)
                 for r in range(1, len(self._replicas)):
                     torch._foreach_add_(views, [s[r].grad for s in sources])
         return flat
@@ -271,12 +291,11 @@ class EarlyExchange:
         where no worker has a gradient."""
         plan = self._plan
         out: list[torch.Tensor | None] = [None] * len(plan.numels)
-        for bucket, flat in zip(plan.buckets, self.wait(), strict=True):
-            home = plan.devices[bucket[0]]
-            pieces = torch.split(flat.to(home), [plan.numels[j] for j in bucket])
+        for bucket, flat, shapes in zip(plan.buckets, self.wait(), plan.shapes, strict=True):
+            pieces = unflatten(flat.to(plan.devices[bucket[0]]), shapes)
             for j, piece in zip(bucket, pieces, strict=True):
                 if has_grad[j]:
-                    out[j] = piece.view(plan.slots[j].shape)
+                    out[j] = piece
         return out
 
 

@@ -13,6 +13,7 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from .._aggregation import VariableAggregation, sum_in_order, write_term, writte
 from .._autograd import no_grad
 from .buckets import GradientBuckets
 from .views import View
+
+_grad = attrgetter("grad")
 
 
 def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
@@ -104,24 +107,60 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
     ``_foreach_add_`` per round of gradients); returns the central variables that received
     some."""
     received: list[torch.Tensor] = []
-    index: dict[int, int] = {}  # id of a central variable -> its place in ``received``
-    rounds: list[list[torch.Tensor | None]] = []  # round k: each central's k-th gradient
-    borrowed: set[int] = set()  # ids of gradients that are views of a bucket
-    for view in views:
+    grads: list[torch.Tensor] = []
+    for n, view in enumerate(views):
+        if view.pending or view.alias is not None:  # several gradients per view: in rounds
+            return _fold_rounds(views[n:], received, [[g] for g in grads])
         tensor = view.tensor
-        if view.pending or view.alias is not None:
-            grads = gradients_of(view, borrowed)
-            if not grads:
-                continue
-        else:  # the common case, without the loops of gradients_of
-            grad = tensor.grad
-            if grad is None:
-                continue
-            tensor.grad = None
-            grads = [grad]
+        grad = tensor.grad
+        if grad is None:
+            continue
         central = view.record.ref()
+        tensor.grad = None
         if central is None:
             continue
+        if grad.device != central.device or grad.dtype != central.dtype:
+            grad = grad.to(central.device, central.dtype)
+        received.append(central)
+        grads.append(grad)
+    if len(set(map(id, received))) < len(received):  # a variable twice (pending views)
+        return _fold_in_rounds(received, [[g] for g in grads], set())
+    sums: list[torch.Tensor | None] = list(map(_grad, received))
+    add_in_order(sums, grads)  # type: ignore[arg-type]
+    for central, total in zip(received, sums):
+        central.grad = total
+    return received
+
+
+def _fold_rounds(
+    views: list[View], centrals: list[torch.Tensor], gradients: list[list[torch.Tensor]]
+) -> list[torch.Tensor]:
+    """``fold_gradients`` of views that may hold several gradients each (copies from a GPU,
+    a routed copy and its shared view), after ``centrals`` and their ``gradients``, taken
+    off the views before them."""
+    borrowed: set[int] = set()  # ids of gradients that are views of a bucket
+    for view in views:
+        grads = gradients_of(view, borrowed)
+        central = view.record.ref()
+        if grads and central is not None:
+            centrals.append(central)
+            gradients.append([
+                g if g.device == central.device and g.dtype == central.dtype
+                else g.to(central.device, central.dtype)
+                for g in grads
+            ])
+    return _fold_in_rounds(centrals, gradients, borrowed)
+
+
+def _fold_in_rounds(
+    centrals: list[torch.Tensor], gradients: list[list[torch.Tensor]], borrowed: set[int]
+) -> list[torch.Tensor]:
+    """Add ``gradients[i]`` (in order) to ``centrals[i].grad``, where a variable may come
+    several times: round k adds each variable's k-th gradient, one ``_foreach_add_``."""
+    received: list[torch.Tensor] = []
+    index: dict[int, int] = {}  # id of a central variable -> its place in ``received``
+    rounds: list[list[torch.Tensor | None]] = []  # round k: each central's k-th gradient
+    for central, grads in zip(centrals, gradients):
         i = index.get(id(central))
         if i is None:
             i = index[id(central)] = len(received)
@@ -130,8 +169,6 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
                 earlier.append(None)
         start = next((k for k, grads_k in enumerate(rounds) if grads_k[i] is None), len(rounds))
         for k, grad in enumerate(grads, start):
-            if grad.device != central.device or grad.dtype != central.dtype:
-                grad = grad.to(central.device, central.dtype)
             if k == len(rounds):
                 rounds.append([None] * len(received))
             rounds[k][i] = grad
