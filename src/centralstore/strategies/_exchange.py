@@ -39,6 +39,8 @@ at all (``ProcessGroup.sync_step``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import attrgetter, call, is_, is_not
 from typing import TYPE_CHECKING, Any, final
 
 import torch
@@ -58,6 +60,10 @@ if TYPE_CHECKING:
     from ..variables.records import Central
     from ..variables.store import VariableStore
     from ..variables.views import View
+
+_grad = attrgetter("grad")
+_ref = attrgetter("ref")
+_requires_grad = attrgetter("requires_grad")
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
@@ -79,13 +85,14 @@ class _Layout:
         self, store: VariableStore, previous: _Layout | None, bucket_bytes: int
     ) -> None:
         records = list(store.records.values())
-        tensors = [r.ref() for r in records]
-        if any(t is None for t in tensors):  # dying right now: leave them out
+        tensors = list(map(call, map(_ref, records)))  # passes in C: one per sync point
+        if any(map(is_, tensors, repeat(None))):  # dying right now: leave them out
             records = [r for r, t in zip(records, tensors, strict=True) if t is not None]
+            tensors = [t for t in tensors if t is not None]
         self.records: list[Central] = records
-        self.tensors: list[torch.Tensor] = [t for t in tensors if t is not None]
-        self.trainable_flags = [t.requires_grad for t in self.tensors]
-        self.trainable = [t for t, flag in zip(self.tensors, self.trainable_flags) if flag]
+        self.tensors: list[torch.Tensor] = tensors
+        self.trainable_flags = list(map(_requires_grad, tensors))
+        self.trainable = list(compress(tensors, self.trainable_flags))
         self.signature: int
         if (
             previous is not None
@@ -234,17 +241,18 @@ def sync_across(
     writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
-    stash = [t.grad for t in trainable]
-    for t in trainable:
-        t.grad = None
+    stash = list(map(_grad, trainable))
+    if any(map(is_not, stash, repeat(None))):
+        for t in trainable:
+            t.grad = None
     valid = early is None or (not (early.early and store.pending) and early.check_sources())
     try:
         store.fold(discard=run_error is not None)
     except BaseException:
         _restore(trainable, stash, [t.grad for t in trainable])
         raise
-    fresh = [t.grad for t in trainable]
-    have = sum(g is not None for g in fresh)
+    fresh = list(map(_grad, trainable))
+    have = sum(map(is_not, fresh, repeat(None)))
     state = NONE if not have else ALL if have == len(fresh) else 1
     flags = 0
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
