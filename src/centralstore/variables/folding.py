@@ -13,7 +13,8 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from .buckets import GradientBuckets
 from .views import View
 
 _grad = attrgetter("grad")
+_hooks = attrgetter("_post_accumulate_grad_hooks")
 
 
 def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
@@ -77,6 +79,9 @@ def add_in_order(
     (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. A sum whose
     id is in ``borrowed`` (a view of a gradient bucket) is not written: it is replaced by a
     new one (one ``_foreach_add``), whose values are the same as the in-place sum's."""
+    if not any(map(is_not, sums, repeat(None))):  # nothing held: the gradients are the sums
+        sums[:] = grads
+        return
     targets, sources, fresh = [], [], []
     for i, grad in enumerate(grads):
         if grad is None:
@@ -102,10 +107,10 @@ def add_in_order(
                 sums[i] = total
 
 
-def fold_gradients(views: list[View]) -> list[torch.Tensor]:
+def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tensor]:
     """Add the views' gradients to their central ``.grad`` (in place where it exists: one
     ``_foreach_add_`` per round of gradients); returns the central variables that received
-    some."""
+    some. ``distinct``: the views are of different variables (one replica's)."""
     received: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for n, view in enumerate(views):
@@ -119,11 +124,12 @@ def fold_gradients(views: list[View]) -> list[torch.Tensor]:
         tensor.grad = None
         if central is None:
             continue
-        if grad.device != central.device or grad.dtype != central.dtype:
+        # (a shared view has its variable's storage, so its device and dtype)
+        if view.private and (grad.device != central.device or grad.dtype != central.dtype):
             grad = grad.to(central.device, central.dtype)
         received.append(central)
         grads.append(grad)
-    if len(set(map(id, received))) < len(received):  # a variable twice (pending views)
+    if not distinct and len(set(map(id, received))) < len(received):  # one variable twice
         return _fold_in_rounds(received, [[g] for g in grads], set())
     sums: list[torch.Tensor | None] = list(map(_grad, received))
     add_in_order(sums, grads)  # type: ignore[arg-type]
@@ -212,6 +218,8 @@ def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
     """Call the post-accumulate-grad hooks of the central variables whose ``.grad`` a sync
     point has just accumulated into, once each, in cross-replica context (an optimizer step
     in such a hook updates the variable once, with the replicas' summed gradient)."""
+    if not any(map(_hooks, tensors)):  # the usual case, one pass in C
+        return
     seen: set[int] = set()
     for tensor in tensors:
         hooks = tensor._post_accumulate_grad_hooks

@@ -376,7 +376,7 @@ class VariableStore:
             else:
                 with no_grad():
                     for views in touched:
-                        received += folding.fold_gradients(views)
+                        received += folding.fold_gradients(views, distinct=True)
                     folding.apply_writes(
                         touched, self.placement.num_replicas, self.placement.replica_offset
                     )
