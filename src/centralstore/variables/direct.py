@@ -19,6 +19,7 @@ keep their views.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from itertools import repeat
 from operator import attrgetter, is_not
@@ -43,6 +44,12 @@ _grad = attrgetter("grad")
 _version = attrgetter("_version")
 _hooks = attrgetter("_post_accumulate_grad_hooks")
 _requires_grad = attrgetter("requires_grad")
+
+
+def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
+    """``tensor.grad = grad`` for each pair, the loop in C (a map consumed by a zero-length
+    deque). Torch's setter costs most of the time; the loop costs nothing."""
+    deque(map(setattr, tensors, repeat("grad"), grads), maxlen=0)
 
 
 def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
@@ -70,9 +77,7 @@ class Undo:
         self._old: list[torch.Tensor | None] = list(map(_grad, learned))
         self._held = _any(self._old)  # whether some .grad was set aside
         if self._held:
-            for tensor, old in zip(learned, self._old):
-                if old is not None:
-                    tensor.grad = None
+            set_grads(learned, repeat(None))
         self._hooks = _held_hooks(learned)
 
     def commit(self) -> list[torch.Tensor]:
@@ -83,15 +88,13 @@ class Undo:
         if self._held:
             sums = list(self._old)
             add_in_order(sums, list(map(_grad, self._tensors)))
-            for tensor, total in zip(self._tensors, sums):
-                tensor.grad = total
+            set_grads(self._tensors, sums)
         self._forget()
         return hooked
 
     def rollback(self) -> None:
         """Drop the run's work: gradients and the variables without grad as before it."""
-        for tensor, old in zip(self._tensors, self._old):
-            tensor.grad = old
+        set_grads(self._tensors, self._old)
         with no_grad():
             for tensor, value in self._state:
                 tensor.copy_(value)
@@ -139,9 +142,7 @@ class DirectReplicas:
         self._old: list[torch.Tensor | None] = list(map(_grad, tensors))
         self._held = _any(self._old)  # whether some gradient was set aside
         if self._held:
-            for tensor, old in zip(tensors, self._old):
-                if old is not None:
-                    tensor.grad = None
+            set_grads(tensors, repeat(None))
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
         self._hooks = _held_hooks(tensors)
@@ -159,8 +160,7 @@ class DirectReplicas:
         grads = list(map(_grad, self.tensors))
         if not _any(grads):
             return None
-        for tensor in self.tensors:
-            tensor.grad = None
+        set_grads(self.tensors, repeat(None))
         return grads
 
     def take_gradients(self, replica: int) -> None:
@@ -176,8 +176,7 @@ class DirectReplicas:
         """Replica ``replica`` runs on: its own gradients are back in ``.grad``."""
         grads = self._grads.pop(replica, None)
         if grads is not None:
-            for tensor, grad in zip(self.tensors, grads):
-                tensor.grad = grad
+            set_grads(self.tensors, grads)
 
     def commit(self) -> list[torch.Tensor]:
         """Each replica's gradients, in replica order, added to the set-aside ones (in
@@ -191,8 +190,7 @@ class DirectReplicas:
             # the last replica's too (and a backward's since it finished), read in place
             for grads in [*taken, list(map(_grad, self.tensors))]:
                 add_in_order(sums, grads)
-            for tensor, total in zip(self.tensors, sums):
-                tensor.grad = total
+            set_grads(self.tensors, sums)
         elif taken:
             self._add_to_last(taken)
         hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
@@ -231,8 +229,7 @@ class DirectReplicas:
         """The run failed: ``.grad`` as before it."""
         if not self._open:
             return
-        for tensor, old in zip(self.tensors, self._old):
-            tensor.grad = old
+        set_grads(self.tensors, self._old)
         self._forget()
 
     def _forget(self) -> None:

@@ -13,9 +13,9 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, count, repeat
 from operator import attrgetter, is_not
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -83,9 +83,8 @@ def add_in_order(
         sums[:] = grads
         return
     targets, sources, fresh = [], [], []
-    for i, grad in enumerate(grads):
-        if grad is None:
-            continue
+    for i in compress(count(), map(is_not, grads, repeat(None))):  # skipping Nones in C
+        grad = cast(torch.Tensor, grads[i])
         held = sums[i]
         if held is None:
             sums[i] = grad
