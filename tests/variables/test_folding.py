@@ -15,7 +15,11 @@ from replicas import context, replica_id, strategy_of
 from torch import nn
 
 import centralstore as cs
+from centralstore._aggregation import VariableAggregation
+from centralstore.variables.folding import add_in_order, fold_gradients
+from centralstore.variables.records import Central
 from centralstore.variables.runs import OwnRun
+from centralstore.variables.views import View
 
 
 class Failure(Exception):
@@ -220,8 +224,6 @@ def test_a_sparse_gradient_is_not_copied_early_but_left_for_the_fold() -> None:
 
 
 def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradients() -> None:
-    from centralstore.variables.folding import add_in_order
-
     held = torch.ones(3)
     grad = torch.full((3,), 2.0)
     sums: list[torch.Tensor | None] = [held, None, None, torch.ones(2)]
@@ -235,12 +237,8 @@ def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradien
     assert empty[0] is None and empty[1] is grad
 
 
-def _views(*specs: tuple[torch.Tensor, torch.Tensor | None]) -> list[object]:
+def _views(*specs: tuple[torch.Tensor, torch.Tensor | None]) -> list[View]:
     """A View per (central, gradient on the view), sharing the central's storage."""
-    from centralstore._aggregation import VariableAggregation
-    from centralstore.variables.records import Central
-    from centralstore.variables.views import View
-
     views = []
     for central, grad in specs:
         record = Central(id(central), weakref.ref(central), VariableAggregation.NONE, False)
@@ -251,34 +249,30 @@ def _views(*specs: tuple[torch.Tensor, torch.Tensor | None]) -> list[object]:
 
 
 def test_fold_gradients_sums_each_variable_in_view_order_onto_its_grad() -> None:
-    from centralstore.variables.folding import fold_gradients
-
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
     a.grad = torch.ones(2)
     held = a.grad
     g_a, g_b = torch.full((2,), 2.0), torch.full((3,), 5.0)
     views = _views((a, g_a), (b, g_b), (b, None))
-    received = fold_gradients(views, distinct=False)  # type: ignore[arg-type]
+    received = fold_gradients(views, distinct=False)
     assert received == [a, b]
     assert a.grad is held and torch.equal(a.grad, torch.full((2,), 3.0))  # in place
     assert b.grad is g_b
-    assert all(v.tensor.grad is None for v in views)  # type: ignore[attr-defined]
+    assert all(v.tensor.grad is None for v in views)
     # the same variable through two views (a pending list): added in order
     c = nn.Parameter(torch.zeros(2))
     first, second = torch.ones(2), torch.full((2,), 4.0)
-    assert fold_gradients(_views((c, first), (c, second))) == [c]  # type: ignore[arg-type]
+    assert fold_gradients(_views((c, first), (c, second))) == [c]
     assert torch.equal(c.grad, torch.full((2,), 5.0))
 
 
 def test_fold_gradients_of_a_routed_view_after_plain_ones_keeps_the_earlier_gradients() -> None:
-    from centralstore.variables.folding import fold_gradients
-
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     views = _views((a, torch.ones(2)), (b, torch.full((2,), 2.0)))
     routed = views[1]
     private = b.detach().clone().requires_grad_(True)
     private.grad = torch.full((2,), 3.0)  # the routed copy's gradient, and the shared view's
-    routed.alias, routed.tensor = routed.tensor, private  # type: ignore[attr-defined]
-    assert fold_gradients(views) == [a, b]  # type: ignore[arg-type]
+    routed.alias, routed.tensor = routed.tensor, private
+    assert fold_gradients(views) == [a, b]
     assert torch.equal(a.grad, torch.ones(2))
     assert torch.equal(b.grad, torch.full((2,), 5.0))
