@@ -114,9 +114,9 @@ def check_training(results: list[dict[str, Any]], replicas: int) -> None:
 
 def check_traffic(results: list[dict[str, Any]]) -> None:
     """Hierarchical reduction: one training ``run`` sends one agreement row and one gradient
-    per worker (here in 3 buckets of at most 256 bytes), whatever the number of local
-    replicas; the buckets leave during the last local replica's backward, not at the sync
-    point."""
+    per worker (here in 3 buckets, each closed once it holds 64 bytes), whatever the number
+    of local replicas; the buckets leave during the last local replica's backward, not at
+    the sync point."""
     parameters = sum(p.numel() for p in helper.mlp().parameters())
     for result in results:
         assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 6 * 8 + 4 * parameters}

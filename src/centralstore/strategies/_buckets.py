@@ -1,8 +1,9 @@
 """Gradient buckets across workers, started while backward runs (as DDP starts its own).
 
-``BucketPlan`` cuts the trainable central variables into buckets: in reverse registration
-order (backward produces the last layers' gradients first), the first bucket small (DDP's 1 MB)
-so that the first all-reduce starts early, the others ``bucket_bytes``. It is built from a
+``BucketPlan`` cuts the trainable central variables into buckets as DDP does: in reverse
+registration order (backward produces the last layers' gradients first), each bucket closed
+once it holds its size, the first's small (DDP's 1 MB) so that the first all-reduce starts
+early, the others' ``bucket_bytes``. It is built from a
 layout every worker agreed on at a sync point, so every worker holds the same buckets.
 
 ``EarlyExchange`` is one run's use of the plan. Each local replica's view of a variable has
@@ -51,30 +52,34 @@ def bucket_indices(
     tensors: Sequence[torch.Tensor], include: Sequence[bool], first_bytes: int,
     bucket_bytes: int,
 ) -> list[list[int]]:
-    """The indices of the included ``tensors`` in buckets: reverse order, a new bucket where
-    dtype or device changes or the bucket would pass its size (``first_bytes`` for the first,
-    ``bucket_bytes`` after), a tensor larger than that alone.
+    """The indices of the included ``tensors`` in buckets, by DDP's rule: in reverse order,
+    a bucket takes tensors until it holds its size (``first_bytes`` for the first,
+    ``bucket_bytes`` after), the tensor that reaches it included, and a new one starts where
+    dtype or device changes. (Closing a bucket before the tensor that would pass its size
+    instead put a large tensor in the next bucket, with everything after it: an MLP's 4 MB
+    middle layer then waited for the end of backward with the first layer's 3 MB, where DDP
+    sends it while that layer's backward runs.)
 
     >>> ts = [torch.zeros(n) for n in (64, 16, 48, 3)]  # 256, 64, 192 and 12 bytes
     >>> bucket_indices(ts, [True] * 4, 256, 256)
-    [[3, 2], [1], [0]]
+    [[3, 2, 1], [0]]
     >>> bucket_indices(ts, [True, True, False, True], 64, 1024)
-    [[3], [1, 0]]
+    [[3, 1], [0]]
     """
     buckets: list[list[int]] = []
     key: tuple[torch.dtype, torch.device] | None = None
     size = 0
+    full = True  # whether the last bucket holds its size (none yet: a new one starts)
     for i in reversed(range(len(tensors))):
         if not include[i]:
             continue
         tensor = tensors[i]
-        nbytes = tensor.numel() * tensor.element_size()
-        cap = first_bytes if len(buckets) <= 1 else bucket_bytes
-        if not buckets or key != (tensor.dtype, tensor.device) or (size + nbytes > cap and size):
+        if full or key != (tensor.dtype, tensor.device):
             buckets.append([])
             key, size = (tensor.dtype, tensor.device), 0
         buckets[-1].append(i)
-        size += nbytes
+        size += tensor.numel() * tensor.element_size()
+        full = size >= (first_bytes if len(buckets) == 1 else bucket_bytes)
     return buckets
 
 
