@@ -347,3 +347,24 @@ def test_default_compute_devices_share_the_gpus_between_local_processes(
     monkeypatch.setattr(multi_worker._devices, "default_compute_devices", lambda: ("cpu:0",))
     assert multi_worker._local_compute_devices(None) == ("cpu:0",)
     assert multi_worker._local_compute_devices(["CPU:1", "cpu"]) == ("cpu:1", "cpu:0")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gradient_buckets_are_cut_as_ddp_cuts_them(seed: int) -> None:
+    """``bucket_indices`` against DDP's own assignment (``_compute_bucket_assignment_by_size``,
+    which its reducer applies to the gradients in the order they become ready) given the
+    tensors last first: the same buckets, the first capped at its smaller size."""
+    import torch.distributed as dist
+
+    from centralstore.strategies._buckets import bucket_indices
+
+    sizes = torch.randint(1, 5000, (30,), generator=torch.Generator().manual_seed(seed))
+    tensors = [torch.zeros(int(n)) for n in sizes]
+    first, cap = 4096, 20_000
+    ours = bucket_indices(tensors, [True] * len(tensors), first, cap)
+    order = list(reversed(range(len(tensors))))
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [tensors[i] for i in order], [first, cap]
+    )
+    assert ours == [[order[j] for j in bucket] for bucket in theirs]
+    assert len(ours) > 3  # several buckets, so the rule is exercised
