@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 
 from .._aggregation import VariableAggregation, write_term, written_value
+from .._autograd import grad_of, requires_grad_of, set_grads, some
 from ..variables.folding import add_in_order
 from ._buckets import (
     FIRST_BUCKET_BYTES,
@@ -61,9 +62,7 @@ if TYPE_CHECKING:
     from ..variables.store import VariableStore
     from ..variables.views import View
 
-_grad = attrgetter("grad")
 _ref = attrgetter("ref")
-_requires_grad = attrgetter("requires_grad")
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
@@ -91,7 +90,7 @@ class _Layout:
             tensors = [t for t in tensors if t is not None]
         self.records: list[Central] = records
         self.tensors: list[torch.Tensor] = tensors
-        self.trainable_flags = list(map(_requires_grad, tensors))
+        self.trainable_flags = list(map(requires_grad_of, tensors))
         self.trainable = list(compress(tensors, self.trainable_flags))
         self.signature: int
         if (
@@ -129,12 +128,13 @@ def _local_writes(store: VariableStore, layout: _Layout) -> dict[int, tuple[int,
     return writes
 
 
-def _restore(trainable: list[torch.Tensor], stash: list[Any], fresh: list[Any]) -> None:
-    """Put back the set-aside gradients, plus this worker's fresh ones, unexchanged."""
+def _add_back(trainable: list[torch.Tensor], stash: list[Any], added: list[Any]) -> None:
+    """``.grad``: the set-aside gradients plus ``added`` (this worker's fresh ones when the
+    sync point is undone, the exchanged sums when it succeeds; None where there is none), in
+    place where a set-aside one exists."""
     sums = list(stash)
-    add_in_order(sums, fresh)
-    for tensor, total in zip(trainable, sums, strict=True):
-        tensor.grad = total
+    add_in_order(sums, added)
+    set_grads(trainable, sums)
 
 
 @final
@@ -241,17 +241,16 @@ def sync_across(
     writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
-    stash = list(map(_grad, trainable))
-    if any(map(is_not, stash, repeat(None))):
-        for t in trainable:
-            t.grad = None
+    stash = list(map(grad_of, trainable))
+    if some(stash):
+        set_grads(trainable, repeat(None))
     valid = early is None or (not (early.early and store.pending) and early.check_sources())
     try:
         store.fold(discard=run_error is not None)
     except BaseException:
-        _restore(trainable, stash, [t.grad for t in trainable])
+        _add_back(trainable, stash, list(map(grad_of, trainable)))
         raise
-    fresh = list(map(_grad, trainable))
+    fresh = list(map(grad_of, trainable))
     have = sum(map(is_not, fresh, repeat(None)))
     state = NONE if not have else ALL if have == len(fresh) else 1
     flags = 0
@@ -288,10 +287,10 @@ def sync_across(
         if early is not None and started and not early.all_started:
             early.start_rest(fresh if fits else None)  # this worker had nothing: zeros
     except BaseException:
-        _restore(trainable, stash, fresh)
+        _add_back(trainable, stash, fresh)
         raise
     if any(failures):  # the run failed somewhere: discarded on every worker
-        _restore(trainable, stash, [None] * len(trainable))
+        _add_back(trainable, stash, [None] * len(trainable))
         with torch.no_grad():
             for i, value in before.items():
                 layout.tensors[i].copy_(value)
@@ -301,14 +300,14 @@ def sync_across(
     if not any(counts) and all(s == NONE for s in states):
         if early is not None and started:
             early.wait()
-        _restore(trainable, stash, fresh)
+        _add_back(trainable, stash, fresh)
         return all_flags
     if not any(counts) and all(s == ALL for s in states):
         has_grad, writers, assigned = [True] * len(trainable), None, None
     else:
         has_grad, writers, assigned = _flags(workers, layout, fresh, writes)
     if early is not None and started and all(f & VALID for f in all_flags):
-        _add_exchanged(trainable, stash, early.exchanged(has_grad))
+        _add_back(trainable, stash, early.exchanged(has_grad))
     else:
         if early is not None and started:
             early.wait()  # left early but not what the fold produced somewhere: again
@@ -362,18 +361,7 @@ def _exchange_gradients(
         pieces = torch.split(flat.to(home), [trainable[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces, strict=True):
             exchanged[i] = piece.view(trainable[i].shape)  # a view of the bucket: no copy
-    _add_exchanged(trainable, stash, exchanged)
-
-
-def _add_exchanged(
-    trainable: list[torch.Tensor], stash: list[Any], exchanged: list[torch.Tensor | None]
-) -> None:
-    """``.grad``: the set-aside gradients plus the exchanged sums (None where no worker had
-    a gradient), in place where they exist."""
-    sums = list(stash)
-    add_in_order(sums, exchanged)  # where no worker had a gradient: the stash alone
-    for tensor, total in zip(trainable, sums):
-        tensor.grad = total
+    _add_back(trainable, stash, exchanged)
 
 
 def _exchange_writes(

@@ -19,37 +19,19 @@ keep their views.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
 from itertools import repeat
-from operator import attrgetter, is_not
 
 import torch
 
 from .._aggregation import VariableAggregation
-from .._autograd import no_grad
+from .._autograd import grad_of as _grad
+from .._autograd import hooks_of as _hooks
+from .._autograd import no_grad, set_grads
+from .._autograd import requires_grad_of as _requires_grad
+from .._autograd import some as _any
+from .._autograd import version_of as _version
 from .folding import HeldHooks, add_in_order
 from .records import Central
-
-
-def _any(values: Iterable[torch.Tensor | None]) -> bool:
-    """Whether some value is not None, by identity at C speed. (``values.count(None)`` would
-    compare each tensor with ``==``, which costs about 20 us per tensor: torch raises a
-    ``TypeError`` for ``tensor == None`` and turns it into ``NotImplemented``.)"""
-    return any(map(is_not, values, repeat(None)))
-
-
-# Read over every parameter in scope at each run: ``map`` with these loops in C.
-_grad = attrgetter("grad")
-_version = attrgetter("_version")
-_hooks = attrgetter("_post_accumulate_grad_hooks")
-_requires_grad = attrgetter("requires_grad")
-
-
-def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
-    """``tensor.grad = grad`` for each pair, the loop in C (a map consumed by a zero-length
-    deque). Torch's setter costs most of the time; the loop costs nothing."""
-    deque(map(setattr, tensors, repeat("grad"), grads), maxlen=0)
 
 
 def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:

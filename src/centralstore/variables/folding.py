@@ -14,18 +14,15 @@ When the sync point happens is the store's business (``store.py``).
 from __future__ import annotations
 
 from itertools import compress, count, repeat
-from operator import attrgetter, is_not
+from operator import is_not
 from typing import Any, cast
 
 import torch
 
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
-from .._autograd import no_grad
+from .._autograd import grad_of, hooks_of, no_grad, some
 from .buckets import GradientBuckets
 from .views import View
-
-_grad = attrgetter("grad")
-_hooks = attrgetter("_post_accumulate_grad_hooks")
 
 
 def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
@@ -79,7 +76,7 @@ def add_in_order(
     (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. A sum whose
     id is in ``borrowed`` (a view of a gradient bucket) is not written: it is replaced by a
     new one (one ``_foreach_add``), whose values are the same as the in-place sum's."""
-    if not any(map(is_not, sums, repeat(None))):  # nothing held: the gradients are the sums
+    if not some(sums):  # nothing held: the gradients are the sums
         sums[:] = grads
         return
     targets, sources, fresh = [], [], []
@@ -130,7 +127,7 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
         grads.append(grad)
     if not distinct and len(set(map(id, received))) < len(received):  # one variable twice
         return _fold_in_rounds(received, [[g] for g in grads], set())
-    sums: list[torch.Tensor | None] = list(map(_grad, received))
+    sums: list[torch.Tensor | None] = list(map(grad_of, received))
     add_in_order(sums, grads)  # type: ignore[arg-type]
     for central, total in zip(received, sums):
         central.grad = total
@@ -217,7 +214,7 @@ def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
     """Call the post-accumulate-grad hooks of the central variables whose ``.grad`` a sync
     point has just accumulated into, once each, in cross-replica context (an optimizer step
     in such a hook updates the variable once, with the replicas' summed gradient)."""
-    if not any(map(_hooks, tensors)):  # the usual case, one pass in C
+    if not any(map(hooks_of, tensors)):  # the usual case, one pass in C
         return
     seen: set[int] = set()
     for tensor in tensors:
