@@ -102,6 +102,42 @@ def train_bn(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Opt
         optimizer.step()
 
 
+def heads() -> nn.ModuleDict:
+    return nn.ModuleDict({"body": nn.Linear(6, 4), "a": nn.Linear(4, 1), "b": nn.Linear(4, 1)})
+
+
+def optimizer_in_backward(strategy: cs.Strategy) -> dict[str, Any]:
+    """The optimizer-in-backward idiom: an SGD step per parameter in its post-accumulate-grad
+    hook. Replica 0 alone uses head ``a``, so on a job of several workers the others get its
+    gradient only from the exchange; each hook must still fire once per run on every worker,
+    with the sum over all replicas. Returns the final weights and which hooks fired."""
+    torch.manual_seed(300)
+    with strategy.scope():
+        model = heads()
+    names = {p: name for name, p in model.named_parameters()}
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    fired: list[str] = []
+
+    def on_gradient(p: torch.Tensor) -> None:
+        fired.append(names[p])
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(on_gradient)
+
+    def step(x: torch.Tensor) -> None:
+        first = cs.get_replica_context().replica_id_in_sync_group == 0
+        head = model["a"] if first else model["b"]
+        (head(model["body"](x)).pow(2).sum() / 8).backward()
+
+    for seed in range(3):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(400 + seed))
+        for batch in strategy.experimental_distribute_dataset([x]):
+            strategy.run(step, args=(batch,))
+    return {"weights": model.state_dict(), "fired": sorted(fired)}
+
+
 def write_table(strategy: cs.Strategy) -> dict[str, float]:
     """Final values of variables written in run by every aggregation: replica i adds i + 1,
     or assigns it, or (mixed) even replicas assign and odd ones add."""
@@ -249,6 +285,7 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
     train_bn(strategy, model, optimizer)
     results["bn/final"] = model.state_dict()
     results["api"] = api(strategy)
+    results["optimizer in backward"] = optimizer_in_backward(strategy)
     # A fresh strategy, so that no other model's variables (without gradients) take part.
     strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
     with strategy.scope():

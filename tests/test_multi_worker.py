@@ -126,6 +126,19 @@ def check_traffic(results: list[dict[str, Any]]) -> None:
         assert result["freed"]  # and the exchange holds central variables weakly
 
 
+def check_hooks(results: list[dict[str, Any]], replicas: int) -> None:
+    """Post-accumulate-grad hooks fire after the exchange, on every worker for the same
+    parameters, even one whose replicas left it no gradient: an optimizer step in them
+    trains as one process of all the replicas does."""
+    twin = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    expected = helper.optimizer_in_backward(twin)
+    assert expected["fired"].count("a.weight") == 3  # once per run, head a included
+    for rank, result in enumerate(results):
+        got = result["optimizer in backward"]
+        assert got["fired"] == expected["fired"], rank
+        assert_state_close(got["weights"], expected["weights"], f"rank {rank}")
+
+
 def check_api(results: list[dict[str, Any]], workers: int, local: int) -> None:
     """Every cross-worker call matches one process holding all W x R replicas."""
     replicas = workers * local
@@ -156,6 +169,7 @@ def test_two_workers_of_two_replicas_under_torchrun(tmp_path: Path) -> None:
     results = launch(tmp_path, 2, "main", str(tmp_path), "2", "env", torchrun=True)
     check_training(results, replicas=4)
     check_api(results, workers=2, local=2)
+    check_hooks(results, replicas=4)
     check_traffic(results)
     assert results[1]["repr"] == (
         "MultiWorkerCentralStorageStrategy(compute_devices=['cpu:0', 'cpu:1'], "
@@ -167,6 +181,7 @@ def test_three_workers_of_one_replica_with_an_explicit_process_group(tmp_path: P
     results = launch(tmp_path, 3, "main", str(tmp_path), "1", "explicit")
     check_training(results, replicas=3)
     check_api(results, workers=3, local=1)
+    check_hooks(results, replicas=3)
     check_traffic(results)
 
 

@@ -16,7 +16,9 @@ At every sync point (the end of ``run``, ``merge_call``, ``optimizer.step()``) e
    reduction);
 5. adds the set-aside ``.grad`` back, and combines the writes by each variable's aggregation
    over the writers of every worker, as one process with all the replicas would
-   (``_aggregation.write_term``).
+   (``_aggregation.write_term``);
+6. calls the post-accumulate-grad hooks of the variables whose ``.grad`` received a sum,
+   on every worker the same ones: they see the sum over the workers, as one process would.
 
 Inside ``run``, step 4 starts early: from the second sync point on, each run's buckets leave
 while its backward still runs, as soon as every local replica's gradients in them are there
@@ -47,7 +49,7 @@ import torch
 
 from .._aggregation import VariableAggregation, write_term, written_value
 from .._autograd import grad_of, requires_grad_of, set_grads, some
-from ..variables.folding import add_in_order
+from ..variables.folding import add_in_order, run_post_accumulate_hooks
 from ._buckets import (
     FIRST_BUCKET_BYTES,
     BucketPlan,
@@ -246,7 +248,7 @@ def sync_across(
         set_grads(trainable, repeat(None))
     valid = early is None or (not (early.early and store.pending) and early.check_sources())
     try:
-        store.fold(discard=run_error is not None)
+        store.fold(discard=run_error is not None, hooks=False)  # hooks: once exchanged
     except BaseException:
         _add_back(trainable, stash, list(map(grad_of, trainable)))
         raise
@@ -314,6 +316,9 @@ def sync_across(
         _exchange_gradients(workers, trainable, stash, fresh, has_grad)
     if writers is not None and assigned is not None and writers.any():
         _exchange_writes(workers, layout, before, writers, assigned)
+    # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
+    # for the same variables: an optimizer step in one keeps the workers' copies equal.
+    run_post_accumulate_hooks(list(compress(trainable, has_grad)))
     return all_flags
 
 

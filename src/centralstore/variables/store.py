@@ -347,11 +347,13 @@ class VariableStore:
         self.check_unseen()
         self.exchange.sync_step(self)
 
-    def fold(self, discard: bool = False) -> None:
+    def fold(self, discard: bool = False, hooks: bool = True) -> list[torch.Tensor]:
         """This process's part of a sync point: fold everything the replicas left since the
         last one into the central variables, in replica order, or drop it (``discard``);
         then the post-accumulate-grad hooks of the variables whose ``.grad`` received some
-        run, once each."""
+        run, once each. Returns those variables; with ``hooks`` False their hooks wait for
+        the caller (a sync point across workers, whose ``.grad`` is complete only once the
+        workers' gradients are exchanged)."""
         for replica in self.replicas:
             replica.wait_for_copies()
         if self.fold_hooks:
@@ -382,8 +384,9 @@ class VariableStore:
                     )
                 folding.finish(touched)
             self._next_epoch()
-        if received:
+        if received and hooks:
             folding.run_post_accumulate_hooks(received)
+        return received
 
     def _next_epoch(self) -> None:
         for views in self.replicas:
