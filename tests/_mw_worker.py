@@ -553,6 +553,65 @@ def restart_scenario(out_dir: str) -> dict[str, Any]:
     return {"final": model.state_dict(), "attempt": attempt, "restored": restored}
 
 
+def patterns_scenario() -> dict[str, Any]:
+    """Every everyday idiom of the parity matrix (``tests/idioms.py``) on the workers' path:
+    each worker's replicas take their slices of the same global batch, 3 optimizer steps."""
+    from idioms import PATTERNS, X, Y, mse_step
+
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    results: dict[str, Any] = {}
+    for name, spec in PATTERNS.items():
+        strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=60)
+        rank, workers = strategy.worker_index, strategy.num_workers
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = spec["make"]()
+            optimizer = spec["optimizer_of"](model)
+        step = spec.get("step_of", mse_step)(model)
+        mine = (X.tensor_split(workers)[rank], Y.tensor_split(workers)[rank])
+        for _ in range(3):
+            for _ in range(spec.get("runs_per_step", 1)):
+                strategy.run(step, args=mine)
+            optimizer.step()
+            spec.get("after_step", lambda m, o: None)(model, optimizer)
+            optimizer.zero_grad()
+        results[name] = model.state_dict()
+    results["rows"] = parity_rows(MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=60))
+    return results
+
+
+def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
+    """Rows of the parity table on the workers' path: ``requires_grad`` read when a run
+    begins, tensor hooks on every replica's gradient, ``inference_mode`` around ``run``."""
+    from idioms import X
+
+    rank, workers = strategy.worker_index, strategy.num_workers
+    mine = X.tensor_split(workers)[rank]
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    out: dict[str, Any] = {}
+
+    def step(x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    model[0].weight.requires_grad_(False)  # frozen: no gradient, nor one exchanged
+    strategy.run(step, args=(mine,))
+    out["frozen"] = [p.grad is not None for p in model.parameters()]
+    model[0].weight.requires_grad_(True)
+    model.zero_grad()
+    seen: list[int] = []
+    model[0].weight.register_hook(lambda g: seen.append(len(g)) or g * 0)  # type: ignore[func-returns-value]
+    strategy.run(step, args=(mine,))
+    out["hooked"] = (len(seen), float(model[0].weight.grad.abs().sum()))  # type: ignore[union-attr]
+    model.eval()
+    with torch.inference_mode():
+        out["inference"] = strategy.run(lambda x: model(x), args=(mine,))
+    out["state"], out["input"] = model.state_dict(), mine
+    return out
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     if scenario == "survivor":
@@ -569,6 +628,8 @@ def main() -> None:
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":
         results = restart_scenario(out_dir)
+    elif scenario == "patterns":
+        results = patterns_scenario()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

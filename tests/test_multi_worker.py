@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import idioms
 import pytest
 import torch
 from torch import nn
@@ -183,6 +184,35 @@ def test_three_workers_of_one_replica_with_an_explicit_process_group(tmp_path: P
     check_api(results, workers=3, local=1)
     check_hooks(results, replicas=3)
     check_traffic(results)
+
+
+def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) -> None:
+    """The parity matrix's idioms (fused optimizers, freezing, accumulation, clipping after
+    run, tied weights, an LSTM, checkpointing, two backwards) on the path every GPU job of
+    several workers takes: views and a gradient exchange."""
+    results = launch(tmp_path, 2, "patterns", str(tmp_path))
+    for name, spec in idioms.PATTERNS.items():
+        torch.manual_seed(0)
+        model = spec["make"]()
+        optimizer = spec["optimizer_of"](model)
+        step = spec.get("step_of", idioms.mse_step)(model)
+        for _ in range(3):
+            for _ in range(spec.get("runs_per_step", 1)):
+                step(idioms.X, idioms.Y)
+            optimizer.step()
+            spec.get("after_step", lambda m, o: None)(model, optimizer)
+            optimizer.zero_grad()
+        for rank, result in enumerate(results):
+            assert_state_close(result[name], model.state_dict(), f"{name}, rank {rank}")
+    for rank, result in enumerate(results):
+        rows = result["rows"]
+        assert rows["frozen"] == [False, True, True, True], rank  # the frozen weight: none
+        assert rows["hooked"] == (1, 0.0), rank  # the hook zeroed this worker's gradient
+        twin = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).eval()
+        twin.load_state_dict(rows["state"])
+        torch.testing.assert_close(rows["inference"], twin(rows["input"]))
+        for key, value in rows["state"].items():  # running statistics combined alike
+            assert torch.equal(value, results[0]["rows"]["state"][key]), (rank, key)
 
 
 def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
