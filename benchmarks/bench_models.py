@@ -25,7 +25,10 @@ round; the table gives each configuration's median over its ``--rounds`` x ``--s
 (Timing each configuration's steps in a block of its own, as an earlier version did, let the
 shared machine's drift between blocks move a ratio by 5-10% from run to run.) The
 warm-up tail column is the median of each configuration's first 50 steps after it is built
-(the first, compiling one, included) over its steady median. The machine is shared, so only
+(the first, compiling one, included; the configurations take turns there too) over its
+steady median, and ``tail / its`` that tail over the tail of the configuration it is
+compared with: the machine and torch warm up plain PyTorch as well (allocator, caches), so
+a tail that centralstore adds shows as ``tail / its`` above 1. The machine is shared, so only
 ratios within one run mean anything. One intra-op thread by default (``--threads``): with two
 on the two shared cores, OpenMP's spinning threads made a GPT-2 tiny step take ten times as
 long (200 ms instead of 20) and vary by as much from round to round. Times are the process's
@@ -218,9 +221,11 @@ def measure(
 ) -> dict[str, tuple[float, float]]:
     """config -> (steady median ms per step, the first 50 steps' median over it)."""
     made = {config: make_step(model_name, config, per_replica, compile_) for config in configs}
-    first: dict[str, float] = {}
-    for config, step in made.items():
-        first[config] = statistics.median(_time(step, 1) for _ in range(FIRST))
+    early: dict[str, list[float]] = {config: [] for config in configs}
+    for i in range(FIRST):  # taking turns too, so that every configuration's tail meets the
+        for config in configs if i % 2 == 0 else tuple(reversed(configs)):  # same machine
+            early[config].append(_time(made[config], 1))
+    first = {config: statistics.median(v) for config, v in early.items()}
     samples: dict[str, list[float]] = {config: [] for config in configs}
     for round_ in range(rounds):
         order = configs if round_ % 2 == 0 else tuple(reversed(configs))
@@ -262,7 +267,7 @@ def main() -> None:
           f"mmap threshold "
           f"{'fixed' if fixed else 'dynamic'}; tail: first {FIRST} steps' median / steady\n")
     print(f"{'model':<6} {'mode':<8} {'P':>2} {'config':<10} {'ms/step':>8} {'ratio':>7} "
-          f"{'against':<10} {'target':>6} {'tail':>6}")
+          f"{'against':<10} {'target':>6} {'tail':>6} {'tail / its':>10}")
     groups: list[tuple[str, str, int, tuple[str, ...]]] = []
     for model_name in options.models:
         for size in options.sizes:
@@ -282,9 +287,10 @@ def main() -> None:
             if against not in results:  # the compiled groups have no eager floor's row
                 against, target = None, None
             ratio = f"{ms / results[against][0]:7.3f}" if against else f"{'':7}"
+            relative = f"{tail / results[against][1]:10.3f}" if against else f"{'':10}"
             goal = f"<={target:.2f}" if target else ""
             print(f"{model_name:<6} {mode:<8} {size:>2} {config:<10} {ms:8.2f} {ratio} "
-                  f"{against or '':<10} {goal:>6} {tail:6.3f}", flush=True)
+                  f"{against or '':<10} {goal:>6} {tail:6.3f} {relative}", flush=True)
 
 
 if __name__ == "__main__":
