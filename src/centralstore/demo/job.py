@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -100,6 +101,46 @@ def steady_samples_per_second(
     median = statistics.median(epoch_seconds[WARM_UP_EPOCHS:])
     per_epoch = samples / len(epoch_seconds)
     return per_epoch / median if median > 0 else float("inf")
+
+
+# A training an epoch at a time: None after each epoch but the last, then the finished run.
+Epochs = Iterator[Run | None]
+
+
+def finish(epochs: Epochs) -> Run:
+    """Every epoch of one training; its run."""
+    for result in epochs:
+        if result is not None:
+            return result
+    raise RuntimeError("The training ended without a run: every training yields its run last.")
+
+
+def interleaved(trainings: Sequence[Epochs]) -> list[Run]:
+    """Several trainings, an epoch of each in turn (the order reversed every other round),
+    until all have ended; their runs, in the order given.
+
+    Timed one after the other, each training would meet the shared machine in another state
+    (its load drifts over seconds), and comparing their speeds would compare those states.
+
+    >>> def counting(name, epochs, log):
+    ...     for epoch in range(epochs):
+    ...         log.append(f"{name}{epoch}")
+    ...         yield None if epoch < epochs - 1 else name
+    >>> log = []
+    >>> interleaved([counting("a", 2, log), counting("b", 3, log)]), log
+    (['a', 'b'], ['a0', 'b0', 'b1', 'a1', 'b2'])
+    """
+    runs: list[Run | None] = [None] * len(trainings)
+    live = list(range(len(trainings)))
+    round_ = 0
+    while live:
+        for i in live if round_ % 2 == 0 else live[::-1]:
+            result = next(trainings[i])
+            if result is not None:
+                runs[i] = result
+        live = [i for i in live if runs[i] is None]
+        round_ += 1
+    return [run for run in runs if run is not None]
 
 
 def make_strategy(compute_devices: list[str] | None, parameter_device: str | None) -> cs.Strategy:

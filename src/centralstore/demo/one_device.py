@@ -24,7 +24,17 @@ from torch.utils.data import DataLoader
 import centralstore as cs
 from centralstore.input.split import split_sizes
 
-from .job import Digits, History, Run, Settings, make_model, make_optimizer, train_batches
+from .job import (
+    Digits,
+    Epochs,
+    History,
+    Run,
+    Settings,
+    finish,
+    make_model,
+    make_optimizer,
+    train_batches,
+)
 
 
 def reference_device(strategy: cs.Strategy) -> torch.device:
@@ -49,6 +59,17 @@ def train_one_device(
     gradients in ``.grad``), then the optimizer steps once: what R replicas compute, one after
     the other, without centralstore.
     """
+    return finish(one_device_epochs(initial, data, settings, device, slices))
+
+
+def one_device_epochs(
+    initial: dict[str, torch.Tensor],
+    data: Digits,
+    settings: Settings,
+    device: torch.device,
+    slices: int = 1,
+) -> Epochs:
+    """``train_one_device`` an epoch at a time (``job.interleaved``)."""
     model = make_model().to(device)
     model.load_state_dict(initial)
     loader = train_batches(data, settings.batch_size, settings.seed)
@@ -79,8 +100,10 @@ def train_one_device(
         with torch.no_grad():
             predictions = model(data.test_images.to(device)).argmax(1).cpu()
         history.test_accuracy.append(float((predictions == data.test_labels).float().mean()))
+        if len(epoch_seconds) < settings.epochs:
+            yield None
     samples = settings.epochs * len(data.train_labels)
-    return Run(model, history, seconds, samples, epoch_seconds=epoch_seconds)
+    yield Run(model, history, seconds, samples, epoch_seconds=epoch_seconds)
 
 
 def _slice_passes(

@@ -29,17 +29,20 @@ import centralstore as cs
 from . import backup, report
 from .job import (
     Digits,
+    Epochs,
     Run,
     Settings,
+    finish,
     global_size,
     held_out_batches,
+    interleaved,
     load_digits,
     make_model,
     make_optimizer,
     steps_per_epoch,
     train_batches,
 )
-from .one_device import max_abs_difference, reference_device, train_one_device
+from .one_device import max_abs_difference, one_device_epochs, reference_device
 
 
 def train_distributed(
@@ -52,6 +55,19 @@ def train_distributed(
 
     ``progress(epoch, steps)`` makes each epoch's progress display.
     """
+    initial, epochs = distributed_training(strategy, data, settings, progress)
+    return finish(epochs), initial
+
+
+def distributed_training(
+    strategy: cs.Strategy,
+    data: Digits,
+    settings: Settings,
+    progress: Callable[[int, int], report.Progress],
+) -> tuple[dict[str, torch.Tensor], Epochs]:
+    """``train_distributed`` an epoch at a time (``job.interleaved``): the model is built
+    (or restored from a checkpoint) at once, so that the initial weights are known before
+    the first epoch."""
     torch.manual_seed(settings.seed)
     loader = train_batches(data, settings.batch_size, settings.seed)
     with strategy.scope():  # the variables live once, on the parameter device
@@ -79,7 +95,17 @@ def train_distributed(
         loss.backward()  # type: ignore[no-untyped-call]
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
-    for epoch in range(state.epoch, settings.epochs):
+    def epochs() -> Epochs:
+        for epoch in range(state.epoch, settings.epochs):
+            train_epoch(epoch)
+            if epoch < settings.epochs - 1:
+                yield None
+        samples = settings.epochs * len(data.train_labels)
+        yield Run(
+            model, state.history, state.seconds, samples, resumed, list(state.epoch_seconds)
+        )
+
+    def train_epoch(epoch: int) -> None:
         bar = progress(epoch, len(dataset))
         start = time.perf_counter()
         for images, labels in state.begin_epoch(dataset):
@@ -102,9 +128,8 @@ def train_distributed(
         bar.close(state.history.test_accuracy[-1])
         if checkpoints is not None:
             checkpoints.save()
-    samples = settings.epochs * len(data.train_labels)
-    run = Run(model, state.history, state.seconds, samples, resumed, list(state.epoch_seconds))
-    return run, state.initial
+
+    return state.initial, epochs()
 
 
 def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:
@@ -129,9 +154,12 @@ def run(
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> dict[str, Any]:
-    """The whole job: train, compare with one device (whole global batches, then the
+    """The whole job: train, compare with one device (whole global batches, and the
     replicas' slices one after the other), print the report with the steady-state speeds,
     write ``curves.png`` and ``summary.json`` into ``settings.out``. Returns the summary.
+
+    The three trainings take turns epoch by epoch (``job.interleaved``), so that their
+    speeds are measured on the machine in the same state.
 
     The report goes to ``out``, the progress of each epoch to ``err`` (``sys.stdout`` and
     ``sys.stderr`` when not given, as with ``print``). Every worker runs all of it (the
@@ -149,27 +177,31 @@ def run(
     progress_stream = sys.stderr if err is None else err
     data = load_digits(settings.seed)
     console.header(strategy, settings, len(data.train_labels), len(data.test_labels))
-    distributed, initial = train_distributed(
+    initial, epochs = distributed_training(
         strategy,
         data,
         settings,
         lambda epoch, steps: report.progress(epoch, settings.epochs, steps, progress_stream),
     )
+    device = reference_device(strategy)
+    replicas = strategy.num_replicas_in_sync
+    trainings = [epochs]
+    if settings.compare:  # plain PyTorch on one device, an epoch of each training in turn
+        trainings.append(one_device_epochs(initial, data, settings, device))
+        if replicas > 1:  # the replicas' passes without centralstore: what it costs itself
+            trainings.append(one_device_epochs(initial, data, settings, device, replicas))
+    distributed, *plain = interleaved(trainings)
     console.results(distributed)
-    reference: Run | None = None
-    sliced: Run | None = None
+    reference: Run | None = plain[0] if plain else None
+    sliced: Run | None = plain[1] if len(plain) > 1 else None
     difference: float | None = None
     sliced_difference: float | None = None
-    device = reference_device(strategy)
-    if settings.compare:
-        reference = train_one_device(initial, data, settings, device)
+    if reference is not None:
         difference = max_abs_difference(distributed.model, reference.model)
         steps = settings.epochs * steps_per_epoch(len(data.train_labels), settings.batch_size)
         console.comparison(device, reference, difference, steps=steps)
-        replicas = strategy.num_replicas_in_sync
-        if replicas > 1:  # the replicas' passes without centralstore: what it costs itself
-            sliced = train_one_device(initial, data, settings, device, slices=replicas)
-            sliced_difference = max_abs_difference(distributed.model, sliced.model)
+    if sliced is not None:
+        sliced_difference = max_abs_difference(distributed.model, sliced.model)
     console.speed(strategy, settings, distributed, reference, sliced)
     summary = report.summary(
         strategy, settings, data, distributed, reference, difference, device,
