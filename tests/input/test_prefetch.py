@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from centralstore.input import prefetch
-from centralstore.input.prefetch import OverlapIterator, PrefetchIterator
+from centralstore.input.prefetch import OverlapIterator, OverlapVerdict, PrefetchIterator
 
 
 class Counting:
@@ -190,11 +190,20 @@ class Timed:
             yield i
 
 
-def overlap_steps(away: list[float], make: float = 1.0) -> tuple[OverlapIterator, Timed]:
+def paid() -> OverlapVerdict:
+    """The verdict of a dataset whose earlier pass found making ahead worth it (no trial)."""
+    verdict = OverlapVerdict()
+    verdict.pays = True
+    return verdict
+
+
+def overlap_steps(
+    away: list[float], make: float = 1.0, verdict: OverlapVerdict | None = None
+) -> tuple[OverlapIterator, Timed]:
     """An OverlapIterator whose consumer is away ``away[i]`` after taking item ``i``."""
     clock = Clock()
     source = Timed(clock, make)
-    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock)
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
     for seconds in away:
         next(iterator)
         clock.now += seconds
@@ -209,7 +218,7 @@ def test_a_consumer_that_only_iterates_never_starts_a_thread() -> None:
 
 def test_two_steps_in_a_row_worth_overlapping_move_the_source_to_a_thread() -> None:
     before = input_threads()
-    iterator, _ = overlap_steps([0.125, 0.125])  # 1/8 of the making time, twice
+    iterator, _ = overlap_steps([0.125, 0.125], verdict=paid())  # 1/8 of making, twice
     assert not iterator.ahead  # the first item has no step before it
     assert next(iterator) == 2
     assert iterator.ahead
@@ -232,7 +241,7 @@ def test_one_long_pause_alone_does_not_start_a_thread() -> None:
 def test_items_made_ahead_continue_the_source_in_order_and_end_it() -> None:
     clock = Clock()
     source = Timed(clock, 1.0, count=6)
-    iterator = OverlapIterator(iter(source), buffer_size=2, clock=clock)
+    iterator = OverlapIterator(iter(source), buffer_size=2, clock=clock, verdict=paid())
     taken = []
     for item in iterator:
         taken.append(item)
@@ -255,7 +264,7 @@ def test_an_error_after_the_move_reaches_the_consumer_as_the_same_object() -> No
             yield i
         raise error
 
-    iterator = OverlapIterator(flaky(), buffer_size=1, clock=clock)
+    iterator = OverlapIterator(flaky(), buffer_size=1, clock=clock, verdict=paid())
     taken = []
     with pytest.raises(OSError) as caught:
         for item in iterator:
@@ -285,8 +294,88 @@ def test_close_before_the_move_closes_the_source() -> None:
 
 def test_dropping_an_iterator_that_moved_stops_its_thread() -> None:
     before = input_threads()
-    iterator, _ = overlap_steps([1.0, 1.0, 1.0])
+    iterator, _ = overlap_steps([1.0, 1.0, 1.0], verdict=paid())
     assert iterator.ahead
     del iterator
     gc.collect()
     assert wait_until(lambda: input_threads() <= before)
+
+
+# The trial: the first move of a dataset's passes is kept only if it shortened the cycle.
+
+
+class CallingThreadSource:
+    """Items that take ``make`` seconds of the test's clock when made on the calling thread,
+    and none of it on the producer thread (where making them overlaps the consumer)."""
+
+    def __init__(self, clock: Clock, make: float, count: int, error: Exception | None = None):
+        self.clock, self.make, self.count, self.error = clock, make, count, error
+        self.main = threading.current_thread()
+        self.threads: list[threading.Thread] = []
+
+    def __iter__(self) -> Iterator[int]:
+        for i in range(self.count):
+            self.threads.append(threading.current_thread())
+            if threading.current_thread() is self.main:
+                self.clock.now += self.make
+            yield i
+        if self.error is not None:
+            raise self.error
+
+
+def trial(
+    away_here: float, away_ahead: float, count: int = 40, verdict: OverlapVerdict | None = None,
+    error: Exception | None = None,
+) -> tuple[list[int], OverlapIterator, CallingThreadSource, OverlapVerdict]:
+    """A pass whose consumer is away ``away_here`` after an item made on the calling thread,
+    ``away_ahead`` while items are made ahead (a step slowed by the thread, or not)."""
+    clock = Clock()
+    source = CallingThreadSource(clock, 1.0, count, error)
+    verdict = OverlapVerdict() if verdict is None else verdict
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
+    taken = []
+    for item in iterator:
+        taken.append(item)
+        clock.now += away_ahead if iterator.ahead else away_here
+    return taken, iterator, source, verdict
+
+
+def test_the_first_move_waits_for_eight_steps_timed_on_the_calling_thread() -> None:
+    iterator, _ = overlap_steps([1.0] * 8)
+    assert not iterator.ahead  # 7 cycles timed so far
+    next(iterator)
+    assert iterator.ahead
+
+
+def test_a_thread_that_shortens_the_cycle_stays_and_the_verdict_says_so() -> None:
+    taken, iterator, source, verdict = trial(away_here=1.0, away_ahead=1.0)
+    assert taken == list(range(40))
+    assert iterator.ahead and verdict.pays is True
+    assert source.threads[-1] is not threading.current_thread()
+
+
+def test_a_thread_that_slows_the_step_hands_the_source_back_in_order() -> None:
+    for count in range(14, 30):  # the source ends before, during and after the hand-back
+        before = input_threads()
+        taken, iterator, source, verdict = trial(away_here=1.0, away_ahead=3.0, count=count)
+        assert taken == list(range(count)), count
+        if count > 18:  # the trial's 7 steps ahead were taken
+            assert verdict.pays is False and not iterator.ahead, count
+            assert source.threads[-1] is threading.current_thread(), count
+        assert wait_until(lambda: input_threads() <= before)
+
+
+def test_a_pass_after_a_failed_trial_never_starts_a_thread() -> None:
+    verdict = OverlapVerdict()
+    verdict.pays = False
+    taken, iterator, source, _ = trial(away_here=1.0, away_ahead=1.0, verdict=verdict)
+    assert taken == list(range(40)) and not iterator.ahead
+    assert set(source.threads) == {threading.current_thread()}
+
+
+def test_an_error_around_the_hand_back_reaches_the_consumer_as_the_same_object() -> None:
+    for count in range(14, 26):
+        error = OSError(f"disk went away after {count}")
+        with pytest.raises(OSError) as caught:
+            trial(away_here=1.0, away_ahead=3.0, count=count, error=error)
+        assert caught.value is error

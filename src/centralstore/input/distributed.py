@@ -11,8 +11,9 @@ training loop on a background thread with a bounded queue, so that the host-to-d
 overlap the step; the thread holds the source iterator and the stages, never the
 ``DistributedIterator`` the user holds, so dropping that stops it. On the host the first
 steps are made on the calling thread, and an ``OverlapIterator`` hands the rest of the pass
-to that thread once the loop's steps take time, so that making a batch overlaps the step;
-a loop that does nothing else never starts it.
+to that thread once the loop's steps take time, so that making a batch overlaps the step,
+and takes it back when that made the loop slower (a step of small torch calls waits for the
+GIL the thread holds); a loop that does nothing else never starts it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ._base import DatasetBase
 from .data_options import AutoShardPolicy
 from .iterator import DistributedIterator, Exhausted, Step, Steps
 from .options import InputContext, InputOptions
-from .prefetch import OverlapIterator, PrefetchIterator
+from .prefetch import OverlapIterator, OverlapVerdict, PrefetchIterator
 from .resume import Source, source_of
 from .spec import spec_of
 from .split import Columns, Split, deal_steps
@@ -258,6 +259,7 @@ class DistributedDataset:
         # host a thread pays two hand-offs a step, and gains only where the loop's step
         # leaves time to make the next one: an OverlapIterator starts it once it does.
         self._to_gpu = any(storage_device(d).type == "cuda" for d in devices)
+        self._overlap = OverlapVerdict()  # whether making steps ahead paid, for every pass
         self._spec: Any = None
         self._position = source_of(source)
 
@@ -276,7 +278,7 @@ class DistributedDataset:
             return steps
         if fetch and self._to_gpu:
             return PrefetchIterator(steps, ahead)
-        return OverlapIterator(steps, ahead)
+        return OverlapIterator(steps, ahead, verdict=self._overlap)
 
     @property
     def element_spec(self) -> Any:

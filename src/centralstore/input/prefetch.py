@@ -15,7 +15,9 @@ exception").
 from __future__ import annotations
 
 import atexit
+import collections
 import queue
+import statistics
 import threading
 import time
 import weakref
@@ -25,6 +27,8 @@ from typing import Any, final
 _WORTH = 8  # move to a thread once the consumer is away 1/_WORTH of an item's making time
 _WORTH_S = 1e-4  # and both take this long: two hand-offs cost tens of microseconds
 _STREAK = 2  # in this many consecutive steps (one long pause, a collection, is not a step)
+_TRIAL = 6  # steps made ahead, after the first, that decide whether making ahead paid
+_KEPT = 8  # steps made on the calling thread that the trial is compared with
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
 _EXIT_JOIN_S = 10.0  # how long the exit waits for all of them together
@@ -60,9 +64,10 @@ class PrefetchIterator(Iterator[Any]):
             self._room.put(None)
         self._done = False
         stop = threading.Event()
+        self._back = threading.Event()  # the consumer takes the source back (hand_back)
         self._thread = threading.Thread(
             target=_produce,
-            args=(source, self._items, self._room, stop),
+            args=(source, self._items, self._room, stop, self._back),
             name="centralstore-input",
             daemon=True,
         )
@@ -96,21 +101,62 @@ class PrefetchIterator(Iterator[Any]):
         if self._thread is not threading.current_thread():
             self._thread.join(_JOIN_S)
 
+    def hand_back(self) -> tuple[list[Any], _Signal | None]:
+        """Stop making items ahead, and give the source back to the calling thread: the
+        items made but not taken, and how the source ended meanwhile (None: it has not, and
+        its next item is the calling thread's to make). The producer stops after the item
+        it is making, which this waits for, as ``next`` would."""
+        self._back.set()
+        self._room.put(None)  # wake a producer waiting for room
+        made: list[Any] = []
+        ended: _Signal | None = None
+        while True:
+            item = self._items.get()
+            if item is _HANDED_BACK:
+                break
+            if type(item) is _Signal:
+                ended = item
+                break
+            made.append(item)
+        self._done = True
+        self._thread.join()
+        self._halt.detach()
+        _producers.pop(self._thread, None)
+        return made, ended
+
+
+@final
+class OverlapVerdict:
+    """Whether making items ahead paid, once a trial has shown it (None: not yet): kept by
+    the dataset across its passes, so that one trial decides for all of them."""
+
+    __slots__ = ("pays",)
+
+    def __init__(self) -> None:
+        self.pays: bool | None = None
+
 
 @final
 class OverlapIterator(Iterator[Any]):
     """``source`` made on the calling thread until the consumer's steps take time, then run
-    ahead by a ``PrefetchIterator`` for the rest of the pass.
+    ahead by a ``PrefetchIterator`` for as long as that pays.
 
     Made on the calling thread an item costs only itself; made ahead, it also costs two
     thread hand-offs, which on a busy host can take longer than a small item, but it overlaps
     whatever the consumer does between two ``next`` calls. So the first items are made here,
     and each ``next`` compares the time the consumer was away since the last one with the time
     the item took to make: once the consumer has been away at least 1/8 of it, and both took
-    at least 0.1 ms, in two steps in a row, the source moves to a background thread, and stays
-    there. A loop that only iterates never starts a thread, nor do items that cost less than
-    the hand-offs; a loop whose step sleeps, waits for I/O or for a device overlaps it with
-    making the next item.
+    at least 0.1 ms, in two steps in a row (and 8 steps have been timed here, the first
+    time), the source moves to a background thread. A loop that only iterates never starts a
+    thread, nor do items that cost less than the hand-offs.
+
+    Overlap needs a step that lets go of the GIL: a sleep, I/O, a wait for a device. A step of
+    many small torch calls takes turns with the thread instead, and waits for the GIL at
+    every call, which can cost more than making the item did. So the move is a trial: the
+    time from one ``next`` to the next over the first 6 steps made ahead (after the first) is
+    compared with that over the last steps made here, and unless it is shorter the source
+    comes back to the calling thread for the rest of the pass. ``verdict`` keeps the outcome
+    for later passes: they move after two steps worth it, or never.
 
     >>> it = OverlapIterator(iter(range(3)), buffer_size=1)
     >>> list(it), it.ahead
@@ -122,13 +168,20 @@ class OverlapIterator(Iterator[Any]):
         source: Iterator[Any],
         buffer_size: int,
         clock: Callable[[], float] = time.perf_counter,
+        verdict: OverlapVerdict | None = None,
     ) -> None:
         self._source = source
         self._buffer_size = buffer_size
         self._clock = clock
+        self._verdict = OverlapVerdict() if verdict is None else verdict
         self._ahead: PrefetchIterator | None = None
         self._returned: float | None = None  # when the consumer got the last item
         self._streak = 0
+        self._here: collections.deque[float] = collections.deque(maxlen=_KEPT)  # cycles
+        self._trial: list[float] | None = None  # cycles since the move, while on trial
+        self._settled = False  # the trial has ended: no move (back) for the rest of the pass
+        self._made: collections.deque[Any] = collections.deque()  # handed back, not taken
+        self._ended: _Signal | None = None  # how the source ended while it was made ahead
 
     @property
     def ahead(self) -> bool:
@@ -140,24 +193,62 @@ class OverlapIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         if self._ahead is not None:
-            return next(self._ahead)
+            item = next(self._ahead)
+            if self._trial is not None:
+                self._judge()
+            return item
+        if self._made:
+            self._returned = self._clock()
+            return self._made.popleft()
+        if self._ended is not None:
+            ended, self._ended = self._ended, None
+            self._source = iter(())
+            if ended.error is not None:
+                raise ended.error
+            raise StopIteration
         clock = self._clock
         start = clock()
         item = next(self._source)
         made = clock()
         returned = self._returned
         away, making = (start - returned if returned is not None else 0.0), made - start
+        if returned is not None:
+            self._here.append(made - returned)
         if away * _WORTH >= making and min(away, making) >= _WORTH_S:
             self._streak += 1
-            if self._streak == _STREAK:
+            pays = self._verdict.pays
+            if self._streak >= _STREAK and not self._settled and (
+                pays or (pays is None and len(self._here) == _KEPT)  # a trial needs a baseline
+            ):
                 self._ahead = PrefetchIterator(self._source, self._buffer_size)
+                self._trial = [] if pays is None else None
         else:
             self._streak = 0
         self._returned = made
         return item
 
+    def _judge(self) -> None:
+        """A step made ahead has been taken: note its cycle; after the trial's last, keep
+        the thread if it shortened the cycle, else take the source back."""
+        now = self._clock()
+        trial = self._trial
+        assert trial is not None and self._ahead is not None
+        if self._returned is not None:
+            trial.append(now - self._returned)
+        self._returned = now
+        if len(trial) <= _TRIAL:  # the first includes the thread's start
+            return
+        pays = statistics.median(trial[1:]) < statistics.median(self._here)
+        self._verdict.pays, self._trial, self._settled = pays, None, True
+        if not pays:
+            made, self._ended = self._ahead.hand_back()
+            self._made.extend(made)
+            self._ahead = None
+
     def close(self) -> None:
         """Stop making items (and the background thread, if one makes them); ``next`` ends."""
+        self._made.clear()
+        self._ended = None
         if self._ahead is not None:
             self._ahead.close()
             return
@@ -176,15 +267,22 @@ class _Signal:
         self.error = error
 
 
+_HANDED_BACK = object()  # the producer's last item after ``hand_back``: the source is free
+
+
 def _produce(
     source: Iterator[Any],
     items: queue.SimpleQueue[Any],
     room: queue.SimpleQueue[None],
     stop: threading.Event,
+    back: threading.Event,
 ) -> None:
     end = _Signal(None)
     try:
         while _wait_for_room(room, stop):
+            if back.is_set():
+                items.put(_HANDED_BACK)
+                return
             item = next(source, end)
             items.put(item)
             if item is end:
