@@ -362,7 +362,7 @@ def test_a_thread_that_slows_the_step_hands_the_source_back_in_order() -> None:
         if count > 18:  # the trial's 7 steps ahead were taken
             assert verdict.pays is False and not iterator.ahead, count
             assert source.threads[-1] is threading.current_thread(), count
-        assert wait_until(lambda: input_threads() <= before)
+        assert wait_until(lambda before=before: input_threads() <= before)
 
 
 def test_a_pass_after_a_failed_trial_never_starts_a_thread() -> None:
