@@ -321,13 +321,14 @@ def test_host_replicas_make_steps_on_the_calling_thread() -> None:
 
 def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> None:
     """On the host the first steps are made on the calling thread; once the loop's steps
-    take time (here sleeps longer than making a batch), the source moves to the prefetch
-    thread for the rest of the pass, and the steps are those made without it."""
+    take time (here sleeps longer than making a batch; the first time, after 8 steps timed),
+    the source moves to the prefetch thread for the rest of the pass, and the steps are those
+    made without it."""
     made_on: list[threading.Thread] = []
 
     class Source:
         def __iter__(self) -> Iterator[torch.Tensor]:
-            for i in range(8):
+            for i in range(12):
                 made_on.append(threading.current_thread())
                 time.sleep(0.002)
                 yield torch.arange(4) + i
@@ -351,20 +352,20 @@ def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> 
 
 
 def test_a_position_saved_while_steps_are_made_ahead_resumes_exactly() -> None:
-    dataset = distribute_dataset(Dataset.range(40).shuffle(40, seed=1).batch(4), TWO)
+    dataset = distribute_dataset(Dataset.range(80).shuffle(80, seed=1).batch(4), TWO)
     before = set(input_threads())
     iterator = iter(dataset)
-    for _ in range(4):
+    for _ in range(10):
         next(iterator)
         time.sleep(0.01)
     assert set(input_threads()) - before  # the rest of the pass is made ahead
     state = iterator.state_dict()
-    assert state["steps"] == 4  # counted where the loop takes them
+    assert state["steps"] == 10  # counted where the loop takes them
     expected = [per_replica(step) for step in iterator]
     restored = iter(dataset)
     restored.load_state_dict(state)
     assert [per_replica(step) for step in restored] == expected
-    assert len(expected) == 6
+    assert len(expected) == 10
 
 
 # auto_shard_policy: worker 1 of a job of 2 workers with 2 replicas each, without processes.
