@@ -165,8 +165,8 @@ class EarlyExchange:
     """
 
     __slots__ = (
-        "_device", "_missing", "_pieces", "_plan", "_replicas", "_sources", "_start", "early",
-        "error", "started",
+        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early", "error",
+        "started",
     )
 
     def __init__(
@@ -180,8 +180,6 @@ class EarlyExchange:
         self._missing = [len(bucket) for bucket in plan.buckets]
         self._sources: list[list[_Source] | None] = [None] * len(plan.numels)
         self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
-        # per started bucket, its views in the variables' shapes (None: made after the wait)
-        self._pieces: list[list[torch.Tensor] | None] = []
         self.early = 0
         self.error: Exception | None = None  # a collective that failed in a hook
 
@@ -239,11 +237,8 @@ class EarlyExchange:
         return flat
 
     def _launch(self, flat: torch.Tensor) -> None:
-        plan, b = self._plan, len(self.started)
         flat = flat.to(self._device)
         self.started.append((flat, self._start(flat)))
-        home = flat.device == plan.devices[plan.buckets[b][0]]  # views of the sum, made while
-        self._pieces.append(unflatten(flat, plan.shapes[b]) if home else None)  # it travels
 
     # -- at the sync point -------------------------------------------------------------------
 
@@ -300,11 +295,8 @@ class EarlyExchange:
         where no worker has a gradient."""
         plan = self._plan
         out: list[torch.Tensor | None] = [None] * len(plan.numels)
-        flats = self.wait()
-        for bucket, flat, shapes, made in zip(
-            plan.buckets, flats, plan.shapes, self._pieces, strict=True
-        ):
-            pieces = unflatten(flat.to(plan.devices[bucket[0]]), shapes) if made is None else made
+        for bucket, flat, shapes in zip(plan.buckets, self.wait(), plan.shapes, strict=True):
+            pieces = unflatten(flat.to(plan.devices[bucket[0]]), shapes)
             for j, piece in zip(bucket, pieces, strict=True):
                 if has_grad[j]:
                     out[j] = piece
