@@ -347,13 +347,13 @@ class VariableStore:
         self.check_unseen()
         self.exchange.sync_step(self)
 
-    def fold(self, discard: bool = False, hooks: bool = True) -> list[torch.Tensor]:
+    def fold(self, discard: bool = False, hooks: bool = True) -> None:
         """This process's part of a sync point: fold everything the replicas left since the
         last one into the central variables, in replica order, or drop it (``discard``);
         then the post-accumulate-grad hooks of the variables whose ``.grad`` received some
-        run, once each. Returns those variables; with ``hooks`` False their hooks wait for
-        the caller (a sync point across workers, whose ``.grad`` is complete only once the
-        workers' gradients are exchanged)."""
+        run, once each. With ``hooks`` False the caller calls them: a sync point across
+        workers, whose ``.grad`` is complete only once the workers' gradients are exchanged,
+        and whose hooks fire for the variables any worker had a gradient for."""
         for replica in self.replicas:
             replica.wait_for_copies()
         if self.fold_hooks:
@@ -386,7 +386,6 @@ class VariableStore:
             self._next_epoch()
         if received and hooks:
             folding.run_post_accumulate_hooks(received)
-        return received
 
     def _next_epoch(self) -> None:
         for views in self.replicas:
