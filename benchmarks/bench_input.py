@@ -124,7 +124,7 @@ class BareThread:
         self._source = source
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(bare_thread(self._source))
+        return bare_thread(self._source)
 
 
 def sleeping(step: float, count: int) -> Timing:

@@ -11,6 +11,7 @@ from demo.reading import small_digits
 
 import centralstore as cs
 from centralstore.demo import job, one_device, report, train
+from centralstore.demo.job import finish
 
 
 def test_distributed_run_matches_its_one_device_twin_on_three_replicas() -> None:
@@ -21,7 +22,7 @@ def test_distributed_run_matches_its_one_device_twin_on_three_replicas() -> None
     distributed, initial = train.train_distributed(
         strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
     )
-    reference = one_device.train_one_device(initial, data, settings, torch.device("cpu"))
+    reference = finish(one_device.one_device_epochs(initial, data, settings, torch.device("cpu")))
     assert one_device.max_abs_difference(distributed.model, reference.model) < 1e-5
     assert distributed.history.loss == pytest.approx(reference.history.loss, rel=1e-4)
     assert distributed.history.test_accuracy == reference.history.test_accuracy
@@ -39,8 +40,10 @@ def test_the_loop_in_slices_trains_as_the_replicas_do(replicas: int, batch_size:
     distributed, initial = train.train_distributed(
         strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
     )
-    sliced = one_device.train_one_device(initial, data, settings, torch.device("cpu"), replicas)
-    whole = one_device.train_one_device(initial, data, settings, torch.device("cpu"))
+    sliced = finish(
+        one_device.one_device_epochs(initial, data, settings, torch.device("cpu"), replicas)
+    )
+    whole = finish(one_device.one_device_epochs(initial, data, settings, torch.device("cpu")))
     assert one_device.max_abs_difference(distributed.model, sliced.model) < 1e-5
     assert one_device.max_abs_difference(whole.model, sliced.model) < 1e-5
     assert sliced.history.loss == pytest.approx(whole.history.loss, rel=1e-4)

@@ -30,7 +30,6 @@ from .job import (
     History,
     Run,
     Settings,
-    finish,
     make_model,
     make_optimizer,
     train_batches,
@@ -43,14 +42,15 @@ def reference_device(strategy: cs.Strategy) -> torch.device:
     return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
 
 
-def train_one_device(
+def one_device_epochs(
     initial: dict[str, torch.Tensor],
     data: Digits,
     settings: Settings,
     device: torch.device,
     slices: int = 1,
-) -> Run:
-    """The same training as plain PyTorch on one device: same initial weights, same global
+) -> Epochs:
+    """The same training as plain PyTorch on one device, an epoch at a time
+    (``job.interleaved``; ``job.finish`` runs it whole): same initial weights, same global
     batches in the same order, the mean loss over each global batch, no strategy at all.
 
     With ``slices`` > 1, each global batch is cut into that many consecutive slices by the
@@ -59,17 +59,6 @@ def train_one_device(
     gradients in ``.grad``), then the optimizer steps once: what R replicas compute, one after
     the other, without centralstore.
     """
-    return finish(one_device_epochs(initial, data, settings, device, slices))
-
-
-def one_device_epochs(
-    initial: dict[str, torch.Tensor],
-    data: Digits,
-    settings: Settings,
-    device: torch.device,
-    slices: int = 1,
-) -> Epochs:
-    """``train_one_device`` an epoch at a time (``job.interleaved``)."""
     model = make_model().to(device)
     model.load_state_dict(initial)
     loader = train_batches(data, settings.batch_size, settings.seed)
