@@ -30,13 +30,20 @@ from .._autograd import no_grad, set_grads
 from .._autograd import requires_grad_of as _requires_grad
 from .._autograd import some as _any
 from .._autograd import version_of as _version
-from .folding import HeldHooks, add_in_order
+from .folding import HeldHooks, add_in_order, all_dense
 from .records import Central
+
+_NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
 
 
 def _held_hooks(tensors: list[torch.Tensor]) -> HeldHooks:
     """``HeldHooks`` of ``tensors``, asked first in one pass whether any has a hook."""
-    return HeldHooks(tensors if any(map(_hooks, tensors)) else [])
+    return HeldHooks(tensors) if any(map(_hooks, tensors)) else _NO_HOOKS
+
+
+def _hooked(hooks: HeldHooks) -> list[torch.Tensor]:
+    """The tensors with held hooks that now have a gradient."""
+    return [tensor for tensor in hooks.tensors if tensor.grad is not None]
 
 
 class Undo:
@@ -66,7 +73,7 @@ class Undo:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a
         ``.grad`` that existed before the run stays the same tensor, as in plain PyTorch).
         Returns the tensors with post-accumulate-grad hooks that received gradients."""
-        hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
+        hooked = _hooked(self._hooks) if self._hooks.tensors else []
         if self._held:
             sums = list(self._old)
             add_in_order(sums, list(map(_grad, self._tensors)))
@@ -84,7 +91,8 @@ class Undo:
 
     def _forget(self) -> None:
         self._tensors, self._old, self._state, self._held = [], [], [], False
-        self._hooks.release()
+        if self._hooks.tensors:
+            self._hooks.release()
 
 
 def shared_parameters(records: list[Central], storage: torch.device) -> list[Central]:
@@ -175,7 +183,7 @@ class DirectReplicas:
             set_grads(self.tensors, sums)
         elif taken:
             self._add_to_last(taken)
-        hooked = [tensor for tensor in self._hooks.tensors if tensor.grad is not None]
+        hooked = _hooked(self._hooks) if self._hooks.tensors else []
         self._forget()
         return hooked
 
@@ -191,6 +199,11 @@ class DirectReplicas:
             earlier = [None] * len(self.tensors)
             for grads in taken:
                 add_in_order(earlier, grads)
+        lasts = list(map(_grad, self.tensors))
+        if all_dense(lasts, earlier):  # the usual case, checked in C
+            with no_grad():
+                torch._foreach_add_(lasts, earlier)  # type: ignore[arg-type]
+            return
         targets, sources = [], []
         for tensor, total in zip(self.tensors, earlier):
             if total is None:
@@ -216,4 +229,5 @@ class DirectReplicas:
 
     def _forget(self) -> None:
         self._old, self._grads, self._open = [], {}, False
-        self._hooks.release()
+        if self._hooks.tensors:
+            self._hooks.release()

@@ -9,6 +9,8 @@ inside ``run`` it refuses the step, which would update the variables once per re
 from __future__ import annotations
 
 import weakref
+from itertools import chain, filterfalse
+from operator import itemgetter
 from typing import Any, Protocol, cast
 
 import torch
@@ -18,6 +20,7 @@ from torch.optim.optimizer import (
 )
 
 from .. import _context
+from .._autograd import requires_grad_of
 
 
 class Store(Protocol):
@@ -30,15 +33,19 @@ class Store(Protocol):
     def sync(self) -> None: ...
 
 
-_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+# The stores, held weakly, as a tuple: the hooks run at every optimizer step, where walking a
+# WeakSet (a Python generator under an iteration guard) cost more than the hooks' own work.
+_stores: tuple[weakref.ref[Store], ...] = ()
 _handle: list[Any] = []
+_params_of = itemgetter("params")
 
 
 def track(store: Store) -> None:
     """Make optimizer steps sync points for ``store``."""
-    if store in _stores:
+    global _stores
+    if any(ref() is store for ref in _stores):
         return
-    _stores.add(store)
+    _stores = (*_stores, weakref.ref(store))
     weakref.finalize(store, _release)
     if not _handle:
         _handle.append(register_optimizer_step_pre_hook(_before_step))
@@ -46,12 +53,19 @@ def track(store: Store) -> None:
 
 
 def _release() -> None:
+    global _stores
+    _stores = tuple(ref for ref in _stores if ref() is not None)
     while not _stores and _handle:
         _handle.pop().remove()
 
 
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter of ``optimizer``, gathered in C."""
+    return list(chain.from_iterable(map(_params_of, optimizer.param_groups)))
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _parameters(optimizer)
     if _context.in_replica_of_strategy():
         if cast(Store, _context.current().store).owns_any(params):
             raise RuntimeError(
@@ -61,8 +75,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "get_replica_context().merge_call(lambda strategy: optimizer.step())."
             )
         return
-    for store in list(_stores):
-        if store.owns_any(params):
+    for ref in _stores:
+        store = ref()
+        if store is not None and store.owns_any(params):
             store.claim("optimizer.step()")
             try:
                 store.sync()
@@ -71,8 +86,13 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """The step changed its parameters, perhaps without moving their version counters (fused
-    kernels): the stores' views of them refresh before their next use."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for store in list(_stores):
-        store.stamp(params)
+    """The step may have changed its parameters without moving their version counters (fused
+    kernels): the stores' views of them refresh before their next use. Views of a variable
+    that requires grad refresh at every run anyway (and one whose ``requires_grad`` changes
+    is made anew), so only the frozen ones need the stamp; usually there are none."""
+    frozen = list(filterfalse(requires_grad_of, _parameters(optimizer)))
+    if frozen:
+        for ref in _stores:
+            store = ref()
+            if store is not None:
+                store.stamp(frozen)
