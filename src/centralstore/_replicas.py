@@ -454,8 +454,11 @@ def execute(
         state.interrupted()
         raise
     finally:
-        try:
-            state.wait_for_threads()
-        finally:
-            state.close()
+        if state.threaded:
+            try:
+                state.wait_for_threads()
+            finally:
+                state.close()
+        else:  # replicas one after another: no thread to wait for, no crew to free
+            state.closed = True
     return state

@@ -73,7 +73,7 @@ def split_flat(
         return None
     kinds = list(map(type, args))
     if PerReplica not in kinds:
-        if all(kind is _Tensor for kind in kinds):
+        if kinds.count(_Tensor) == len(kinds):  # all tensors (counted in C)
             return [(args, kwargs)] * replicas
         return None
     columns: list[Sequence[Any]] = []

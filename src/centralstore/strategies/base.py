@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,12 +32,10 @@ from .._workers import OneProcess, Workers
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
-from ..variables.runs import EMPTY, Run
+from ..variables.runs import EMPTY, NOTHING, Run
 from ..variables.store import VariableStore
 from ..variables.unscoped import FirstUse
 from .extended import StrategyExtended
-
-_NOTHING = contextlib.nullcontext()  # reusable
 
 
 def _cross_replica_only(call: str) -> None:
@@ -75,8 +74,12 @@ class Strategy(abc.ABC):
             self._workers.num_workers > 1 and self._placement.local_replicas == 1
         )
         self._pool = _replicas.new_pool(self, type(self).__name__)
-        # Each replica's GPU, or None (``_device_guard``), and the GPUs once each: read once
-        # here, since ``torch.device.type`` costs half a microsecond per access.
+        # Each replica's GPU, or None, and the GPUs once each: read once here, since
+        # ``torch.device.type`` costs half a microsecond per access. A CUDA replica runs with
+        # its GPU current (``torch.cuda.device``), as plain PyTorch code on one GPU does:
+        # ``device="cuda"`` means its GPU, and a factory without a device creates on the CPU.
+        # (A ``torch.device`` context would place those too, but it is a
+        # ``TorchFunctionMode``: Python for every torch call of the replica.)
         self._gpus = tuple(
             device if device.type == "cuda" else None
             for device in self._placement.storage_devices
@@ -201,12 +204,7 @@ class Strategy(abc.ABC):
             streams = None if randomness is None else randomness.begin()
             # what replica threads re-establish (one replica never leaves the calling thread)
             environment = _replicas.Environment(self._distinct_gpus) if local > 1 else None
-
-            def body(state: _replicas.RunState, replica: int) -> None:
-                self._run_replica(
-                    state, run, streams, replica, fn, *inputs[replica], environment
-                )
-
+            body = functools.partial(self._run_replica, run, streams, fn, inputs, environment)
             self._first_use.start(store)
             try:
                 state = _replicas.execute(local, self._pool, body, _Baton(run, streams))
@@ -214,7 +212,9 @@ class Strategy(abc.ABC):
                 self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
                 raise
-            error = next((e for e in state.errors if e is not None), None)
+            error = (
+                next(e for e in state.errors if e is not None) if state.any_failed else None
+            )
             self._first_use.stop(passed=error is None)
             self._end_run(error, outer)
         finally:
@@ -257,16 +257,16 @@ class Strategy(abc.ABC):
 
     def _run_replica(
         self,
-        state: _replicas.RunState,
         run: Run,
         streams: Streams | None,
-        replica: int,
         fn: Callable[..., Any],
-        args: Sequence[Any],
-        kwargs: dict[str, Any],
+        inputs: Sequence[tuple[Sequence[Any], dict[str, Any]]],
         environment: _replicas.Environment | None,
+        state: _replicas.RunState,
+        replica: int,
     ) -> None:
-        """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context."""
+        """Replica ``replica`` of a run: ``fn`` on its own arguments, in its context. (The
+        first five arguments are bound once per run: ``_replicas.execute`` calls the rest.)"""
         on_thread = replica > 0 and state.threaded
         context = ReplicaContext(
             self, self._placement, self._workers, self._merge, replica, state
@@ -274,12 +274,18 @@ class Strategy(abc.ABC):
         _context.push(_context.Entry(self, context, self._store))
         if streams is not None:
             streams.enter(replica)
+        args, kwargs = inputs[replica]
         try:
-            with (
-                environment.applied() if on_thread and environment is not None else _NOTHING,
-                self._device_guard(replica),
-                run.replica(replica),
-            ):
+            scope = run.replica(replica)
+            gpu = self._gpus[replica]
+            if on_thread or gpu is not None or scope is not NOTHING:
+                with (
+                    environment.applied() if on_thread and environment is not None else NOTHING,
+                    NOTHING if gpu is None else torch.cuda.device(gpu),
+                    scope,
+                ):
+                    output = fn(*args, **kwargs)
+            else:  # one replica on its variables' device, on the calling thread: nothing to enter
                 output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:
             pass
@@ -327,14 +333,6 @@ class Strategy(abc.ABC):
             store.run = outer
             store.in_run = outer is not EMPTY
 
-
-    def _device_guard(self, replica: int) -> contextlib.AbstractContextManager[Any]:
-        """A CUDA replica runs with its GPU current (``torch.cuda.device``), as plain PyTorch
-        code on one GPU does: ``device="cuda"`` means its GPU, and a factory without a device
-        creates on the CPU. (A ``torch.device`` context would place those too, but it is a
-        ``TorchFunctionMode``: Python for every torch call of the replica.)"""
-        device = self._gpus[replica]
-        return _NOTHING if device is None else torch.cuda.device(device)
 
     # -- reduce, gather, local results ----------------------------------------------------
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator, Sequence
+from operator import call
 from typing import Protocol, cast, final
 
 import torch
@@ -58,7 +59,7 @@ class Plan:
     use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
     slots such a replica fills (``direct_slots``)."""
 
-    __slots__ = ("direct_slots", "others", "shared", "slots")
+    __slots__ = ("direct_slots", "others", "shared", "shared_refs", "slots")
 
     def __init__(
         self, records: dict[int, Central], on_parameters: Sequence[bool],
@@ -69,6 +70,7 @@ class Plan:
         if any(on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
                 self.shared = shared_parameters(list(records.values()), parameter_storage)
+        self.shared_refs = [record.ref for record in self.shared]
         keys = {record.key for record in self.shared}
         self.others = [record for record in records.values() if record.key not in keys]
         self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
@@ -125,7 +127,7 @@ class Run(abc.ABC):
         return _InReplica(self, replica)
 
 
-_NOTHING = contextlib.nullcontext()  # reusable
+NOTHING = contextlib.nullcontext()  # reusable: a replica with nothing to enter
 
 
 class _InReplica:
@@ -147,10 +149,10 @@ class EmptyRun(Run):
     """A run of a store without variables."""
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
-        return _NOTHING
+        return NOTHING
 
     def cross_replica(self) -> contextlib.AbstractContextManager[None]:
-        return _NOTHING
+        return NOTHING
 
     def commit(self) -> list[torch.Tensor]:
         return []
@@ -173,7 +175,7 @@ class OwnRun(Run):
         self._undo = Undo(store.live())
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
-        return _NOTHING  # nothing to do on entry or exit: the variables are the replica's own
+        return NOTHING  # nothing to do on entry or exit: the variables are the replica's own
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
@@ -211,7 +213,7 @@ class DirectRun(Run):
     def open(cls, store: Store, plan: Plan) -> DirectRun | None:
         if plan.others or not all(store.on_parameters):
             return None
-        tensors = [record.ref() for record in plan.shared]
+        tensors = list(map(call, plan.shared_refs))
         if set(map(type, tensors)) != {torch.nn.Parameter}:
             return None
         return cls(store, plan, cast(list[torch.Tensor], tensors))
@@ -279,7 +281,7 @@ class ReplicasRun(Run):
         self._store = store
         self._plan = plan
         lent = [t for record in plan.others if (t := record.ref()) is not None]
-        found = [record.ref() for record in plan.shared]
+        found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
         if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C
             shared = cast(list[torch.Tensor], found)

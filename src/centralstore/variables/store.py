@@ -21,6 +21,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any, Protocol, cast
 
 import torch
@@ -79,6 +80,9 @@ class VariableStore:
         self.placement = placement
         self.exchange = exchange
         self.records: dict[int, Central] = {}
+        # whether some replica computes on a GPU (whose views may be copies still reading
+        # host memory, which a sync point waits for)
+        self._on_gpus = any(device.type == "cuda" for device in placement.storage_devices)
         self._overlaps = any(
             folding.overlapped(device, placement.parameter_storage)
             for device in placement.storage_devices
@@ -101,6 +105,7 @@ class VariableStore:
         self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._plan: Plan | None = None  # how replicas see the records, while they stay
+        self._refs: list[weakref.ref[torch.Tensor]] | None = None  # theirs, while they stay
         # whether each replica computes where the parameters live (and so may use them
         # directly, ``DirectReplicas``): only in one process of several replicas
         several = 1 < placement.local_replicas == placement.num_replicas
@@ -109,7 +114,7 @@ class VariableStore:
             for device in placement.storage_devices
         )
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
-        self._user: threading.Thread | None = None  # the thread inside a run or sync point
+        self._user: int | None = None  # the ident of the thread inside a run or sync point
         self._doing = ""
         self._depth = 0
 
@@ -143,7 +148,7 @@ class VariableStore:
         ref = weakref.ref(tensor, functools.partial(_forget, weakref.ref(self), key))
         record = self.records[key] = Central(key, ref, aggregation, is_buffer)
         record.on_read = on_read
-        self._plan = None
+        self._plan = self._refs = None
         placement = self.placement
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
@@ -154,7 +159,7 @@ class VariableStore:
 
     def forget(self, key: int) -> None:
         self.records.pop(key, None)
-        self._plan = None
+        self._plan = self._refs = None
         self._foreign.discard(key)
         for views in self.replicas:
             views.forget(key)
@@ -183,8 +188,7 @@ class VariableStore:
                 record.stamp += 1
 
     def owns_any(self, tensors: list[torch.Tensor]) -> bool:
-        records = self.records
-        return any(id(t) in records for t in tensors)
+        return any(map(self.records.__contains__, map(id, tensors)))
 
     def view_owner(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """The central variable of which ``tensor`` is a replica view, if any."""
@@ -264,16 +268,16 @@ class VariableStore:
         ``release``; the same thread may nest (``run`` inside ``merge_call``), another one
         raises."""
         if not self._lock.acquire(blocking=False):
-            user = self._user
+            user = next((t.name for t in threading.enumerate() if t.ident == self._user), "?")
             raise RuntimeError(
                 f"Thread {threading.current_thread().name!r} called {doing} while thread "
-                f"{'?' if user is None else user.name!r} is inside {self._doing} of the same "
+                f"{user!r} is inside {self._doing} of the same "
                 "strategy. A strategy serves one thread at a time: its sync points would mix "
                 "the two threads' gradients. Give each thread its own strategy and model, or "
                 "wait for the other thread."
             )
-        if not self._depth:
-            self._user, self._doing = threading.current_thread(), doing
+        if not self._depth:  # (the thread's ident: ``current_thread()`` is Python)
+            self._user, self._doing = threading.get_ident(), doing
         self._depth += 1
 
     def release(self) -> None:
@@ -282,15 +286,13 @@ class VariableStore:
             self._user = None
         self._lock.release()
 
-    @property
-    def direct(self) -> bool:
-        """Whether runs use the variables themselves, without views: one replica, computing
-        where every variable lives (``OwnRun``)."""
-        return self.placement.num_replicas == 1 and not self._foreign
-
     def live(self) -> list[torch.Tensor]:
-        """The central variables still alive, in registration order."""
-        return _live(self.records.values())
+        """The central variables still alive, in registration order (every run of one
+        replica reads them: the weak references are kept while the records stay)."""
+        refs = self._refs
+        if refs is None:
+            refs = self._refs = [record.ref for record in self.records.values()]
+        return [tensor for ref in refs if (tensor := ref()) is not None]
 
     def plan(self) -> Plan:
         if self._plan is None:
@@ -304,7 +306,7 @@ class VariableStore:
         sync point."""
         if not self.records:
             run: Run = EMPTY
-        elif self.direct:
+        elif self.placement.num_replicas == 1 and not self._foreign:  # on their device
             run = OwnRun(self)
         else:
             plan = self.plan()
@@ -320,7 +322,7 @@ class VariableStore:
         kernel made behind a variable's version counter and its aggregation forbids."""
         self.in_run = False
         self.run.close()
-        if error is None and any(replica.unseen for replica in self.replicas):
+        if error is None and any(map(_unseen_of, self.replicas)):
             try:
                 record_unseen(self.replicas)
             except ValueError as unseen_write:
@@ -338,7 +340,7 @@ class VariableStore:
     def check_unseen(self) -> None:
         """Before a sync point inside a run: record the writes that kernels made behind the
         version counters of the replicas' views (raises for one the aggregation forbids)."""
-        if any(replica.unseen for replica in self.replicas):
+        if any(map(_unseen_of, self.replicas)):
             record_unseen(self.replicas)
 
     def sync(self) -> None:
@@ -354,8 +356,9 @@ class VariableStore:
         run, once each. With ``hooks`` False the caller calls them: a sync point across
         workers, whose ``.grad`` is complete only once the workers' gradients are exchanged,
         and whose hooks fire for the variables any worker had a gradient for."""
-        for replica in self.replicas:
-            replica.wait_for_copies()
+        if self._on_gpus:
+            for replica in self.replicas:
+                replica.wait_for_copies()
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)
@@ -369,7 +372,7 @@ class VariableStore:
             run.rollback()
         else:
             received += run.commit()
-        touched = [replica.touched for replica in self.replicas]
+        touched = list(map(_touched_of, self.replicas))
         if any(touched):
             if discard:
                 for replica in self.replicas:
@@ -434,8 +437,8 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
         torch.autograd.Variable._execution_engine.queue_callback(store._collect)
 
 
-def _live(records: Any) -> list[torch.Tensor]:
-    return [t for record in records if (t := record.ref()) is not None]
+_touched_of = attrgetter("touched")
+_unseen_of = attrgetter("unseen")
 
 
 def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:
