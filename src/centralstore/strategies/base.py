@@ -278,15 +278,18 @@ class Strategy(abc.ABC):
         try:
             scope = run.replica(replica)
             gpu = self._gpus[replica]
-            if on_thread or gpu is not None or scope is not NOTHING:
+            if on_thread or gpu is not None:  # a replica thread, or a GPU to make current
                 with (
                     environment.applied() if on_thread and environment is not None else NOTHING,
                     NOTHING if gpu is None else torch.cuda.device(gpu),
                     scope,
                 ):
                     output = fn(*args, **kwargs)
-            else:  # one replica on its variables' device, on the calling thread: nothing to enter
+            elif scope is NOTHING:  # one replica on its variables' device: nothing to enter
                 output = fn(*args, **kwargs)
+            else:
+                with scope:
+                    output = fn(*args, **kwargs)
         except _replicas.ReplicaAborted:
             pass
         except BaseException as error:

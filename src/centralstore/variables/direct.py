@@ -145,22 +145,14 @@ class DirectReplicas:
             t for t, v in zip(self.tensors, self._versions, strict=True) if t._version != v
         )
 
-    def _take(self) -> list[torch.Tensor | None] | None:
-        """The gradients in ``.grad``, taken off (None: there are none, as in evaluation)."""
-        grads = list(map(_grad, self.tensors))
-        if not _any(grads):
-            return None
-        set_grads(self.tensors, repeat(None))
-        return grads
-
-    def take_gradients(self, replica: int) -> None:
-        """Replica ``replica`` finished: its gradients are kept for the sync point, and
+    def park(self, replica: int) -> None:
+        """Replica ``replica`` finished, or waits in a rendezvous: its gradients, if it has
+        any (none in evaluation), are kept for the sync point or until it runs on, and
         ``.grad`` is empty for the next one."""
-        grads = self._take()
-        if grads is not None:
+        grads = list(map(_grad, self.tensors))
+        if _any(grads):
+            set_grads(self.tensors, repeat(None))
             self._grads[replica] = grads
-
-    park = take_gradients  # the replica waits in a rendezvous
 
     def unpark(self, replica: int) -> None:
         """Replica ``replica`` runs on: its own gradients are back in ``.grad``."""

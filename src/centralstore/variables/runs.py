@@ -115,11 +115,9 @@ class Run(abc.ABC):
     def close(self) -> None:  # noqa: B027
         """The replicas are done (before the sync point): variables are plain again."""
 
-    @property
-    def uses_views(self) -> bool:
-        """Whether some replica sees views (whose gradients a backward after ``run`` may
-        still reach)."""
-        return False
+    # Whether some replica sees views (whose gradients a backward after ``run`` may still
+    # reach): an attribute, set by the modes that have views.
+    uses_views = False
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
         """While replica ``replica``'s code runs: entered, then left (a forbidden write
@@ -245,26 +243,27 @@ class DirectRun(Run):
         self._shared.rollback()
 
 
-def _check_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
-    """Raise if replica ``replica`` wrote one of the parameters it used directly."""
-    written = shared.written()
-    if written is not None:
-        record = store.records[id(written)]
-        raise_shared_write(replica, record.owners[0][1], written)
+def _raise_written(store: Store, written: torch.Tensor, replica: int) -> None:
+    """Replica ``replica`` wrote ``written``, a parameter it used directly."""
+    raise_shared_write(replica, store.records[id(written)].owners[0][1], written)
 
 
 def _finish_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
     """Replica ``replica``, which used ``shared`` directly, returned: its writes are checked
     and its gradients kept for the sync point (the last replica's stay in ``.grad``)."""
-    _check_shared(store, shared, replica)
+    written = shared.written()
+    if written is not None:
+        _raise_written(store, written, replica)
     if replica < len(store.replicas) - 1:
-        shared.take_gradients(replica)
+        shared.park(replica)
 
 
 def _park_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
     """Replica ``replica``, which used ``shared`` directly, waits in a rendezvous: its writes
     are checked and its gradients parked until it runs on."""
-    _check_shared(store, shared, replica)
+    written = shared.written()
+    if written is not None:
+        _raise_written(store, written, replica)
     shared.park(replica)
 
 
@@ -291,16 +290,11 @@ class ReplicasRun(Run):
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
         self._shared = DirectReplicas(shared) if shared else None
-        # whether some replica sees views (otherwise a backward after run reaches none)
-        self._views = bool(lent) or (bool(shared) and not all(store.on_parameters))
+        self.uses_views = bool(lent) or (bool(shared) and not all(store.on_parameters))
         self._shared_lent = False  # whether the shared parameters have the class now
         self._filled: Filled | None = None
         # what each suspended replica's own code had put in module slots (functional_call)
         self._kept: dict[int, list[Replaced]] = {}
-
-    @property
-    def uses_views(self) -> bool:
-        return self._views
 
     def _direct(self, replica: int) -> bool:
         return self._shared is not None and self._store.on_parameters[replica]

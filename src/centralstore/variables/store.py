@@ -310,8 +310,12 @@ class VariableStore:
             run = OwnRun(self)
         else:
             plan = self.plan()
-            run = DirectRun.open(self, plan) or ReplicasRun(self, plan)
-            self._next_epoch()
+            direct = DirectRun.open(self, plan)
+            if direct is not None:
+                run = direct
+            else:  # some replica sees views: they are validated afresh
+                run = ReplicasRun(self, plan)
+                self._next_epoch()
         self.run = run
         self.in_run = True
         return run
