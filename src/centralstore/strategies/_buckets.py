@@ -22,6 +22,8 @@ plan order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
@@ -97,8 +99,9 @@ class BucketPlan:
     ``usable`` turns False when early exchanges keep failing their check (``strike``)."""
 
     __slots__ = (
-        "buckets", "devices", "dtypes", "index", "numels", "records", "shapes", "slots",
-        "strikes", "trainable_flags", "trainable_records", "usable",
+        "bucket_dtypes", "bucket_keys", "bucket_records", "bucket_shapes", "buckets",
+        "devices", "dtypes", "index", "numels", "records", "shapes", "slots", "strikes",
+        "trainable_flags", "trainable_records", "usable",
     )
 
     STRIKES = 2  # early exchanges in a row that failed their check before the plan gives up
@@ -123,6 +126,12 @@ class BucketPlan:
         self.numels = [t.numel() for t in trainable]
         self.dtypes = [t.dtype for t in trainable]
         self.devices = [t.device for t in trainable]
+        # per bucket, its variables' records, keys, dtypes and shapes: what its gradients
+        # must match to leave early, compared in C passes
+        self.bucket_records = [[self.trainable_records[j] for j in b] for b in self.buckets]
+        self.bucket_keys = [[r.key for r in records] for records in self.bucket_records]
+        self.bucket_dtypes = [[self.dtypes[j] for j in b] for b in self.buckets]
+        self.bucket_shapes = [[trainable[j].shape for j in b] for b in self.buckets]
         # per bucket, tensors without storage of its variables' shapes, to ``unflatten`` it
         self.shapes = [
             [torch.empty(trainable[j].shape, device="meta") for j in bucket]
@@ -142,14 +151,27 @@ class BucketPlan:
             self.usable = False
 
 
-class _Source(NamedTuple):
-    """A replica's gradient that left early, and what must still hold at the sync point."""
+class _Sources(NamedTuple):
+    """One bucket's gradients that left early, per local replica in the bucket's order, and
+    what must still hold at the sync point: each view still its replica's tensor, each
+    gradient still that tensor's, unmoved."""
 
-    view: View
-    tensor: torch.Tensor
-    grad: torch.Tensor
-    version: int
+    views: list[list[View | None]]  # (none is None once checked)
+    tensors: list[list[torch.Tensor]]
+    grads: list[list[torch.Tensor]]
+    versions: list[list[int]]
 
+
+_tensor_of = attrgetter("tensor")
+_record_of = attrgetter("record")
+_epoch_of = attrgetter("epoch")
+_private_of = attrgetter("private")
+_pending_of = attrgetter("pending")
+_grad_of = attrgetter("grad")
+_version_of = attrgetter("_version")
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
+_is_sparse = attrgetter("is_sparse")
 
 StartAllReduce = Callable[[torch.Tensor], Callable[[], None]]
 
@@ -162,11 +184,19 @@ class EarlyExchange:
     ``replicas``: the local replicas' views; ``start``: starts a SUM all-reduce of a flat
     buffer in place and returns the function that waits for it; ``device``: where buffers
     travel. ``early``: how many buckets left from the replicas' gradients.
+
+    A gradient's arrival only counts (it comes from a hook, inside backward, once per
+    variable and replica): a variable is ready once every local replica's gradient came, a
+    bucket once all its variables are. A ready bucket's gradients are checked when it is
+    packed, all at once: each replica's view of each variable shares the variable's storage
+    (a private copy, on another device or written, waits for the fold) and holds a dense
+    gradient of its dtype and shape. A bucket that fails the check, and every later one,
+    waits for the sync point.
     """
 
     __slots__ = (
-        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early", "error",
-        "started",
+        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "_waiting",
+        "early", "error", "started",
     )
 
     def __init__(
@@ -177,8 +207,9 @@ class EarlyExchange:
         self._replicas = replicas
         self._start = start
         self._device = device
-        self._missing = [len(bucket) for bucket in plan.buckets]
-        self._sources: list[list[_Source] | None] = [None] * len(plan.numels)
+        self._missing = [len(bucket) for bucket in plan.buckets]  # variables not yet ready
+        self._waiting = [len(replicas)] * len(plan.numels)  # replicas yet to give a gradient
+        self._sources: list[_Sources] = []  # of the buckets that left early, in plan order
         self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
         self.early = 0
         self.error: Exception | None = None  # a collective that failed in a hook
@@ -189,51 +220,70 @@ class EarlyExchange:
 
     def gradient_accumulated(self, view: View) -> None:
         """A local replica's gradient of ``view`` has accumulated: when every local replica
-        now holds one, the variable is ready; start the buckets that are complete, in order.
+        has given one, the variable is ready; start the buckets that are complete, in order.
         (Never raises into the backward: a failed collective waits for the sync point.)"""
-        key = view.record.key
         plan = self._plan
-        j = plan.index.get(key)
-        if (
-            j is None or plan.trainable_records[j] is not view.record  # a key reused
-            or self._sources[j] is not None or self.error is not None
-        ):
+        j = plan.index.get(view.record.key)
+        if j is None:
             return
-        sources = []
-        for views in self._replicas:
-            mine = views.views.get(key)
-            # Only views that share the variable's storage (so its device, dtype and shape):
-            # a private copy (on another device, or written) waits for the fold.
-            if mine is None or mine.private or mine.epoch != views.epoch or mine.pending:
-                return
-            tensor = mine.tensor
-            grad = tensor.grad
-            if (
-                grad is None or grad.is_sparse or tensor.dtype is not plan.dtypes[j]
-                or tensor.shape != plan.slots[j].shape  # set through .data since the plan
-            ):
-                return
-            sources.append(_Source(mine, tensor, grad, grad._version))
-        self._sources[j] = sources
-        self._missing[plan.slots[j].bucket] -= 1
-        buckets = plan.buckets
-        try:
-            while len(self.started) < len(buckets) and not self._missing[len(self.started)]:
-                self._launch(self._pack_early(buckets[len(self.started)]))
-                self.early += 1
+        waiting = self._waiting[j] - 1
+        self._waiting[j] = waiting
+        if waiting:  # other replicas' gradients to come (or a second one: below zero)
+            return
+        b = plan.slots[j].bucket
+        self._missing[b] -= 1
+        if b != self.early or self._missing[b] or self.error is not None:
+            return
+        try:  # this bucket, and the ready ones after it
+            while b < len(plan.buckets) and not self._missing[b]:
+                sources = self._ready_sources(b)
+                if sources is None:  # it waits for the sync point, and the later ones too
+                    self._missing[b] = -1
+                    return
+                self._sources.append(sources)
+                self._launch(self._pack_early(sources))
+                self.early = b = b + 1
         except Exception as error:
             self.error = error
 
-    def _pack_early(self, bucket: list[int]) -> torch.Tensor:
+    def _ready_sources(self, b: int) -> _Sources | None:
+        """Bucket ``b``'s gradients on every local replica, if each may leave early."""
+        plan = self._plan
+        keys, records = plan.bucket_keys[b], plan.bucket_records[b]
+        dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
+        found = _Sources([], [], [], [])
+        for views in self._replicas:
+            mine = list(map(views.views.get, keys))
+            if (
+                not all(map(is_not, mine, repeat(None)))
+                or not all(map(is_, map(_record_of, mine), records))  # a key reused
+                or any(map(_private_of, mine)) or any(map(_pending_of, mine))
+                or list(map(_epoch_of, mine)).count(views.epoch) != len(mine)
+            ):
+                return None
+            tensors = list(map(_tensor_of, mine))
+            grads = list(map(_grad_of, tensors))
+            if (
+                not all(map(is_not, grads, repeat(None))) or any(map(_is_sparse, grads))
+                or list(map(_dtype_of, tensors)) != dtypes
+                or list(map(_shape_of, tensors)) != shapes  # set through .data since the plan
+            ):
+                return None
+            found.views.append(mine)
+            found.tensors.append(tensors)
+            found.grads.append(grads)
+            found.versions.append(list(map(_version_of, grads)))
+        return found
+
+    def _pack_early(self, sources: _Sources) -> torch.Tensor:
         """The bucket's local sum over the replicas, in replica order, as the fold adds."""
-        sources = [s for j in bucket if (s := self._sources[j]) is not None]  # all: complete
         with torch.no_grad():
-            firsts = [s[0].grad for s in sources]
+            firsts = sources.grads[0]
             flat = pack(firsts)
-            if len(self._replicas) > 1:
+            if len(sources.grads) > 1:
                 views = unflatten(flat, firsts)
-                for r in range(1, len(self._replicas)):
-                    torch._foreach_add_(views, [s[r].grad for s in sources])
+                for grads in sources.grads[1:]:
+                    torch._foreach_add_(views, grads)
         return flat
 
     def _launch(self, flat: torch.Tensor) -> None:
@@ -245,25 +295,24 @@ class EarlyExchange:
     def check_sources(self) -> bool:
         """Before the fold: every gradient that left early is still its replica's gradient,
         unchanged (a second backward replaces or moves it)."""
-        for bucket in self._plan.buckets[: self.early]:
-            for j in bucket:
-                for view, tensor, grad, version in self._sources[j] or ():
-                    if (
-                        view.tensor is not tensor or tensor.grad is not grad
-                        or grad._version != version or view.private or view.pending
-                    ):
-                        return False
+        for sources in self._sources:
+            for views, tensors, grads, versions in zip(*sources, strict=True):
+                if (
+                    not all(map(is_, map(_tensor_of, views), tensors))
+                    or not all(map(is_, map(_grad_of, tensors), grads))
+                    or list(map(_version_of, grads)) != versions
+                    or any(map(_private_of, views)) or any(map(_pending_of, views))
+                ):
+                    return False
         return True
 
     def check_fold(self, fresh: Sequence[Any]) -> bool:
         """After the fold, ``fresh`` its gradients per trainable variable: each early one
         began from replica 0's gradient, so nothing else (a gradient that arrived outside
         ``run``, a parameter used directly) was folded in."""
-        for bucket in self._plan.buckets[: self.early]:
-            for j in bucket:
-                sources = self._sources[j]
-                if sources is None or fresh[j] is not sources[0].grad:
-                    return False
+        for bucket, sources in zip(self._plan.buckets, self._sources):  # the early ones
+            if not all(map(is_, map(fresh.__getitem__, bucket), sources.grads[0])):
+                return False
         return True
 
     @property

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ..variables.views import View
 
 _ref = attrgetter("ref")
+_private_of = attrgetter("private")
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
@@ -118,6 +119,8 @@ def _local_writes(store: VariableStore, layout: _Layout) -> dict[int, tuple[int,
     writes: dict[int, tuple[int, bool]] = {}
     index: dict[int, int] | None = None
     for views in store.replicas:
+        if not any(map(_private_of, views.touched)):  # only a private copy can be written
+            continue
         for view in views.touched:
             if not view.written() or view.record.aggregation is VariableAggregation.NONE:
                 continue  # a NONE write has already raised in its replica

@@ -14,13 +14,13 @@ When the sync point happens is the store's business (``store.py``).
 from __future__ import annotations
 
 from itertools import compress, count, repeat
-from operator import attrgetter, is_not
+from operator import attrgetter, call, is_not
 from typing import Any
 
 import torch
 
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
-from .._autograd import grad_of, hooks_of, no_grad, some
+from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
 from .buckets import GradientBuckets
 from .views import View
 
@@ -124,6 +124,8 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     """Add the views' gradients to their central ``.grad`` (in place where it exists: one
     ``_foreach_add_`` per round of gradients); returns the central variables that received
     some. ``distinct``: the views are of different variables (one replica's)."""
+    if distinct and not any(map(_private_of, views)) and not any(map(_pending_of, views)):
+        return _fold_shared(views)
     received: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for n, view in enumerate(views):
@@ -149,6 +151,37 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     for central, total in zip(received, sums):
         central.grad = total
     return received
+
+
+def _fold_shared(views: list[View]) -> list[torch.Tensor]:
+    """``fold_gradients`` of one replica's views that share their variables' storage (so
+    their device and dtype) and hold one gradient each at most: every step of a replica on
+    the parameter device, in passes in C."""
+    tensors = list(map(_tensor_of, views))
+    grads = list(map(grad_of, tensors))
+    have = list(map(is_not, grads, repeat(None)))
+    if not any(have):
+        return []
+    if not all(have):
+        views, tensors, grads = (
+            list(compress(views, have)), list(compress(tensors, have)), list(compress(grads, have))
+        )
+    set_grads(tensors, repeat(None))
+    centrals = list(map(call, map(_ref_of, map(_record_of, views))))
+    if not all(map(is_not, centrals, repeat(None))):  # a variable dying right now
+        alive = list(map(is_not, centrals, repeat(None)))
+        centrals, grads = list(compress(centrals, alive)), list(compress(grads, alive))
+    sums: list[torch.Tensor | None] = list(map(grad_of, centrals))
+    add_in_order(sums, grads)
+    set_grads(centrals, sums)
+    return centrals
+
+
+_private_of = attrgetter("private")
+_pending_of = attrgetter("pending")
+_tensor_of = attrgetter("tensor")
+_record_of = attrgetter("record")
+_ref_of = attrgetter("ref")
 
 
 def _fold_rounds(
@@ -249,6 +282,8 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
     writers: dict[int, list[View]] = {}
     on_read: dict[int, list[tuple[int, View]]] = {}
     for replica, views in enumerate(touched):
+        if not any(map(_private_of, views)):  # only a private copy can be written
+            continue
         for view in views:
             if view.private and (  # view.written(), inlined: this loop visits every view
                 view.assigned or view.tensor._version != view.start_version
@@ -319,9 +354,10 @@ def finish(touched: list[list[View]]) -> None:
     """Close the replicas' views after a sync point: routed copies go back to the shared
     views, and the touched lists are emptied."""
     for views in touched:
-        for view in views:
-            if view.alias is not None:
-                view.tensor, view.alias, view.private = view.alias, None, False
+        if any(map(_private_of, views)):  # (a routed copy is private)
+            for view in views:
+                if view.alias is not None:
+                    view.tensor, view.alias, view.private = view.alias, None, False
         views.clear()
 
 

@@ -88,7 +88,7 @@ class VariableStore:
             for device in placement.storage_devices
         )
         receiver = (
-            weakref.WeakMethod(cast(GradientReceiver, self._on_gradient))
+            weakref.ref(cast(GradientReceiver, self))
             if self._overlaps or exchange.watches_gradients else None
         )
         self.replicas = [
@@ -398,7 +398,7 @@ class VariableStore:
         for views in self.replicas:
             views.epoch += 1
 
-    def _on_gradient(
+    def on_gradient(
         self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
     ) -> None:
         """A view's gradient has accumulated: on a GPU, start its copy to the parameter

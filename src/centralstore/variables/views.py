@@ -28,8 +28,10 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable
-from typing import Any
+from itertools import repeat
+from typing import Any, Protocol
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -38,9 +40,14 @@ from .._aggregation import VariableAggregation
 from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
 
-# Where a view's gradient goes once it has accumulated, with the buckets of the view's
-# replica: the store's receiver, held weakly.
-GradientReceiver = Callable[[GradientBuckets, "View", torch.Tensor], None]
+
+class GradientReceiver(Protocol):
+    """Where a view's gradient goes once it has accumulated, with the buckets of the view's
+    replica: the store, held weakly."""
+
+    def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
+        ...
+
 
 READ, DELTA, ASSIGN = 0, 1, 2
 _DELTA_NAMES = frozenset({"add_", "sub_", "__iadd__", "__isub__"})
@@ -129,11 +136,11 @@ class View:
 
 def _on_gradient(
     view_ref: weakref.ref[View], buckets_ref: weakref.ref[GradientBuckets],
-    receiver_ref: weakref.WeakMethod[GradientReceiver], tensor: torch.Tensor,
+    receiver_ref: weakref.ref[GradientReceiver], tensor: torch.Tensor,
 ) -> None:
     view, buckets, receiver = view_ref(), buckets_ref(), receiver_ref()
     if view is not None and buckets is not None and receiver is not None:
-        receiver(buckets, view, tensor)
+        receiver.on_gradient(buckets, view, tensor)
 
 
 class ReplicaViews:
@@ -146,7 +153,7 @@ class ReplicaViews:
         replica: int,
         device: torch.device,
         num_replicas: int,
-        receiver: weakref.WeakMethod[GradientReceiver] | None,
+        receiver: weakref.ref[GradientReceiver] | None,
         offset: int = 0,
     ) -> None:
         self.records = records
@@ -481,12 +488,16 @@ _PLAIN_CLASS: dict[type, type] = {central: plain for plain, central in _CENTRAL_
 def lend_class(tensors: list[torch.Tensor]) -> None:
     """Give central variables their resolving class for the replica code about to run. A
     tensor of another class (a lazy module's ``UninitializedParameter``, a tensor subclass)
-    cannot take it: ``TypeError``."""
-    for tensor in tensors:
-        cls = _CENTRAL_CLASS.get(type(tensor))
+    cannot take it: ``TypeError``. (Every run lends and takes back the class of each of its
+    variables: the usual case is one pass in C.)"""
+    classes = list(map(_CENTRAL_CLASS.get, map(type, tensors)))
+    if None not in classes:
+        deque(map(setattr, tensors, repeat("__class__"), classes), maxlen=0)
+        return
+    for tensor, cls in zip(tensors, classes, strict=True):
         if cls is not None:
             tensor.__class__ = cls
-        elif type(tensor) not in _PLAIN_CLASS:
+        elif type(tensor) not in _PLAIN_CLASS:  # (one that has the class already passes)
             restore_class(tensors)
             raise TypeError(
                 f"A central variable of class {type(tensor).__name__} cannot be resolved to "
@@ -498,8 +509,11 @@ def lend_class(tensors: list[torch.Tensor]) -> None:
 
 def restore_class(tensors: list[torch.Tensor]) -> None:
     """Central variables back to their plain class, outside replica code."""
-    for tensor in tensors:
-        cls = _PLAIN_CLASS.get(type(tensor))
+    classes = list(map(_PLAIN_CLASS.get, map(type, tensors)))
+    if None not in classes:
+        deque(map(setattr, tensors, repeat("__class__"), classes), maxlen=0)
+        return
+    for tensor, cls in zip(tensors, classes, strict=True):
         if cls is not None:
             tensor.__class__ = cls
 
