@@ -18,6 +18,7 @@ from .variables import folding
 from .variables.views import View
 
 if TYPE_CHECKING:
+    from .variables.buckets import GradientBuckets
     from .variables.store import VariableStore
 
 
@@ -33,7 +34,7 @@ class Workers(abc.ABC):
 
     num_workers: int  # how many worker processes
     worker_index: int  # which one this is (its rank)
-    # whether ``gradient_accumulated`` wants each replica's gradient as backward accumulates it
+    # whether ``on_gradient`` wants each replica's gradient as backward accumulates it
     watches_gradients = False
 
     @abc.abstractmethod
@@ -81,9 +82,12 @@ class Workers(abc.ABC):
 
     # -- defaults ------------------------------------------------------------------------------
 
-    def gradient_accumulated(self, store: VariableStore, view: View) -> None:  # noqa: B027
-        """A replica's gradient has just accumulated on ``view`` while backward runs (called
-        only when ``watches_gradients``): the multi-worker exchange starts its buckets."""
+    def on_gradient(  # noqa: B027
+        self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
+    ) -> None:
+        """A replica's gradient has just accumulated on ``view`` (``tensor``) while backward
+        runs (the views' hooks call it only when ``watches_gradients``): the multi-worker
+        exchange starts its buckets."""
 
 
 @final

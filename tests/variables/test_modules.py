@@ -236,3 +236,43 @@ def test_a_kernel_write_to_a_buffer_that_forbids_writes_raises_and_is_discarded(
         strategy.run(bn, args=(per_replica(x),))
     assert torch.equal(bn.running_mean, torch.zeros(3))
     assert int(bn.num_batches_tracked) == 0  # the whole run was discarded
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["parameters", "tied"])
+def test_shared_views_of_parameters_fill_every_slot_at_once(
+    tied: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas that see views sharing their parameters' storage (a worker process's replica
+    on the parameter device) fill and empty a model of parameters in passes in C
+    (``Filled._fill_all``), and train as one device; a parameter in two slots (tied
+    weights) takes the slot-by-slot path."""
+    from centralstore.variables.modules import Filled
+
+    by_slot: list[int] = []
+    fill = Filled._fill
+    monkeypatch.setattr(
+        Filled, "_fill", lambda self, items: by_slot.append(len(items)) or fill(self, items)
+    )
+
+    def gradients(strategy: cs.Strategy) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+            if tied:
+                model[2].weight = model[0].weight
+        x = torch.randn(4, 3)
+
+        def step(xs: torch.Tensor) -> None:
+            cs.compute_average_loss(model(xs).pow(2).sum(1), global_batch_size=4).backward()
+
+        args = per_replica(x) if strategy.num_replicas_in_sync == 2 else x
+        for _ in range(3):  # the first run makes the views, slot by slot; later ones check them
+            strategy.run(step, args=(args,))
+        return [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+    expected = gradients(cs.OneDeviceStrategy("cpu"))
+    by_slot.clear()
+    got = gradients(strategy_of(2, direct=False))
+    assert by_slot == [4, 4] * (3 if tied else 1), by_slot  # a fill per run and replica
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)

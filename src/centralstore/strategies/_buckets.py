@@ -21,9 +21,10 @@ plan order.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from operator import attrgetter, is_, is_not
+from operator import attrgetter, is_, is_not, setitem
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
@@ -99,7 +100,7 @@ class BucketPlan:
     ``usable`` turns False when early exchanges keep failing their check (``strike``)."""
 
     __slots__ = (
-        "bucket_dtypes", "bucket_keys", "bucket_records", "bucket_shapes", "buckets",
+        "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records", "bucket_shapes", "buckets",
         "devices", "dtypes", "index", "numels", "records", "shapes", "slots", "strikes",
         "trainable_flags", "trainable_records", "usable",
     )
@@ -123,6 +124,7 @@ class BucketPlan:
         for b, bucket in enumerate(self.buckets):
             for j in bucket:
                 self.slots[j] = _Slot(b, trainable[j].shape)
+        self.bucket_of = [slot.bucket for slot in self.slots]  # trainable index -> bucket
         self.numels = [t.numel() for t in trainable]
         self.dtypes = [t.dtype for t in trainable]
         self.devices = [t.device for t in trainable]
@@ -186,17 +188,17 @@ class EarlyExchange:
     travel. ``early``: how many buckets left from the replicas' gradients.
 
     A gradient's arrival only counts (it comes from a hook, inside backward, once per
-    variable and replica): a variable is ready once every local replica's gradient came, a
-    bucket once all its variables are. A ready bucket's gradients are checked when it is
-    packed, all at once: each replica's view of each variable shares the variable's storage
-    (a private copy, on another device or written, waits for the fold) and holds a dense
-    gradient of its dtype and shape. A bucket that fails the check, and every later one,
-    waits for the sync point.
+    variable and replica): a bucket is ready once every local replica's gradient of each of
+    its variables came. Its gradients are checked when it is packed, all at once: each
+    replica's view of each variable shares the variable's storage (a private copy, on
+    another device or written, waits for the fold) and holds a dense gradient of its dtype
+    and shape. A bucket that fails the check, or that counted more arrivals than it has
+    gradients (a second backward), waits for the sync point, and every later one too.
     """
 
     __slots__ = (
-        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "_waiting",
-        "early", "error", "started",
+        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early", "error",
+        "started",
     )
 
     def __init__(
@@ -207,8 +209,8 @@ class EarlyExchange:
         self._replicas = replicas
         self._start = start
         self._device = device
-        self._missing = [len(bucket) for bucket in plan.buckets]  # variables not yet ready
-        self._waiting = [len(replicas)] * len(plan.numels)  # replicas yet to give a gradient
+        # per bucket, the gradients still to come: its variables', on every local replica
+        self._missing = [len(bucket) * len(replicas) for bucket in plan.buckets]
         self._sources: list[_Sources] = []  # of the buckets that left early, in plan order
         self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
         self.early = 0
@@ -219,20 +221,17 @@ class EarlyExchange:
         return self._plan
 
     def gradient_accumulated(self, view: View) -> None:
-        """A local replica's gradient of ``view`` has accumulated: when every local replica
-        has given one, the variable is ready; start the buckets that are complete, in order.
-        (Never raises into the backward: a failed collective waits for the sync point.)"""
+        """A local replica's gradient of ``view`` has accumulated: when its bucket has all
+        of them, start it, and the ready buckets after it, in order. (Never raises into the
+        backward: a failed collective waits for the sync point.)"""
         plan = self._plan
         j = plan.index.get(view.record.key)
         if j is None:
             return
-        waiting = self._waiting[j] - 1
-        self._waiting[j] = waiting
-        if waiting:  # other replicas' gradients to come (or a second one: below zero)
-            return
-        b = plan.slots[j].bucket
-        self._missing[b] -= 1
-        if b != self.early or self._missing[b] or self.error is not None:
+        b = plan.bucket_of[j]
+        missing = self._missing[b] - 1
+        self._missing[b] = missing
+        if missing or b != self.early or self.error is not None:
             return
         try:  # this bucket, and the ready ones after it
             while b < len(plan.buckets) and not self._missing[b]:
@@ -344,8 +343,12 @@ class EarlyExchange:
         where no worker has a gradient."""
         plan = self._plan
         out: list[torch.Tensor | None] = [None] * len(plan.numels)
+        every = all(has_grad)  # the usual case: each piece goes to its place in one C pass
         for bucket, flat, shapes in zip(plan.buckets, self.wait(), plan.shapes, strict=True):
             pieces = unflatten(flat.to(plan.devices[bucket[0]]), shapes)
+            if every:
+                deque(map(setitem, repeat(out), bucket, pieces), maxlen=0)
+                continue
             for j, piece in zip(bucket, pieces, strict=True):
                 if has_grad[j]:
                     out[j] = piece

@@ -60,6 +60,7 @@ from ._buckets import (
 from ._cross_worker import Collectives, Kind, signature
 
 if TYPE_CHECKING:
+    from ..variables.buckets import GradientBuckets
     from ..variables.records import Central
     from ..variables.store import VariableStore
     from ..variables.views import View
@@ -174,7 +175,7 @@ class ProcessGroup(Collectives):
                 self.device,
             )
 
-    def gradient_accumulated(self, store: VariableStore, view: View) -> None:
+    def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
         early = self._early
         if early is not None:
             early.gradient_accumulated(view)

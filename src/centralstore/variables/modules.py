@@ -27,7 +27,10 @@ when it has already reached the parameter, and raises.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, call, is_, is_not, setitem
+from typing import Any, NamedTuple
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -52,6 +55,62 @@ def slots_of(records: dict[int, Central]) -> list[Slot]:
     ]
 
 
+class Slots:
+    """Module slots (``items``) as a run's plan keeps them, with what filling them all at
+    once needs. When every slot holds a module parameter with aggregation NONE (no RNN
+    weight list, no ON_READ variable, no parameter in two slots), a replica whose views all
+    share their variables' storage (every replica of a worker process on the parameter
+    device) fills, checks and empties them in passes in C instead of a loop over slots."""
+
+    __slots__ = ("items", "keys", "names", "records", "refs", "uniform")
+
+    def __init__(self, items: list[Slot]) -> None:
+        self.items = items
+        self.uniform = all(
+            not record.is_buffer and record.aggregation is VariableAggregation.NONE
+            and not record.on_read and not keeps_list
+            for _, _, record, keeps_list in items
+        )
+        self.refs = [ref for ref, _, _, _ in items]
+        self.names = [name for _, name, _, _ in items]
+        self.records = [record for _, _, record, _ in items]
+        self.keys = [record.key for record in self.records]
+        self.uniform = self.uniform and len(set(self.keys)) == len(self.keys)  # none tied
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+_parameters_of = attrgetter("_parameters")
+_tensor_of = attrgetter("tensor")
+_private_of = attrgetter("private")
+_epoch_of = attrgetter("epoch")
+_shape_of = attrgetter("shape")
+_dtype_of = attrgetter("dtype")
+_requires_grad_of = attrgetter("requires_grad")
+_version_of = attrgetter("_version")
+_hooks_of = attrgetter("_backward_hooks")
+_stamp_of = attrgetter("stamp")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _set_all(objects: list[Any], name: str, values: Any) -> None:
+    """``obj.name = value`` for each pair, the loop in C."""
+    deque(map(setattr, objects, repeat(name), values), maxlen=0)
+
+
+class _AllFilled(NamedTuple):
+    """Slots filled all at once: their tables, names, central variables, views, the tensors
+    put in them and those tensors' versions then."""
+
+    tables: list[dict[str, Any]]
+    names: list[str]
+    centrals: list[torch.Tensor]
+    views: list[View]
+    tensors: list[torch.Tensor]
+    versions: list[int]
+
+
 # A filled slot: (its table, its name, the central variable, the view, the tensor put in
 # the slot, that tensor's version then).
 _Entry = tuple[dict[str, Any], str, torch.Tensor, View, torch.Tensor, int]
@@ -60,18 +119,60 @@ _Entry = tuple[dict[str, Any], str, torch.Tensor, View, torch.Tensor, int]
 class Filled:
     """The slots one replica has filled with its views, until ``empty``."""
 
-    __slots__ = ("_entries", "_rnns", "views")
+    __slots__ = ("_all", "_entries", "_rnns", "views")
 
-    def __init__(self, views: ReplicaViews, slots: list[Slot]) -> None:
+    def __init__(self, views: ReplicaViews, slots: Slots) -> None:
         self.views = views
         self._entries: list[_Entry] = []
         self._rnns: list[torch.nn.Module] = []  # modules that keep a list of their weights
+        self._all: _AllFilled | None = None  # slots filled at once (``_fill_all``)
         try:
             with DisableTorchFunctionSubclass():  # the variables' own shapes and versions
-                self._fill(slots)
+                if not (slots.uniform and self._fill_all(slots)):
+                    self._fill(slots.items)
         except BaseException:
             self.empty(check=False)
             raise
+
+    def _fill_all(self, slots: Slots) -> bool:
+        """Fill every slot in passes in C, if each module still holds its parameter and this
+        replica's view of each, not yet current this epoch, shares the parameter's storage
+        and needs nothing from ``ReplicaViews.validate`` but the stamps that make it
+        current. False, with nothing changed, otherwise: ``_fill`` takes them one by one."""
+        replica = self.views
+        modules = list(map(call, slots.refs))
+        if not all(map(is_not, modules, repeat(None))):
+            return False
+        tables: list[dict[str, Any]] = list(map(_parameters_of, modules))
+        centrals: list[Any] = list(map(dict.get, tables, slots.names))
+        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
+            return False
+        views: list[Any] = list(map(replica.views.get, slots.keys))
+        if not all(map(is_not, views, repeat(None))) or any(map(_private_of, views)):
+            return False
+        tensors = list(map(_tensor_of, views))
+        pointers = list(map(_data_ptr, centrals))
+        if (
+            list(map(_epoch_of, views)).count(replica.epoch)
+            or list(map(_shape_of, tensors)) != list(map(_shape_of, centrals))
+            or list(map(_dtype_of, tensors)) != list(map(_dtype_of, centrals))
+            or list(map(_requires_grad_of, tensors)) != list(map(_requires_grad_of, centrals))
+            or list(map(_data_ptr, tensors)) != pointers  # storage replaced (.data = ...)
+            or not all(map(is_, map(_hooks_of, tensors), map(_hooks_of, centrals)))
+        ):
+            return False
+        # what ``validate`` and ``_current`` stamp on a shared view
+        _set_all(views, "central_ptr", pointers)
+        _set_all(views, "stamp", map(_stamp_of, slots.records))
+        _set_all(views, "central_version", map(_version_of, centrals))
+        versions = list(map(_version_of, tensors))
+        _set_all(views, "start_version", versions)
+        _set_all(views, "assigned", repeat(False))
+        _set_all(views, "epoch", repeat(replica.epoch))
+        replica.touched.extend(views)
+        deque(map(setitem, tables, slots.names, tensors), maxlen=0)
+        self._all = _AllFilled(tables, slots.names, centrals, views, tensors, versions)
+        return True
 
     def _fill(self, slots: list[Slot]) -> None:
         replica = self.views
@@ -105,6 +206,9 @@ class Filled:
         code or reached a sync point, so its writes through the slots are recorded (which
         raises for a variable that several replicas may not write); otherwise it failed, and
         the run is discarded."""
+        filled, self._all = self._all, None
+        if filled is not None:
+            self._empty_all(filled, check)
         entries, self._entries = self._entries, []
         for table, name, central, _, tensor, _ in entries:
             if table.get(name) is tensor:
@@ -114,6 +218,21 @@ class Filled:
             _refresh_weight_list(module)
         if check:
             self._record_writes(entries)
+
+    def _empty_all(self, filled: _AllFilled, check: bool) -> None:
+        """``empty`` of slots filled at once: shared views of parameters with aggregation
+        NONE, which no replica may write."""
+        tables, names, centrals, _, tensors, versions = filled
+        if all(map(is_, map(dict.get, tables, names), tensors)):
+            deque(map(setitem, tables, names, centrals), maxlen=0)
+        else:  # the replica's own code replaced some (``functional_call``): those stay
+            for table, name, central, tensor in zip(tables, names, centrals, tensors):
+                if table.get(name) is tensor:
+                    table[name] = central
+        if check and list(map(_version_of, tensors)) != versions:
+            for name, central, tensor, version in zip(names, centrals, tensors, versions):
+                if tensor._version != version:
+                    raise_shared_write(self.views.replica, name, central)
 
     def _record_writes(self, entries: list[_Entry]) -> None:
         views = self.views
@@ -133,12 +252,12 @@ class Filled:
 Replaced = tuple[dict[str, Any], str, Any]
 
 
-def keep_replaced(slots: list[Slot]) -> list[Replaced]:
+def keep_replaced(slots: Slots) -> list[Replaced]:
     """The entries of ``slots`` that replica code replaced (``torch.func.functional_call``,
     a pre-hook), each given back its central variable while the replica waits in a
     rendezvous, so that the next replica does not compute with them."""
     kept: list[Replaced] = []
-    for module_ref, name, record, _ in slots:
+    for module_ref, name, record, _ in slots.items:
         module = module_ref()
         if module is None:
             continue

@@ -31,14 +31,23 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator, Sequence
-from operator import call
-from typing import Protocol, cast, final
+from itertools import repeat
+from operator import call, is_not
+from typing import Any, Protocol, cast, final
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .direct import DirectReplicas, Undo, shared_parameters
-from .modules import Filled, Replaced, keep_replaced, put_back, raise_shared_write, slots_of
+from .modules import (
+    Filled,
+    Replaced,
+    Slots,
+    keep_replaced,
+    put_back,
+    raise_shared_write,
+    slots_of,
+)
 from .records import Central
 from .views import ReplicaViews, lend_class, resolving, restore_class
 
@@ -59,13 +68,14 @@ class Plan:
     use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
     slots such a replica fills (``direct_slots``)."""
 
-    __slots__ = ("direct_slots", "others", "shared", "shared_refs", "slots")
+    __slots__ = ("direct_slots", "others", "others_refs", "shared", "shared_refs", "slots")
 
     def __init__(
         self, records: dict[int, Central], on_parameters: Sequence[bool],
         parameter_storage: torch.device,
     ) -> None:
-        self.slots = slots_of(records)
+        slots = slots_of(records)
+        self.slots = Slots(slots)
         self.shared: list[Central] = []
         if any(on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
@@ -73,7 +83,8 @@ class Plan:
         self.shared_refs = [record.ref for record in self.shared]
         keys = {record.key for record in self.shared}
         self.others = [record for record in records.values() if record.key not in keys]
-        self.direct_slots = [slot for slot in self.slots if slot[2].key not in keys]
+        self.others_refs = [record.ref for record in self.others]
+        self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
 
 
 class Run(abc.ABC):
@@ -279,7 +290,9 @@ class ReplicasRun(Run):
     def __init__(self, store: Store, plan: Plan) -> None:
         self._store = store
         self._plan = plan
-        lent = [t for record in plan.others if (t := record.ref()) is not None]
+        lent: list[Any] = list(map(call, plan.others_refs))
+        if not all(map(is_not, lent, repeat(None))):  # dying right now
+            lent = [t for t in lent if t is not None]
         found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
         if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C

@@ -56,8 +56,9 @@ class Exchange(Protocol):
 
     watches_gradients: bool  # whether it wants each view's gradient as it accumulates
 
-    def gradient_accumulated(self, store: VariableStore, view: View) -> None:
-        """A replica's gradient has just accumulated on ``view`` (while backward runs)."""
+    def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
+        """A replica's gradient has just accumulated on ``view`` (while backward runs): the
+        views' hooks call it directly (it is their ``GradientReceiver``)."""
 
 
 class FoldHook(Protocol):
@@ -87,9 +88,12 @@ class VariableStore:
             folding.overlapped(device, placement.parameter_storage)
             for device in placement.storage_devices
         )
+        # who the views' gradient hooks call: on GPUs, this store (which starts the copies
+        # to the parameter device); across workers, the exchange (which starts its buckets)
         receiver = (
-            weakref.ref(cast(GradientReceiver, self))
-            if self._overlaps or exchange.watches_gradients else None
+            weakref.ref(cast(GradientReceiver, self)) if self._overlaps
+            else weakref.ref(cast(GradientReceiver, exchange)) if exchange.watches_gradients
+            else None
         )
         self.replicas = [
             ReplicaViews(
@@ -401,13 +405,9 @@ class VariableStore:
     def on_gradient(
         self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
     ) -> None:
-        """A view's gradient has accumulated: on a GPU, start its copy to the parameter
-        device, into its replica's ``buckets``, while backward goes on; or let the exchange
-        across workers start its buckets (``Exchange.watches_gradients``)."""
-        if self._overlaps:
-            folding.start_copy(buckets, view, tensor)
-        else:
-            self.exchange.gradient_accumulated(self, view)
+        """A view's gradient has accumulated on a GPU: start its copy to the parameter
+        device, into its replica's ``buckets``, while backward goes on."""
+        folding.start_copy(buckets, view, tensor)
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
         """(Runs that use views.) A backward after ``run`` through one of its ``outputs`` (a
