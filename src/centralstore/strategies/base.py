@@ -16,6 +16,8 @@ import abc
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -228,7 +230,7 @@ class Strategy(abc.ABC):
             if note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
             raise error
-        if run.uses_views:
+        if run.uses_views and any(map(is_not, state.outputs, repeat(None))):
             store.watch([t for t in _tree.leaves(state.outputs) if isinstance(t, torch.Tensor)])
         if local == 1:
             return state.outputs[0]

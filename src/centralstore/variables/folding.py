@@ -14,7 +14,7 @@ When the sync point happens is the store's business (``store.py``).
 from __future__ import annotations
 
 from itertools import compress, count, repeat
-from operator import attrgetter, call, is_not
+from operator import attrgetter, call, is_, is_not
 from typing import Any
 
 import torch
@@ -124,8 +124,11 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     """Add the views' gradients to their central ``.grad`` (in place where it exists: one
     ``_foreach_add_`` per round of gradients); returns the central variables that received
     some. ``distinct``: the views are of different variables (one replica's)."""
-    if distinct and not any(map(_private_of, views)) and not any(map(_pending_of, views)):
-        return _fold_shared(views)
+    if (
+        distinct and not any(map(_pending_of, views))
+        and all(map(is_, map(_alias_of, views), repeat(None)))
+    ):
+        return _fold_one_each(views)
     received: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for n, view in enumerate(views):
@@ -153,10 +156,10 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     return received
 
 
-def _fold_shared(views: list[View]) -> list[torch.Tensor]:
-    """``fold_gradients`` of one replica's views that share their variables' storage (so
-    their device and dtype) and hold one gradient each at most: every step of a replica on
-    the parameter device, in passes in C."""
+def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
+    """``fold_gradients`` of one replica's views that hold one gradient each at most (none
+    in flight from a GPU, no routed copy): every step of a replica without GPU copies, in
+    passes in C."""
     tensors = list(map(_tensor_of, views))
     grads = list(map(grad_of, tensors))
     have = list(map(is_not, grads, repeat(None)))
@@ -170,7 +173,15 @@ def _fold_shared(views: list[View]) -> list[torch.Tensor]:
     centrals = list(map(call, map(_ref_of, map(_record_of, views))))
     if not all(map(is_not, centrals, repeat(None))):  # a variable dying right now
         alive = list(map(is_not, centrals, repeat(None)))
-        centrals, grads = list(compress(centrals, alive)), list(compress(grads, alive))
+        views, centrals, grads = (
+            list(compress(views, alive)), list(compress(centrals, alive)),
+            list(compress(grads, alive)),
+        )
+    if any(map(_private_of, views)):  # a copy's gradient to its variable's device and dtype
+        grads = [
+            g if g.device == c.device and g.dtype == c.dtype else g.to(c.device, c.dtype)
+            for g, c in zip(grads, centrals, strict=True)
+        ]
     sums: list[torch.Tensor | None] = list(map(grad_of, centrals))
     add_in_order(sums, grads)
     set_grads(centrals, sums)
@@ -179,6 +190,7 @@ def _fold_shared(views: list[View]) -> list[torch.Tensor]:
 
 _private_of = attrgetter("private")
 _pending_of = attrgetter("pending")
+_alias_of = attrgetter("alias")
 _tensor_of = attrgetter("tensor")
 _record_of = attrgetter("record")
 _ref_of = attrgetter("ref")
