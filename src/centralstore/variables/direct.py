@@ -19,7 +19,8 @@ keep their views.
 
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import compress, repeat
+from operator import not_
 
 import torch
 
@@ -53,14 +54,15 @@ class Undo:
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._state: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if all(map(_requires_grad, tensors)):  # a model of parameters only: passes in C
+        flags = list(map(_requires_grad, tensors))
+        if all(flags):  # a model of parameters only: passes in C
             learned = tensors
         else:
-            learned = [tensor for tensor in tensors if tensor.requires_grad]
+            learned = list(compress(tensors, flags))
             self._state = [  # frozen weights are not copied
                 (tensor, tensor.detach().clone())
-                for tensor in tensors
-                if not tensor.requires_grad and not isinstance(tensor, torch.nn.Parameter)
+                for tensor in compress(tensors, map(not_, flags))
+                if not isinstance(tensor, torch.nn.Parameter)
             ]
         self._tensors = learned
         self._old: list[torch.Tensor | None] = list(map(_grad, learned))

@@ -21,7 +21,8 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterator
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, call, is_not
 from typing import Any, Protocol, cast
 
 import torch
@@ -296,7 +297,10 @@ class VariableStore:
         refs = self._refs
         if refs is None:
             refs = self._refs = [record.ref for record in self.records.values()]
-        return [tensor for ref in refs if (tensor := ref()) is not None]
+        tensors: list[Any] = list(map(call, refs))
+        if all(map(is_not, tensors, repeat(None))):  # the usual case, passes in C
+            return tensors
+        return [tensor for tensor in tensors if tensor is not None]  # dying right now
 
     def plan(self) -> Plan:
         if self._plan is None:

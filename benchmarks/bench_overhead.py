@@ -1,0 +1,258 @@
+"""What centralstore's own bookkeeping executes per training step: Python calls and lines.
+
+Timings on a shared machine move by several percent from run to run, more than a change to
+the run path saves. The Python a step executes outside the model's own code does not move:
+this script counts it, so that a change to ``run``, the sync point or the optimizer-step
+hooks shows exactly, and so that the tables of the timing scripts can be read against it.
+(It is not a time: Python right after a backward runs several times slower than in a loop,
+and a torch call costs far more than a line; see docs/design.md §7.)
+
+For each model and configuration, one step (after 5 untimed ones) runs under
+``sys.settrace``; the calls and lines of every Python frame are counted, except inside the
+model's forward and backward (one function, ``model_work``, in every configuration), inside
+``zero_grad`` and inside the optimizer's own update (its ``step``, not the wrapper torch puts
+around it, which runs the hooks); centralstore's code that those reach is counted again
+(gradient hooks during backward, calls resolved to replica views), with what it calls.
+``plain`` is the same step in plain PyTorch, so ``cs - plain`` is what centralstore adds:
+its ``run``, its sync points and its hooks. Models, as in
+bench_models.py, at 4 examples per replica: the demo's CNN, GPT-2 tiny and BERT tiny
+(transformers), with AdamW; ``R=2 x4`` accumulates 4 runs of two replicas per optimizer step.
+
+``--workers`` also counts one step of bench_multiworker.py's small transformer on two gloo
+worker processes of one replica each, and DistributedDataParallel's in the same processes
+(the count of worker 0; both workers execute the same code).
+
+``--where CONFIG`` lists the functions that execute the most lines in one configuration
+(for example ``--where "cnn cs R=2"``).
+
+    python benchmarks/bench_overhead.py [--models cnn gpt2 bert] [--workers]
+        [--where "cnn cs R=2"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from bench_models import MODELS
+from torch import nn
+
+import centralstore as cs
+
+PER_REPLICA = 4
+SKIPPED = frozenset({"model_work", "zero_grad"})  # counted neither in plain nor in cs
+SKIPPED_CODE: set[Any] = set()  # code objects skipped too: a model's forward under DDP
+
+Counts = tuple[collections.Counter[str], collections.Counter[str]]  # calls, lines by function
+
+
+def count(step: Callable[[], None]) -> Counts:
+    """The Python calls and lines one ``step`` executes, by function, outside the model's
+    work (``SKIPPED``, ``SKIPPED_CODE``) and the optimizer's own update, except for
+    centralstore's code that these reach (a gradient hook during backward, a call resolved
+    to replica views during forward) and what that calls."""
+    for _ in range(5):
+        step()
+    calls: collections.Counter[str] = collections.Counter()
+    lines: collections.Counter[str] = collections.Counter()
+    counting = [True]  # per running frame: whether it is counted
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if counting[-1]:
+            counted = not (
+                code.co_name in SKIPPED or code in SKIPPED_CODE
+                or (code.co_name == "step" and "torch/optim/" in code.co_filename)
+            )
+        else:
+            counted = "/centralstore/" in code.co_filename
+        counting.append(counted)
+        where = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}"
+        if counted:
+            calls[where] += 1
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line" and counted:
+                lines[where] += 1
+            elif event == "return":
+                counting.pop()
+            return local
+
+        return local
+
+    sys.settrace(tracer)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return calls, lines
+
+
+def make_step(model_name: str, config: str) -> Callable[[], None]:
+    """One optimizer step of ``config`` ("plain", "cs R=1", "cs R=2", "cs R=2 x4")."""
+    build, inputs, per_example = MODELS[model_name]
+    replicas = 1 if config in ("plain", "cs R=1") else 2
+    runs = 4 if config.endswith("x4") else 1
+    global_batch = PER_REPLICA * replicas * runs
+    torch.manual_seed(0)
+    x, y = inputs(global_batch)
+    if config == "plain":
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
+            (per_example(model, xs, ys).sum() / global_batch).backward()  # type: ignore[no-untyped-call]
+
+        def plain_step() -> None:
+            optimizer.zero_grad()
+            model_work(x, y)
+            optimizer.step()
+
+        return plain_step
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    chunks = list(zip(x.chunk(replicas * runs), y.chunk(replicas * runs), strict=True))
+    arguments = [
+        chunks[k] if replicas == 1 else (
+            cs.PerReplica([xs for xs, _ in chunks[2 * k:2 * k + 2]]),
+            cs.PerReplica([ys for _, ys in chunks[2 * k:2 * k + 2]]),
+        )
+        for k in range(runs)
+    ]
+
+    def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        loss = cs.compute_average_loss(per_example(model, xs, ys), global_batch_size=global_batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        for args in arguments:
+            strategy.run(model_work, args=args)
+        optimizer.step()
+
+    return cs_step
+
+
+def worker_counts() -> dict[str, dict[str, Any]]:
+    """(In a worker process started by ``--workers``.) One step of the small transformer
+    with this strategy and with DDP."""
+    from bench_train import Transformer
+
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16, 64), torch.randint(0, 10, (32,))
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
+    rank, world = strategy.worker_index, strategy.num_workers
+    with strategy.scope():
+        model = Transformer()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=32).backward()  # type: ignore[no-untyped-call]
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        strategy.run(model_work, args=inputs)
+        optimizer.step()
+
+    ddp = nn.parallel.DistributedDataParallel(Transformer())
+    ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    share = 32 // world
+    mine = (x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+
+    def ddp_step() -> None:  # DDP's forward wrapper and reducer hooks are counted
+        ddp_optimizer.zero_grad()
+        outputs = ddp(mine[0])
+        model_work_ddp(outputs)
+        ddp_optimizer.step()
+
+    def model_work_ddp(outputs: torch.Tensor) -> None:
+        nn.functional.cross_entropy(outputs, mine[1]).backward()  # type: ignore[no-untyped-call]
+
+    SKIPPED_CODE.add(Transformer.forward.__code__)  # DDP's forward wrapper counts, not it
+    out = {}
+    for name, step in (("cs", cs_step), ("DDP", ddp_step)):
+        calls, lines = count(step)
+        out[name] = {"calls": sum(calls.values()), "lines": sum(lines.values()),
+                     "top": lines.most_common(8)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit"],
+                        default=["cnn", "gpt2", "bert"])
+    parser.add_argument("--workers", action="store_true")
+    parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        result = worker_counts()
+        if os.environ["RANK"] == "0":
+            print(json.dumps(result))
+        return
+    torch.set_num_threads(1)
+    print(f"{'model':<6} {'config':<11} {'calls':>6} {'lines':>6} {'cs - plain calls':>17} "
+          f"{'cs - plain lines':>17}")
+    where: Counts | None = None
+    for model_name in options.models:
+        configs = ["plain", "cs R=1", "cs R=2"] + (["cs R=2 x4"] if model_name == "gpt2" else [])
+        base: tuple[int, int] | None = None
+        for config in configs:
+            calls, lines = count(make_step(model_name, config))
+            totals = (sum(calls.values()), sum(lines.values()))
+            if options.where == f"{model_name} {config}":
+                where = (calls, lines)
+            if base is None:
+                base = totals
+                print(f"{model_name:<6} {config:<11} {totals[0]:>6} {totals[1]:>6}")
+                continue
+            print(f"{model_name:<6} {config:<11} {totals[0]:>6} {totals[1]:>6} "
+                  f"{totals[0] - base[0]:>17} {totals[1] - base[1]:>17}")
+    if where is not None:
+        print(f"\n{options.where}: functions by lines (calls)")
+        for name, n in where[1].most_common(25):
+            print(f"  {n:>5} ({where[0][name]:>3})  {name}")
+    if options.workers:
+        print("\nsmall transformer, 2 gloo workers x 1 replica, worker 0, one step:")
+        print(_launch_workers())
+
+
+def _launch_workers() -> str:
+    from bench_multiworker import _free_port
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in processes]
+    if any(p.returncode for p in processes):
+        raise RuntimeError(f"a worker failed: {[p.returncode for p in processes]}")
+    result = json.loads(outputs[0])
+    rows = [
+        f"  {name:<4} {r['calls']:>6} calls {r['lines']:>6} lines" for name, r in result.items()
+    ]
+    top = "\n".join(f"      {n:>5}  {where}" for where, n in result["cs"]["top"])
+    return "\n".join(rows) + "\n  cs, functions by lines:\n" + top
+
+
+if __name__ == "__main__":
+    main()
