@@ -7,16 +7,17 @@ hooks shows exactly, and so that the tables of the timing scripts can be read ag
 (It is not a time: Python right after a backward runs several times slower than in a loop,
 and a torch call costs far more than a line; see docs/design.md §7.)
 
-For each model and configuration, one step (after 5 untimed ones) runs under
-``sys.settrace``; the calls and lines of every Python frame are counted, except inside the
-model's forward and backward (one function, ``model_work``, in every configuration), inside
-``zero_grad`` and inside the optimizer's own update (its ``step``, not the wrapper torch puts
-around it, which runs the hooks); centralstore's code that those reach is counted again
-(gradient hooks during backward, calls resolved to replica views), with what it calls.
+For each model and configuration of bench_models.py (its steps, at 4 examples per
+replica), one step (after 5 untimed ones) runs under ``sys.settrace``; the calls and lines
+of every Python frame are counted, except inside the model's forward and backward (the
+step's ``replica_step`` or ``plain_loss``, and ``backward``), inside ``zero_grad`` and
+inside the optimizer's own update (its ``step``, not the wrapper torch puts around it, which
+runs the hooks); centralstore's code that those reach is counted again (gradient hooks
+during backward, calls resolved to replica views), with what it calls.
 ``plain`` is the same step in plain PyTorch, so ``cs - plain`` is what centralstore adds:
-its ``run``, its sync points and its hooks. Models, as in
-bench_models.py, at 4 examples per replica: the demo's CNN, GPT-2 tiny and BERT tiny
-(transformers), with AdamW; ``R=2 x4`` accumulates 4 runs of two replicas per optimizer step.
+its ``run``, its sync points and its hooks. Models: the demo's CNN, GPT-2 tiny, BERT tiny
+and ViT tiny (transformers), with AdamW; ``cs R=2 x4`` accumulates 4 runs of two replicas
+per optimizer step.
 
 ``--workers`` also counts one step of bench_multiworker.py's small transformer on two gloo
 worker processes of one replica each, and DistributedDataParallel's in the same processes
@@ -25,7 +26,7 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 ``--where CONFIG`` lists the functions that execute the most lines in one configuration
 (for example ``--where "cnn cs R=2"``).
 
-    python benchmarks/bench_overhead.py [--models cnn gpt2 bert] [--workers]
+    python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit] [--workers]
         [--where "cnn cs R=2"]
 """
 
@@ -42,13 +43,15 @@ from types import FrameType
 from typing import Any
 
 import torch
-from bench_models import MODELS
+from bench_models import make_step
 from torch import nn
 
 import centralstore as cs
 
 PER_REPLICA = 4
-SKIPPED = frozenset({"model_work", "zero_grad"})  # counted neither in plain nor in cs
+# The model's work (bench_models' replica_step and plain_loss, and every backward; here
+# model_work) and zero_grad, counted neither in plain nor in cs
+SKIPPED = frozenset({"replica_step", "plain_loss", "backward", "model_work", "zero_grad"})
 SKIPPED_CODE: set[Any] = set()  # code objects skipped too: a model's forward under DDP
 
 Counts = tuple[collections.Counter[str], collections.Counter[str]]  # calls, lines by function
@@ -94,53 +97,6 @@ def count(step: Callable[[], None]) -> Counts:
     finally:
         sys.settrace(None)
     return calls, lines
-
-
-def make_step(model_name: str, config: str) -> Callable[[], None]:
-    """One optimizer step of ``config`` ("plain", "cs R=1", "cs R=2", "cs R=2 x4")."""
-    build, inputs, per_example = MODELS[model_name]
-    replicas = 1 if config in ("plain", "cs R=1") else 2
-    runs = 4 if config.endswith("x4") else 1
-    global_batch = PER_REPLICA * replicas * runs
-    torch.manual_seed(0)
-    x, y = inputs(global_batch)
-    if config == "plain":
-        model = build()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
-            (per_example(model, xs, ys).sum() / global_batch).backward()  # type: ignore[no-untyped-call]
-
-        def plain_step() -> None:
-            optimizer.zero_grad()
-            model_work(x, y)
-            optimizer.step()
-
-        return plain_step
-    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
-    with strategy.scope():
-        model = build()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    chunks = list(zip(x.chunk(replicas * runs), y.chunk(replicas * runs), strict=True))
-    arguments = [
-        chunks[k] if replicas == 1 else (
-            cs.PerReplica([xs for xs, _ in chunks[2 * k:2 * k + 2]]),
-            cs.PerReplica([ys for _, ys in chunks[2 * k:2 * k + 2]]),
-        )
-        for k in range(runs)
-    ]
-
-    def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        loss = cs.compute_average_loss(per_example(model, xs, ys), global_batch_size=global_batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-
-    def cs_step() -> None:
-        optimizer.zero_grad()
-        for args in arguments:
-            strategy.run(model_work, args=args)
-        optimizer.step()
-
-    return cs_step
 
 
 def worker_counts() -> dict[str, dict[str, Any]]:
@@ -194,7 +150,7 @@ def worker_counts() -> dict[str, dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit"],
-                        default=["cnn", "gpt2", "bert"])
+                        default=["cnn", "gpt2", "bert", "vit"])
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -212,7 +168,7 @@ def main() -> None:
         configs = ["plain", "cs R=1", "cs R=2"] + (["cs R=2 x4"] if model_name == "gpt2" else [])
         base: tuple[int, int] | None = None
         for config in configs:
-            calls, lines = count(make_step(model_name, config))
+            calls, lines = count(make_step(model_name, config, PER_REPLICA, False))
             totals = (sum(calls.values()), sum(lines.values()))
             if options.where == f"{model_name} {config}":
                 where = (calls, lines)

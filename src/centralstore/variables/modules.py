@@ -144,7 +144,10 @@ class Filled:
         if not all(map(is_not, modules, repeat(None))):
             return False
         tables: list[dict[str, Any]] = list(map(_parameters_of, modules))
-        centrals: list[Any] = list(map(dict.get, tables, slots.names))
+        try:
+            centrals: list[Any] = list(map(dict.get, tables, slots.names))
+        except TypeError:  # a module whose table is not a dict
+            return False
         if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
             return False
         views: list[Any] = list(map(replica.views.get, slots.keys))

@@ -66,7 +66,8 @@ class Plan:
     """How the replicas of a run see the records, kept while the records stay the same:
     the module slots (``slots``); the parameters that replicas computing where they live
     use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
-    slots such a replica fills (``direct_slots``)."""
+    slots such a replica fills (``direct_slots``). ``shared_refs`` and ``others_refs`` are
+    the records' weak references, which every run follows in one pass in C."""
 
     __slots__ = ("direct_slots", "others", "others_refs", "shared", "shared_refs", "slots")
 

@@ -8,6 +8,7 @@ inside ``run`` it refuses the step, which would update the variables once per re
 
 from __future__ import annotations
 
+import threading
 import weakref
 from itertools import chain, filterfalse
 from operator import itemgetter
@@ -37,26 +38,29 @@ class Store(Protocol):
 # WeakSet (a Python generator under an iteration guard) cost more than the hooks' own work.
 _stores: tuple[weakref.ref[Store], ...] = ()
 _handle: list[Any] = []
+_lock = threading.RLock()  # (reentrant: a store's finalizer may run inside ``track``)
 _params_of = itemgetter("params")
 
 
 def track(store: Store) -> None:
     """Make optimizer steps sync points for ``store``."""
     global _stores
-    if any(ref() is store for ref in _stores):
-        return
-    _stores = (*_stores, weakref.ref(store))
-    weakref.finalize(store, _release)
-    if not _handle:
-        _handle.append(register_optimizer_step_pre_hook(_before_step))
-        _handle.append(register_optimizer_step_post_hook(_after_step))
+    with _lock:
+        if any(ref() is store for ref in _stores):
+            return
+        _stores = (*_stores, weakref.ref(store))
+        weakref.finalize(store, _release)
+        if not _handle:
+            _handle.append(register_optimizer_step_pre_hook(_before_step))
+            _handle.append(register_optimizer_step_post_hook(_after_step))
 
 
 def _release() -> None:
     global _stores
-    _stores = tuple(ref for ref in _stores if ref() is not None)
-    while not _stores and _handle:
-        _handle.pop().remove()
+    with _lock:
+        _stores = tuple(ref for ref in _stores if ref() is not None)
+        while not _stores and _handle:
+            _handle.pop().remove()
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
