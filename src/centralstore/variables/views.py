@@ -43,7 +43,8 @@ from .records import Central, on_read_reset
 
 class GradientReceiver(Protocol):
     """Where a view's gradient goes once it has accumulated, with the buckets of the view's
-    replica: the store, held weakly."""
+    replica, held weakly: the store on GPUs (it starts the copy to the parameter device),
+    the exchange across workers (it starts its buckets)."""
 
     def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
         ...
