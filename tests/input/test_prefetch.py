@@ -365,12 +365,41 @@ def test_a_thread_that_slows_the_step_hands_the_source_back_in_order() -> None:
         assert wait_until(lambda before=before: input_threads() <= before)
 
 
-def test_a_pass_after_a_failed_trial_never_starts_a_thread() -> None:
+def test_after_a_failed_trial_the_next_waits_64_steps_made_here() -> None:
     verdict = OverlapVerdict()
-    verdict.pays = False
+    verdict.fail()
+    assert (verdict.pays, verdict.wait) == (False, 64)
     taken, iterator, source, _ = trial(away_here=1.0, away_ahead=1.0, verdict=verdict)
-    assert taken == list(range(40)) and not iterator.ahead
+    assert taken == list(range(40)) and not iterator.ahead  # 40 steps: still waiting
     assert set(source.threads) == {threading.current_thread()}
+    assert verdict.wait == 64 - 40
+    taken, iterator, source, _ = trial(away_here=1.0, away_ahead=1.0, verdict=verdict)
+    assert taken == list(range(40))  # the next pass tries again, and it pays now
+    assert iterator.ahead and verdict.pays is True
+    assert source.threads.index(threading.current_thread()) == 0
+    assert source.threads[24:] == [source.threads[-1]] * 16  # moved at step 24 of this pass
+    assert source.threads[-1] is not threading.current_thread()
+
+
+def test_a_step_the_thread_always_slows_meets_trials_ever_further_apart() -> None:
+    moves = []
+    verdict = OverlapVerdict()
+    clock = Clock()
+    source = CallingThreadSource(clock, 1.0, 2_000)
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
+    for step, _ in enumerate(iterator):
+        if iterator.ahead and (not moves or moves[-1][1] != "ahead"):
+            moves.append((step, "ahead"))
+        elif not iterator.ahead and moves and moves[-1][1] == "ahead":
+            moves.append((step, "here"))
+        clock.now += 3.0 if iterator.ahead else 1.0
+    # each trial: 7 steps made ahead, then 64, 128, 256, 512 steps made here before the next
+    assert moves == [
+        (8, "ahead"), (15, "here"), (80, "ahead"), (87, "here"), (216, "ahead"),
+        (223, "here"), (480, "ahead"), (487, "here"), (1000, "ahead"), (1007, "here"),
+    ]
+    assert verdict.failed == 5 and 0 < verdict.wait <= 1024
+    assert source.threads[-1] is threading.current_thread()
 
 
 def test_an_error_around_the_hand_back_reaches_the_consumer_as_the_same_object() -> None:

@@ -29,6 +29,7 @@ _WORTH_S = 1e-4  # and both take this long: two hand-offs cost tens of microseco
 _STREAK = 2  # in this many consecutive steps (one long pause, a collection, is not a step)
 _TRIAL = 6  # steps made ahead, after the first, that decide whether making ahead paid
 _KEPT = 8  # steps made on the calling thread that the trial is compared with
+_RETRY = 64  # steps made on the calling thread after a failed trial before the next one
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
 _EXIT_JOIN_S = 10.0  # how long the exit waits for all of them together
@@ -127,13 +128,28 @@ class PrefetchIterator(Iterator[Any]):
 
 @final
 class OverlapVerdict:
-    """Whether making items ahead paid, once a trial has shown it (None: not yet): kept by
-    the dataset across its passes, so that one trial decides for all of them."""
+    """Whether making items ahead paid, kept by the dataset across its passes.
 
-    __slots__ = ("pays",)
+    ``pays``: None before any trial; True once a trial has shown it, and later passes move
+    without one; False after a trial that did not. A failed trial is not final, since one
+    trial of a few steps can meet a moment of the machine's load: another may start once
+    ``wait`` more steps have been made on the calling thread, a wait that doubles with each
+    failed trial (``failed``), so that a step the thread always slows pays for a number of
+    trials that grows with the logarithm of the steps, not with them.
+    """
+
+    __slots__ = ("failed", "pays", "wait")
 
     def __init__(self) -> None:
         self.pays: bool | None = None
+        self.failed = 0
+        self.wait = 0
+
+    def fail(self) -> None:
+        """A trial did not pay: the next waits twice as long as the last."""
+        self.pays = False
+        self.wait = _RETRY << self.failed
+        self.failed += 1
 
 
 @final
@@ -155,8 +171,10 @@ class OverlapIterator(Iterator[Any]):
     every call, which can cost more than making the item did. So the move is a trial: the
     time from one ``next`` to the next over the first 6 steps made ahead (after the first) is
     compared with that over the last steps made here, and unless it is shorter the source
-    comes back to the calling thread for the rest of the pass. ``verdict`` keeps the outcome
-    for later passes: they move after two steps worth it, or never.
+    comes back to the calling thread. ``verdict`` keeps the outcome for later passes: after a
+    trial that paid they move after two steps worth it; after one that did not, another trial
+    may start once 64 steps have been made here, then 128, 256 and so on (a single trial can
+    meet a moment of load that has nothing to do with the step).
 
     >>> it = OverlapIterator(iter(range(3)), buffer_size=1)
     >>> list(it), it.ahead
@@ -179,7 +197,6 @@ class OverlapIterator(Iterator[Any]):
         self._streak = 0
         self._here: collections.deque[float] = collections.deque(maxlen=_KEPT)  # cycles
         self._trial: list[float] | None = None  # cycles since the move, while on trial
-        self._settled = False  # the trial has ended: no move (back) for the rest of the pass
         self._made: collections.deque[Any] = collections.deque()  # handed back, not taken
         self._ended: _Signal | None = None  # how the source ended while it was made ahead
 
@@ -214,14 +231,16 @@ class OverlapIterator(Iterator[Any]):
         away, making = (start - returned if returned is not None else 0.0), made - start
         if returned is not None:
             self._here.append(made - returned)
+        verdict = self._verdict
+        if verdict.wait:
+            verdict.wait -= 1
         if away * _WORTH >= making and min(away, making) >= _WORTH_S:
             self._streak += 1
-            pays = self._verdict.pays
-            if self._streak >= _STREAK and not self._settled and (
-                pays or (pays is None and len(self._here) == _KEPT)  # a trial needs a baseline
+            if self._streak >= _STREAK and (
+                verdict.pays or (not verdict.wait and len(self._here) == _KEPT)  # a baseline
             ):
                 self._ahead = PrefetchIterator(self._source, self._buffer_size)
-                self._trial = [] if pays is None else None
+                self._trial = None if verdict.pays else []
         else:
             self._streak = 0
         self._returned = made
@@ -238,9 +257,11 @@ class OverlapIterator(Iterator[Any]):
         self._returned = now
         if len(trial) <= _TRIAL:  # the first includes the thread's start
             return
-        pays = statistics.median(trial[1:]) < statistics.median(self._here)
-        self._verdict.pays, self._trial, self._settled = pays, None, True
-        if not pays:
+        self._trial = None
+        if statistics.median(trial[1:]) < statistics.median(self._here):
+            self._verdict.pays = True
+        else:
+            self._verdict.fail()
             made, self._ended = self._ahead.hand_back()
             self._made.extend(made)
             self._ahead = None
