@@ -66,16 +66,15 @@ class Slots:
 
     def __init__(self, items: list[Slot]) -> None:
         self.items = items
-        self.uniform = all(
-            not record.is_buffer and record.aggregation is VariableAggregation.NONE
-            and not record.on_read and not keeps_list
-            for _, _, record, keeps_list in items
-        )
         self.refs = [ref for ref, _, _, _ in items]
         self.names = [name for _, name, _, _ in items]
         self.records = [record for _, _, record, _ in items]
         self.keys = [record.key for record in self.records]
-        self.uniform = self.uniform and len(set(self.keys)) == len(self.keys)  # none tied
+        self.uniform = len(set(self.keys)) == len(self.keys) and all(  # none tied
+            not record.is_buffer and record.aggregation is VariableAggregation.NONE
+            and not record.on_read and not keeps_list
+            for _, _, record, keeps_list in items
+        )
 
     def __len__(self) -> int:
         return len(self.items)

@@ -4,6 +4,10 @@ module slots that hold it."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
+from itertools import repeat
+from operator import call, is_not
+from typing import Any
 
 import torch
 
@@ -99,3 +103,12 @@ def default_buffer_aggregation(buffer: torch.Tensor) -> VariableAggregation:
     if buffer.is_floating_point() or buffer.is_complex():
         return VariableAggregation.MEAN
     return VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def alive(refs: Iterable[weakref.ref[Any]]) -> list[Any]:
+    """The variables that ``refs`` still reach, in order: followed in one pass in C, with a
+    second pass only when one is dying right now."""
+    found: list[Any] = list(map(call, refs))
+    if all(map(is_not, found, repeat(None))):
+        return found
+    return [value for value in found if value is not None]

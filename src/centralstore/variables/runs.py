@@ -31,9 +31,8 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator, Sequence
-from itertools import repeat
-from operator import call, is_not
-from typing import Any, Protocol, cast, final
+from operator import call
+from typing import Protocol, cast, final
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -48,7 +47,7 @@ from .modules import (
     raise_shared_write,
     slots_of,
 )
-from .records import Central
+from .records import Central, alive
 from .views import ReplicaViews, lend_class, resolving, restore_class
 
 
@@ -291,9 +290,7 @@ class ReplicasRun(Run):
     def __init__(self, store: Store, plan: Plan) -> None:
         self._store = store
         self._plan = plan
-        lent: list[Any] = list(map(call, plan.others_refs))
-        if not all(map(is_not, lent, repeat(None))):  # dying right now
-            lent = [t for t in lent if t is not None]
+        lent = alive(plan.others_refs)
         found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
         if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C

@@ -21,8 +21,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterator
-from itertools import repeat
-from operator import attrgetter, call, is_not
+from operator import attrgetter
 from typing import Any, Protocol, cast
 
 import torch
@@ -36,7 +35,13 @@ from .._placement import Placement
 from . import folding, steps, unscoped
 from .buckets import GradientBuckets
 from .modules import record_unseen
-from .records import Central, check_aggregation, check_on_read, default_buffer_aggregation
+from .records import (
+    Central,
+    alive,
+    check_aggregation,
+    check_on_read,
+    default_buffer_aggregation,
+)
 from .runs import EMPTY, DirectRun, OwnRun, Plan, ReplicasRun, Run
 from .views import GradientReceiver, ReplicaViews, View
 
@@ -297,10 +302,7 @@ class VariableStore:
         refs = self._refs
         if refs is None:
             refs = self._refs = [record.ref for record in self.records.values()]
-        tensors: list[Any] = list(map(call, refs))
-        if all(map(is_not, tensors, repeat(None))):  # the usual case, passes in C
-            return tensors
-        return [tensor for tensor in tensors if tensor is not None]  # dying right now
+        return alive(refs)
 
     def plan(self) -> Plan:
         if self._plan is None:
