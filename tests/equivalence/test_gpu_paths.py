@@ -135,6 +135,37 @@ def test_writes_through_data_reach_every_replica(fake_gpu_placement: FakePlaceme
             assert model.weight.is_pinned()  # replaced storage is pinned again
 
 
+@pytest.mark.parametrize("mixed", [False, True])
+def test_each_replica_sees_only_its_own_writes_to_an_integer_buffer(
+    fake_gpu_placement: FakePlacement, mixed: bool,
+) -> None:
+    """``mixed``: replica 0 on ``cpu:0`` beside the parameters, which it uses itself (the
+    buffer too), and replica 1 on ``cuda:0`` with views. (Fake GPUs' tensors are of a
+    subclass, which only views take.) What each replica sees, and the first replica's write
+    kept, are what views give."""
+    compute = ("cpu:0", "cuda:0") if mixed else fake_gpu_placement.compute_devices
+    parameters = "cpu" if mixed else fake_gpu_placement.parameter_device
+    strategy = cs.CentralStorageStrategy(list(compute), parameter_device=parameters)
+    with strategy.scope():
+        holder = nn.Module()
+        holder.register_buffer("count", torch.zeros((), dtype=torch.long))
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    def step() -> None:
+        replica = context().replica_id_in_sync_group
+        seen[replica].append(int(holder.count))
+        holder.count.add_(5 + replica)
+        context().all_reduce("SUM", 1.0)  # a rendezvous: the other replica ran meanwhile
+        seen[replica].append(int(holder.count))
+
+    strategy.run(step)
+    record = strategy._store.record(holder.count)
+    assert record is not None and (record.written or not mixed)  # found after it, if direct
+    strategy.run(step)
+    assert seen == {0: [0, 5, 5, 10], 1: [0, 6, 5, 11]}
+    assert int(holder.count) == 10
+
+
 OPTIMIZERS = [
     name for name in dir(torch.optim)
     if isinstance(getattr(torch.optim, name), type)

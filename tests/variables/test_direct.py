@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import each_path, run_on, strategy_on
 from replicas import context, local, replica_id, strategy_of
 from torch import nn
 
@@ -175,18 +176,105 @@ def test_a_run_with_gradients_in_grad_compares_no_tensor_with_eq(
     assert compared == []
 
 
-def test_a_run_on_parameters_only_takes_no_views_and_one_with_a_buffer_does() -> None:
-    from centralstore.variables.runs import DirectRun, ReplicasRun
+class Counting(nn.Module):
+    """A layer with integer buffers, as transformers' BERT has ``position_ids``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("ids", torch.arange(3))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + self.ids)
+
+
+def modes_of(strategy: cs.Strategy) -> list[str]:
+    modes: list[str] = []
+    strategy.run(lambda: modes.append(type(strategy._store.run).__name__))
+    return modes
+
+
+def test_parameters_and_integer_buffers_take_no_views_and_a_floating_buffer_does() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
-        model = nn.Linear(3, 2)
-    modes: list[type] = []
-    strategy.run(lambda: modes.append(type(strategy._store.run)))
-    assert modes == [DirectRun, DirectRun]
+        model = Counting()
+    assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
-        norm = nn.BatchNorm1d(2)  # a buffer: the replicas must not share its writes
-    modes.clear()
-    strategy.run(lambda: modes.append(type(strategy._store.run)))
-    assert modes == [ReplicasRun, ReplicasRun]
+        norm = nn.BatchNorm1d(2)  # its kernel writes the statistics behind version counters
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
     del model, norm
+
+
+def test_integer_buffers_nothing_writes_are_not_copied_again_by_later_runs() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = Counting()
+    x = cs.PerReplica([torch.ones(2, 3), torch.ones(2, 3)])
+    strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+    copies = strategy._store.plan().copies.copies
+    assert [torch.equal(c, b) for c, b in zip(copies, [model.ids, model.count])] == [True, True]
+    strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+    assert strategy._store.plan().copies.copies is copies
+    model.count.fill_(3)  # written outside run: copied again before the next run
+    strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+    assert strategy._store.plan().copies.copies is not copies
+
+
+def writes_to_a_counter(path: str, fail: bool = False) -> tuple[list[int], list[int], int]:
+    """Each replica adds 5 + its id to an integer buffer, reads it, meets the other in a
+    rendezvous, reads it again, writes it again; ``fail``: the last replica raises at the end.
+    Returns what replicas 0 and 1 saw, in order, and the buffer after two runs."""
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = Counting()
+    seen: dict[int, list[int]] = {0: [], 1: []}
+
+    def step() -> None:
+        replica = replica_id()
+        seen[replica].append(int(model.count))
+        model.count.add_(5 + replica)
+        seen[replica].append(int(model.count))
+        context().all_reduce("SUM", 1.0)
+        seen[replica].append(int(model.count))
+        model.count.add_(1)
+        if fail and replica == 1:
+            raise RuntimeError("the last replica fails")
+
+    for _ in range(2):
+        if fail:
+            with pytest.raises(RuntimeError, match="the last replica fails"):
+                run_on(path, strategy, step)
+        else:
+            run_on(path, strategy, step)
+    return seen[0], seen[1], int(model.count)
+
+
+@each_path
+def test_a_replica_sees_only_its_own_writes_to_an_integer_buffer_and_the_first_one_wins(
+    path: str,
+) -> None:
+    # on the direct paths the first run uses the buffer itself, and the second its views
+    assert writes_to_a_counter(path) == ([0, 5, 5, 6, 11, 11], [0, 6, 6, 6, 12, 12], 12)
+
+
+@each_path
+def test_a_failed_run_leaves_an_integer_buffer_as_before_it(path: str) -> None:
+    assert writes_to_a_counter(path, fail=True) == ([0, 5, 5, 0, 5, 5], [0, 6, 6, 0, 6, 6], 0)
+
+
+def test_an_integer_buffer_a_replica_wrote_is_seen_through_views_from_the_next_run_on() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = Counting()
+    record = strategy._store.record(model.count)
+    assert record is not None and not record.written
+
+    def step() -> None:
+        if replica_id() == 1:
+            model.count.add_(1)
+
+    strategy.run(step)
+    assert record.written and int(model.count) == 1
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
+    assert strategy._store.plan().buffers == [strategy._store.record(model.ids)]

@@ -15,13 +15,14 @@ The modes:
 * ``OwnRun``: one replica computing where every variable lives (R = 1 on the parameter
   device): it uses them directly and keeps only an ``Undo`` record.
 * ``DirectRun``: several replicas, each computing where every variable lives, on variables
-  that are all parameters no replica may write (logical CPU devices with a model of
-  parameters only): every replica uses them directly (``DirectReplicas``), without views.
+  that are all parameters no replica may write and integer buffers no replica has written
+  (logical CPU devices with a model of parameters, position ids and the like): every
+  replica uses them directly (``DirectReplicas``, ``SharedBuffers``), without views.
 * ``ReplicasRun``: several replicas otherwise, or one away from the variables. A replica that
-  computes where the parameters live uses those no replica may write directly
-  (``DirectReplicas``); every other variable, and every variable of the other replicas, is
-  seen through views, in the module slots (``modules.py``) and through the variables' class
-  (``views.py``).
+  computes where the parameters live uses those no replica may write, and the unwritten
+  integer buffers, directly (``DirectReplicas``); every other variable, and every variable
+  of the other replicas, is seen through views, in the module slots (``modules.py``) and
+  through the variables' class (``views.py``).
 
 Replicas run one at a time, so each mode's state is that of the replica holding the baton.
 """
@@ -37,7 +38,14 @@ from typing import Protocol, cast, final
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .direct import DirectReplicas, Undo, shared_parameters
+from .direct import (
+    BufferCopies,
+    DirectReplicas,
+    SharedBuffers,
+    Undo,
+    shared_parameters,
+    unwritten_buffers,
+)
 from .modules import (
     Filled,
     Replaced,
@@ -63,12 +71,16 @@ class Store(Protocol):
 
 class Plan:
     """How the replicas of a run see the records, kept while the records stay the same:
-    the module slots (``slots``); the parameters that replicas computing where they live
-    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
-    slots such a replica fills (``direct_slots``). ``shared_refs`` and ``others_refs`` are
-    the records' weak references, which every run follows in one pass in C."""
+    the module slots (``slots``); the parameters and the integer buffers that replicas
+    computing where they live use directly (``shared``, ``DirectReplicas``; ``buffers``,
+    ``SharedBuffers``, with their values before the run in ``copies``), the other records
+    (``others``) and the slots such a replica fills (``direct_slots``). The ``_refs`` lists
+    are the records' weak references, which every run follows in one pass in C."""
 
-    __slots__ = ("direct_slots", "others", "others_refs", "shared", "shared_refs", "slots")
+    __slots__ = (
+        "buffer_refs", "buffers", "copies", "direct_slots", "others", "others_refs", "shared",
+        "shared_refs", "slots",
+    )
 
     def __init__(
         self, records: dict[int, Central], on_parameters: Sequence[bool],
@@ -77,11 +89,15 @@ class Plan:
         slots = slots_of(records)
         self.slots = Slots(slots)
         self.shared: list[Central] = []
+        self.buffers: list[Central] = []
         if any(on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
                 self.shared = shared_parameters(list(records.values()), parameter_storage)
+                self.buffers = unwritten_buffers(list(records.values()), parameter_storage)
         self.shared_refs = [record.ref for record in self.shared]
-        keys = {record.key for record in self.shared}
+        self.buffer_refs = [record.ref for record in self.buffers]
+        self.copies = BufferCopies()
+        keys = {record.key for record in self.shared + self.buffers}
         self.others = [record for record in records.values() if record.key not in keys]
         self.others_refs = [record.ref for record in self.others]
         self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
@@ -208,13 +224,15 @@ class DirectRun(Run):
     directly, one after another, and finds only its own gradients in ``.grad``
     (``DirectReplicas``). Nothing is lent a class or put in a slot, so a replica's entry
     costs nothing and its exit a version check and, when it left gradients, their removal.
-    ``open`` gives None when a variable has died or is not a plain ``nn.Parameter``: such a
-    run is a ``ReplicasRun``."""
+    ``open`` gives None when a variable has died or is not a plain ``nn.Parameter`` (or, for
+    a buffer, ``torch.Tensor``): such a run is a ``ReplicasRun``."""
 
-    def __init__(self, store: Store, plan: Plan, tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self, store: Store, plan: Plan, tensors: list[torch.Tensor], buffers: SharedBuffers | None
+    ) -> None:
         self._store = store
-        self._slots = plan.slots
-        self._shared = DirectReplicas(tensors)
+        self._plan = plan
+        self._shared = DirectReplicas(tensors, buffers)
         # what each suspended replica's own code had put in module slots (functional_call)
         self._kept: dict[int, list[Replaced]] = {}
 
@@ -225,14 +243,22 @@ class DirectRun(Run):
         tensors = list(map(call, plan.shared_refs))
         if set(map(type, tensors)) != {torch.nn.Parameter}:
             return None
-        return cls(store, plan, cast(list[torch.Tensor], tensors))
+        buffers = None
+        if plan.buffer_refs:
+            found = list(map(call, plan.buffer_refs))
+            if set(map(type, found)) != {torch.Tensor}:
+                return None
+            buffers = SharedBuffers(
+                plan.buffers, cast(list[torch.Tensor], found), plan.copies, store.replicas
+            )
+        return cls(store, plan, cast(list[torch.Tensor], tensors), buffers)
 
     def leave(self, replica: int, finished: bool) -> None:
         if finished:
             _finish_shared(self._store, self._shared, replica)
 
     def suspend(self, replica: int) -> None:
-        self._kept[replica] = keep_replaced(self._slots)
+        self._kept[replica] = keep_replaced(self._plan.slots)
         _park_shared(self._store, self._shared, replica)
 
     def resume(self, replica: int) -> None:
@@ -245,7 +271,7 @@ class DirectRun(Run):
             with resolving(None):
                 yield
         finally:  # the merge's sync point committed what came before
-            self._shared = DirectReplicas(self._shared.tensors)
+            self._shared = self._shared.again()
 
     def commit(self) -> list[torch.Tensor]:
         return self._shared.commit()
@@ -267,6 +293,8 @@ def _finish_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
         _raise_written(store, written, replica)
     if replica < len(store.replicas) - 1:
         shared.park(replica)
+    elif shared.buffers is not None:
+        shared.buffers.take(replica)
 
 
 def _park_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
@@ -298,10 +326,22 @@ class ReplicasRun(Run):
         else:  # dead ones, or another class, which must take the resolving one
             shared = [t for t in found if type(t) is torch.nn.Parameter]
             lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]
+        records, buffers = plan.buffers, cast(list[torch.Tensor], alive(plan.buffer_refs))
+        if len(buffers) != len(records) or set(map(type, buffers)) - {torch.Tensor}:
+            found = list(map(call, plan.buffer_refs))
+            records = [r for r, t in zip(records, found) if type(t) is torch.Tensor]
+            buffers = [t for t in found if type(t) is torch.Tensor]
+            lent += [t for t in found if t is not None and type(t) is not torch.Tensor]
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
-        self._shared = DirectReplicas(shared) if shared else None
-        self.uses_views = bool(lent) or (bool(shared) and not all(store.on_parameters))
+        self._shared: DirectReplicas | None = None
+        if shared or buffers:
+            self._shared = DirectReplicas(shared, SharedBuffers(
+                records, buffers, plan.copies, store.replicas
+            ) if buffers else None)
+        self.uses_views = bool(lent) or (
+            bool(shared or buffers) and not all(store.on_parameters)
+        )
         self._shared_lent = False  # whether the shared parameters have the class now
         self._filled: Filled | None = None
         # what each suspended replica's own code had put in module slots (functional_call)
@@ -358,7 +398,7 @@ class ReplicasRun(Run):
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
-        lent = self._lent + (self._shared.tensors if self._shared_lent and self._shared else [])
+        lent = self._lent + (self._shared.used if self._shared_lent and self._shared else [])
         restore_class(lent)
         try:
             with resolving(None):
@@ -366,14 +406,14 @@ class ReplicasRun(Run):
         finally:
             lend_class(lent)
             if self._shared is not None:  # the merge's sync point committed what came before
-                self._shared = DirectReplicas(self._shared.tensors)
+                self._shared = self._shared.again()
 
     def _lend_shared(self, lent: bool) -> None:
         """Give the shared parameters the resolving class (for a replica that sees views of
         them), or take it back (for one that uses them directly)."""
         if lent == self._shared_lent or self._shared is None:
             return
-        tensors = self._shared.tensors
+        tensors = self._shared.used
         if lent:
             lend_class(tensors)  # their class was checked when the run began
         else:
@@ -395,7 +435,7 @@ class ReplicasRun(Run):
             self._filled = None
         restore_class(self._lent)
         if self._shared is not None and self._shared_lent:
-            restore_class(self._shared.tensors)
+            restore_class(self._shared.used)
         self._shared_lent = False
 
 
