@@ -6,6 +6,8 @@ beside the CPU torch, so the vision transformer is transformers' ``ViTConfig``):
   bert   BERT tiny (BertConfig: 2 layers, d = 64, 4 heads, feed-forward 128), 10 classes
   vit    ViT tiny (ViTConfig: 32x32 images, patches of 8, 2 layers, d = 64), 10 classes
   cnn    the demo's CNN (``centralstore.demo.job.make_model``) on 8x8 digits
+  bn     ten 3x3 convolutions of 8 channels, each with ``BatchNorm2d``, on 8x8 images: the
+         running statistics and counters of a ResNet-like network (30 buffers)
 each at P examples per replica, eager and with the forward and loss ``torch.compile``d
 (static shapes, a code object per configuration, as in ``bench_train.py``). Configurations,
 all with AdamW and the loss scaled by the global batch:
@@ -36,10 +38,10 @@ CPU time by default (``--clock wall`` for wall-clock time): on a machine with se
 more runnable threads than cores, wall-clock time measures the neighbours.
 
     python benchmarks/bench_models.py [--rounds 5] [--steps 20] [--sizes 4]
-        [--compiled-sizes 4] [--models gpt2 bert vit cnn] [--compiled-models gpt2]
+        [--compiled-sizes 4] [--models gpt2 bert vit cnn bn] [--compiled-models gpt2]
         [--threads 1] [--clock cpu]
 
-The defaults time 6 groups of configurations (four models eager, GPT-2 compiled, GPT-2
+The defaults time 7 groups of configurations (five models eager, GPT-2 compiled, GPT-2
 accumulating); ``--sizes 2 8 --compiled-models gpt2 bert vit`` covers more, at several times
 the runtime (each compilation takes tens of seconds).
 """
@@ -95,6 +97,13 @@ def _vit() -> nn.Module:
     ))
 
 
+def _batch_norm_cnn() -> nn.Module:
+    layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1)]
+    for _ in range(10):
+        layers += [nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+
 def _token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view(
@@ -132,6 +141,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = 
     "bert": (_bert, _classes((SEQUENCE,), integer=True), _class_loss("input_ids")),
     "vit": (_vit, _classes((3, 32, 32)), _class_loss("pixel_values")),
     "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),
+    "bn": (_batch_norm_cnn, _classes((3, 8, 8)), _cnn_loss),
 }
 CONFIGS = ("plain", "cs R=1", "whole", "halves", "cs R=2")
 COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's

@@ -16,8 +16,8 @@ runs the hooks); centralstore's code that those reach is counted again (gradient
 during backward, calls resolved to replica views), with what it calls.
 ``plain`` is the same step in plain PyTorch, so ``cs - plain`` is what centralstore adds:
 its ``run``, its sync points and its hooks. Models: the demo's CNN, GPT-2 tiny, BERT tiny
-and ViT tiny (transformers), with AdamW; ``cs R=2 x4`` accumulates 4 runs of two replicas
-per optimizer step.
+and ViT tiny (transformers) and a CNN of ten batch-norm layers, with AdamW; ``cs R=2 x4``
+accumulates 4 runs of two replicas per optimizer step.
 
 ``--workers`` also counts one step of bench_multiworker.py's small transformer on two gloo
 worker processes of one replica each, and DistributedDataParallel's in the same processes
@@ -26,7 +26,7 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 ``--where CONFIG`` lists the functions that execute the most lines in one configuration
 (for example ``--where "cnn cs R=2"``).
 
-    python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit] [--workers]
+    python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"]
 """
 
@@ -149,8 +149,8 @@ def worker_counts() -> dict[str, dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit"],
-                        default=["cnn", "gpt2", "bert", "vit"])
+    parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit", "bn"],
+                        default=["cnn", "gpt2", "bert", "vit", "bn"])
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -195,15 +195,17 @@ def modes_of(strategy: cs.Strategy) -> list[str]:
     return modes
 
 
-def test_parameters_and_integer_buffers_take_no_views_and_a_floating_buffer_does() -> None:
+def test_parameters_integer_buffers_and_statistics_take_no_views_and_other_buffers_do() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
         model = Counting()
+        norm = nn.BatchNorm1d(2)  # running statistics and num_batches_tracked
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
-        norm = nn.BatchNorm1d(2)  # its kernel writes the statistics behind version counters
+        masked = nn.Module()
+        masked.register_buffer("mask", torch.ones(3))  # a floating buffer of another kind
     assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
-    del model, norm
+    del model, norm, masked
 
 
 def test_integer_buffers_nothing_writes_are_not_copied_again_by_later_runs() -> None:
@@ -211,14 +213,14 @@ def test_integer_buffers_nothing_writes_are_not_copied_again_by_later_runs() -> 
     with strategy.scope():
         model = Counting()
     x = cs.PerReplica([torch.ones(2, 3), torch.ones(2, 3)])
+    groups = strategy._store.plan().buffers
+    assert groups is not None
     strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
-    copies = strategy._store.plan().copies.copies
-    assert [torch.equal(c, b) for c, b in zip(copies, [model.ids, model.count])] == [True, True]
+    before = groups.integers_before([model.ids, model.count])
     strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
-    assert strategy._store.plan().copies.copies is copies
+    assert groups.integers_before([model.ids, model.count]) is before
     model.count.fill_(3)  # written outside run: copied again before the next run
-    strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
-    assert strategy._store.plan().copies.copies is not copies
+    assert groups.integers_before([model.ids, model.count]) is not before
 
 
 def writes_to_a_counter(path: str, fail: bool = False) -> tuple[list[int], list[int], int]:
@@ -263,18 +265,58 @@ def test_a_failed_run_leaves_an_integer_buffer_as_before_it(path: str) -> None:
     assert writes_to_a_counter(path, fail=True) == ([0, 5, 5, 0, 5, 5], [0, 6, 6, 0, 6, 6], 0)
 
 
-def test_an_integer_buffer_a_replica_wrote_is_seen_through_views_from_the_next_run_on() -> None:
-    strategy = strategy_of(2)
+def normalized(strategy: cs.Strategy) -> nn.Sequential:
+    torch.manual_seed(0)
     with strategy.scope():
-        model = Counting()
-    record = strategy._store.record(model.count)
-    assert record is not None and not record.written
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2),
+            nn.BatchNorm1d(2, momentum=None),  # a cumulative average: num_batches_tracked
+        )
 
-    def step() -> None:
-        if replica_id() == 1:
-            model.count.add_(1)
 
-    strategy.run(step)
-    assert record.written and int(model.count) == 1
-    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
-    assert strategy._store.plan().buffers == [strategy._store.record(model.ids)]
+def statistics_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor]:
+    """Three steps of a model with batch norm; ``write``: what the replicas do besides
+    (``skip``: the last one makes no forward; ``add``: each adds to a statistic in
+    place; ``fail``: the last one raises after its forward, in the second step; ``eval``:
+    the model evaluates in the second step; ``merge``: a ``merge_call`` between two
+    forwards)."""
+    strategy = strategy_on(path, replicas)
+    model = normalized(strategy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2 * replicas, 3, 4, 4)
+
+    def step(xs: torch.Tensor, second: bool) -> None:
+        replica = replica_id()
+        if write == "skip" and replica == replicas - 1:
+            return
+        model(xs).pow(2).mean().backward()
+        if write == "add":
+            model[1].running_mean.add_(replica + 0.1)  # a change, not an assignment
+        if write == "fail" and second and replica == replicas - 1:
+            raise RuntimeError("the last replica fails")
+        if write == "merge":  # a sync point inside the run, then the replicas run on
+            context().merge_call(lambda strategy: None)
+            model(xs * 2).pow(2).mean().backward()
+
+    for second in (False, True, False):
+        model.train(not (write == "eval" and second))
+        optimizer.zero_grad()
+        try:
+            run_on(path, strategy, step, args=(cs.PerReplica(list(x.chunk(replicas))), second))
+        except RuntimeError:
+            assert write == "fail"
+        optimizer.step()
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@each_path
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge"])
+def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
+    path: str, replicas: int, write: str,
+) -> None:
+    got = statistics_after(path, replicas, write)
+    want = statistics_after("views", replicas, write)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

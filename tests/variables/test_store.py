@@ -599,9 +599,10 @@ def test_an_optimizer_step_syncs_only_the_strategies_that_own_its_parameters() -
 # -- nothing leaks ---------------------------------------------------------------------------
 
 
-def _step_once(strategy: cs.Strategy, replicas: int) -> list[weakref.ref[Any]]:
+def _step_once(strategy: cs.Strategy, replicas: int, views: bool) -> list[weakref.ref[Any]]:
     """Build a model and its optimizer in scope, step them once, drop them; weak references
-    to them, a parameter and every replica view."""
+    to them, a parameter, a running statistic and every replica view (``views``: whether
+    the replicas see views)."""
     with strategy.scope():
         model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
         optimizer = torch.optim.Adam(model.parameters())
@@ -613,15 +614,18 @@ def _step_once(strategy: cs.Strategy, replicas: int) -> list[weakref.ref[Any]]:
     x = torch.randn(4, 4)
     strategy.run(step, args=(halves(x) if replicas == 2 else x,))
     optimizer.step()
-    views = [view for r in strategy._store.replicas for view in r.views.values()]
-    assert bool(views) == (replicas > 1)  # one replica uses the variables directly
-    return [weakref.ref(o) for o in (model, optimizer, model[0].weight, *views)]
+    seen = [view for r in strategy._store.replicas for view in r.views.values()]
+    assert bool(seen) == views
+    return [
+        weakref.ref(o)
+        for o in (model, optimizer, model[0].weight, model[1].running_mean, *seen)
+    ]
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int) -> None:
-    strategy = strategy_of(replicas)
-    refs = _step_once(strategy, replicas)
+@pytest.mark.parametrize(("replicas", "direct"), [(1, True), (2, True), (2, False)])
+def test_dropped_models_optimizers_and_strategies_are_freed(replicas: int, direct: bool) -> None:
+    strategy = strategy_of(replicas, direct=direct)
+    refs = _step_once(strategy, replicas, views=not direct)
     gc.collect()
     assert [r() for r in refs] == [None] * len(refs)
     strategy_ref, store_ref = weakref.ref(strategy), weakref.ref(strategy._store)

@@ -13,17 +13,18 @@ Several replicas in one process that compute where the parameters live (logical 
 or the GPU that holds them) also use directly the parameters that no replica may write
 (``DirectReplicas``), one after another on the calling thread, with ``.grad`` holding one
 replica's gradients at a time: no views, slots or folding for them, and a ``torch.compile``d
-model sees the same parameters in every replica. So do they use the integer buffers that no
-replica has written yet (``SharedBuffers``: position ids, a counter), whose write, rare, is
-found after it and moved to the writer's view. Floating buffers (batch norm's statistics,
-which its kernel writes behind the version counter) and variables whose writes aggregate
+model sees the same parameters in every replica. Where every replica does (``DirectRun``),
+they share the integer buffers and batch norm's running statistics too, each finding them as
+before the run (``direct_buffers.py``). Other buffers and variables whose writes aggregate
 keep their views.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import compress, repeat
 from operator import not_
+from typing import Protocol
 
 import torch
 
@@ -36,7 +37,6 @@ from .._autograd import some as _any
 from .._autograd import version_of as _version
 from .folding import HeldHooks, add_in_order, all_dense
 from .records import Central
-from .views import ReplicaViews, View
 
 _NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
 
@@ -117,115 +117,16 @@ def shared_parameters(records: list[Central], storage: torch.device) -> list[Cen
     ]
 
 
-def unwritten_buffers(records: list[Central], storage: torch.device) -> list[Central]:
-    """The module buffers that replicas computing on ``storage`` use directly in a run of
-    several: integer ones stored there that take the first replica's write (their default
-    aggregation) and that no replica has written in a run yet (``Central.written``). Their
-    writes move version counters (the kernel that writes behind them, batch norm's, writes
-    floating statistics), so a write is found after it (``SharedBuffers``). A write through
-    ``.data`` moves none: it applies at once, as on one device."""
-    return [
-        record
-        for record in records
-        if record.owners
-        and record.is_buffer
-        and not record.written
-        and not record.on_read
-        and record.aggregation is VariableAggregation.ONLY_FIRST_REPLICA
-        and (tensor := record.ref()) is not None
-        and not (tensor.is_floating_point() or tensor.is_complex())
-        and tensor.device == storage
-    ]
+class SharedBuffers(Protocol):
+    """Buffers that the replicas of a run share (``direct_buffers.py``)."""
 
+    tensors: list[torch.Tensor]
 
-class BufferCopies:
-    """The values of the shared buffers before a run, copied again only when a buffer's
-    version counter or storage moved since (a plan keeps them across runs, so that a run of
-    buffers nothing writes copies nothing). ``outdated``: some buffer was written in a run,
-    and the plan must be made again without it."""
-
-    __slots__ = ("_stamps", "copies", "outdated")
-
-    def __init__(self) -> None:
-        self.copies: list[torch.Tensor] = []
-        self._stamps: tuple[list[int], list[int]] | None = None
-        self.outdated = False
-
-    def of(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        stamps = (list(map(_version, tensors)), list(map(torch.Tensor.data_ptr, tensors)))
-        if stamps != self._stamps:
-            with no_grad(), torch.inference_mode(False):
-                self.copies = [tensor.detach().clone() for tensor in tensors]
-            self._stamps = stamps
-        return self.copies
-
-
-class SharedBuffers:
-    """The integer buffers that the replicas of a run use directly (``unwritten_buffers``).
-
-    A replica's write is found by the version counters when the replica finishes or waits in
-    a rendezvous (``take``): the value it wrote moves to the replica's view of the buffer,
-    which the sync point folds as any replica's write (``folding.apply_writes``), and the
-    buffer gets back its value from before the run, so that the next replica does not see
-    the write, as with views. A replica that runs on after a rendezvous finds its write again
-    (``put_back``). The buffer is marked written: later runs see it through views, which
-    record each write as it happens.
-    """
-
-    __slots__ = ("_copier", "_copies", "_replicas", "_versions", "_views", "records", "tensors")
-
-    def __init__(
-        self, records: list[Central], tensors: list[torch.Tensor], copies: BufferCopies,
-        replicas: list[ReplicaViews],
-    ) -> None:
-        self.tensors = tensors
-        self.records = records
-        self._copier = copies
-        self._copies = copies.of(tensors)
-        self._versions = list(map(_version, tensors))
-        self._replicas = replicas
-        self._views: dict[tuple[int, int], View] = {}  # (replica, index) -> its write
-
-    def again(self) -> SharedBuffers:
-        """The same buffers, used afresh from a sync point on (a merge's)."""
-        return SharedBuffers(self.records, self.tensors, self._copier, self._replicas)
-
-    def take(self, replica: int) -> None:
-        """Replica ``replica`` finished or waits: what it wrote goes to its views."""
-        if list(map(_version, self.tensors)) == self._versions:
-            return
-        views = self._replicas[replica]
-        with no_grad(), torch.inference_mode(False):
-            for index, (tensor, version) in enumerate(zip(self.tensors, self._versions)):
-                if tensor._version == version:
-                    continue
-                record = self.records[index]
-                record.written = self._copier.outdated = True
-                view = self._views.get((replica, index))
-                written = tensor.detach().clone()
-                tensor.copy_(self._copies[index])
-                if view is None:  # a private copy of the value before the run
-                    view = views.validate(record, tensor, views.views.get(record.key))
-                    self._views[replica, index] = view
-                view.tensor.copy_(written)  # written, by its version counter
-        self._versions = list(map(_version, self.tensors))
-
-    def put_back(self, replica: int) -> None:
-        """Replica ``replica`` runs on after a rendezvous: its writes are back in the buffers
-        (their version counters move, so ``take`` finds them again)."""
-        if self._views:
-            with no_grad(), torch.inference_mode(False):
-                for (writer, index), view in self._views.items():
-                    if writer == replica:
-                        self.tensors[index].copy_(view.tensor)
-
-    def restore(self) -> None:
-        """The run failed: each buffer as before it (the views' writes are discarded)."""
-        with no_grad(), torch.inference_mode(False):
-            for tensor, copy, version in zip(self.tensors, self._copies, self._versions):
-                if tensor._version != version:
-                    tensor.copy_(copy)
-        self._views = {}
+    def take(self, replica: int, last: bool) -> None: ...
+    def put_back(self, replica: int) -> None: ...
+    def commit(self) -> None: ...
+    def restore(self) -> None: ...
+    def again(self) -> SharedBuffers: ...
 
 
 class DirectReplicas:
@@ -238,14 +139,14 @@ class DirectReplicas:
     The sync point adds them, in replica order, to the set-aside gradients, in place where
     those exist (commit), or puts the set-aside gradients back untouched (rollback). No
     replica may write these parameters: a moved version counter raises when the replica
-    finishes or hands the baton on. ``buffers``: the integer buffers used directly too.
+    finishes or hands the baton on. ``buffers``: the buffers they share too, if any.
     """
 
-    __slots__ = (
-        "_grads", "_held", "_hooks", "_old", "_open", "_versions", "buffers", "tensors",
-    )
+    __slots__ = ("_grads", "_held", "_hooks", "_old", "_open", "_versions", "buffers", "tensors")
 
-    def __init__(self, tensors: list[torch.Tensor], buffers: SharedBuffers | None = None) -> None:
+    def __init__(
+        self, tensors: list[torch.Tensor], buffers: Sequence[SharedBuffers] = ()
+    ) -> None:
         self.tensors = tensors
         self.buffers = buffers
         self._versions = list(map(_version, tensors))
@@ -260,12 +161,7 @@ class DirectReplicas:
     def again(self) -> DirectReplicas:
         """The same variables, used afresh from a sync point on (a merge's, which committed
         what came before)."""
-        return DirectReplicas(self.tensors, self.buffers and self.buffers.again())
-
-    @property
-    def used(self) -> list[torch.Tensor]:
-        """Every variable used directly: the parameters, then the buffers."""
-        return self.tensors if self.buffers is None else self.tensors + self.buffers.tensors
+        return DirectReplicas(self.tensors, [shared.again() for shared in self.buffers])
 
     def written(self) -> torch.Tensor | None:
         """A parameter whose version counter moved since the run began, if any."""
@@ -283,17 +179,23 @@ class DirectReplicas:
         if _any(grads):
             set_grads(self.tensors, repeat(None))
             self._grads[replica] = grads
-        if self.buffers is not None:  # what it wrote to them moves to its views
-            self.buffers.take(replica)
+        for shared in self.buffers:
+            shared.take(replica, last=False)
+
+    def finish(self, replica: int) -> None:
+        """The last replica finished: its gradients stay in ``.grad`` for the sync point,
+        its values in the shared buffers."""
+        for shared in self.buffers:
+            shared.take(replica, last=True)
 
     def unpark(self, replica: int) -> None:
-        """Replica ``replica`` runs on: its own gradients, and its writes to the shared
+        """Replica ``replica`` runs on: its own gradients, and its values of the shared
         buffers, are back."""
         grads = self._grads.pop(replica, None)
         if grads is not None:
             set_grads(self.tensors, grads)
-        if self.buffers is not None:
-            self.buffers.put_back(replica)
+        for shared in self.buffers:
+            shared.put_back(replica)
 
     def commit(self) -> list[torch.Tensor]:
         """Each replica's gradients, in replica order, added to the set-aside ones (in
@@ -301,6 +203,8 @@ class DirectReplicas:
         Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
+        for shared in self.buffers:
+            shared.commit()
         taken = [self._grads[r] for r in sorted(self._grads)]
         if self._held:
             sums = list(self._old)
@@ -352,8 +256,8 @@ class DirectReplicas:
         if not self._open:
             return
         set_grads(self.tensors, self._old)
-        if self.buffers is not None:
-            self.buffers.restore()
+        for shared in self.buffers:
+            shared.restore()
         self._forget()
 
     def _forget(self) -> None:

@@ -26,14 +26,11 @@ class Central:
     their reduction, updated at each sync point. ``synced`` stamps the central value (its
     version and storage) as the copies last agreed with it; a central value written since
     (in cross-replica context: ``assign``, ``load_state_dict``) starts a new ``generation``,
-    whose copies each begin from ``reset`` (TensorFlow's rule, ``on_read_reset``).
-
-    ``written``: a buffer that a replica wrote in place during a run, seen through views
-    from then on (replicas use integer buffers nothing writes directly: ``direct.py``)."""
+    whose copies each begin from ``reset`` (TensorFlow's rule, ``on_read_reset``)."""
 
     __slots__ = (
         "aggregation", "generation", "is_buffer", "key", "on_read", "owners", "ref", "reset",
-        "stamp", "synced", "written",
+        "stamp", "synced",
     )
 
     def __init__(
@@ -50,7 +47,6 @@ class Central:
         self.synced: tuple[int, int] | None = None
         self.generation = 0
         self.reset: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.written = False
 
     def add_owner(self, module: torch.nn.Module, name: str) -> bool:
         """Note that ``module`` holds this variable as ``name``; False if already known."""

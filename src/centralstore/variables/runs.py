@@ -15,14 +15,14 @@ The modes:
 * ``OwnRun``: one replica computing where every variable lives (R = 1 on the parameter
   device): it uses them directly and keeps only an ``Undo`` record.
 * ``DirectRun``: several replicas, each computing where every variable lives, on variables
-  that are all parameters no replica may write and integer buffers no replica has written
-  (logical CPU devices with a model of parameters, position ids and the like): every
-  replica uses them directly (``DirectReplicas``, ``SharedBuffers``), without views.
+  that are parameters no replica may write, integer buffers and batch norm's running
+  statistics (logical CPU devices, usual models): every replica uses them directly
+  (``DirectReplicas``, ``direct_buffers.py``), without views.
 * ``ReplicasRun``: several replicas otherwise, or one away from the variables. A replica that
-  computes where the parameters live uses those no replica may write, and the unwritten
-  integer buffers, directly (``DirectReplicas``); every other variable, and every variable
-  of the other replicas, is seen through views, in the module slots (``modules.py``) and
-  through the variables' class (``views.py``).
+  computes where the parameters live uses those no replica may write directly
+  (``DirectReplicas``); every other variable, and every variable of the other replicas, is
+  seen through views, in the module slots (``modules.py``) and through the variables' class
+  (``views.py``).
 
 Replicas run one at a time, so each mode's state is that of the replica holding the baton.
 """
@@ -38,14 +38,8 @@ from typing import Protocol, cast, final
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .direct import (
-    BufferCopies,
-    DirectReplicas,
-    SharedBuffers,
-    Undo,
-    shared_parameters,
-    unwritten_buffers,
-)
+from .direct import DirectReplicas, SharedBuffers, Undo, shared_parameters
+from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics
 from .modules import (
     Filled,
     Replaced,
@@ -71,15 +65,16 @@ class Store(Protocol):
 
 class Plan:
     """How the replicas of a run see the records, kept while the records stay the same:
-    the module slots (``slots``); the parameters and the integer buffers that replicas
-    computing where they live use directly (``shared``, ``DirectReplicas``; ``buffers``,
-    ``SharedBuffers``, with their values before the run in ``copies``), the other records
-    (``others``) and the slots such a replica fills (``direct_slots``). The ``_refs`` lists
-    are the records' weak references, which every run follows in one pass in C."""
+    the module slots (``slots``); the parameters that replicas computing where they live
+    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
+    slots such a replica fills (``direct_slots``). ``shared_refs`` and ``others_refs`` are
+    the records' weak references, which every run follows in one pass in C. When every
+    replica computes where the variables live, ``buffers`` are the others that they may
+    share as well, and ``direct`` says whether those are all the others (``DirectRun``)."""
 
     __slots__ = (
-        "buffer_refs", "buffers", "copies", "direct_slots", "others", "others_refs", "shared",
-        "shared_refs", "slots",
+        "buffers", "direct", "direct_slots", "others", "others_refs", "shared", "shared_refs",
+        "slots",
     )
 
     def __init__(
@@ -89,18 +84,19 @@ class Plan:
         slots = slots_of(records)
         self.slots = Slots(slots)
         self.shared: list[Central] = []
-        self.buffers: list[Central] = []
         if any(on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
                 self.shared = shared_parameters(list(records.values()), parameter_storage)
-                self.buffers = unwritten_buffers(list(records.values()), parameter_storage)
         self.shared_refs = [record.ref for record in self.shared]
-        self.buffer_refs = [record.ref for record in self.buffers]
-        self.copies = BufferCopies()
-        keys = {record.key for record in self.shared + self.buffers}
+        keys = {record.key for record in self.shared}
         self.others = [record for record in records.values() if record.key not in keys]
         self.others_refs = [record.ref for record in self.others]
         self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
+        self.buffers: BufferGroups | None = None
+        if all(on_parameters):
+            with DisableTorchFunctionSubclass():
+                self.buffers = BufferGroups(self.others, parameter_storage)
+        self.direct = self.buffers is not None and len(self.buffers.records) == len(self.others)
 
 
 class Run(abc.ABC):
@@ -224,33 +220,39 @@ class DirectRun(Run):
     directly, one after another, and finds only its own gradients in ``.grad``
     (``DirectReplicas``). Nothing is lent a class or put in a slot, so a replica's entry
     costs nothing and its exit a version check and, when it left gradients, their removal.
-    ``open`` gives None when a variable has died or is not a plain ``nn.Parameter`` (or, for
-    a buffer, ``torch.Tensor``): such a run is a ``ReplicasRun``."""
+    ``open`` gives None when a variable has died or is not a plain ``nn.Parameter`` (a
+    buffer, ``torch.Tensor``): such a run is a ``ReplicasRun``."""
 
     def __init__(
-        self, store: Store, plan: Plan, tensors: list[torch.Tensor], buffers: SharedBuffers | None
+        self, store: Store, plan: Plan, tensors: list[torch.Tensor], buffers: list[SharedBuffers]
     ) -> None:
         self._store = store
-        self._plan = plan
+        self._slots = plan.slots
         self._shared = DirectReplicas(tensors, buffers)
         # what each suspended replica's own code had put in module slots (functional_call)
         self._kept: dict[int, list[Replaced]] = {}
 
     @classmethod
     def open(cls, store: Store, plan: Plan) -> DirectRun | None:
-        if plan.others or not all(store.on_parameters):
+        if not plan.direct or not all(store.on_parameters):
             return None
         tensors = list(map(call, plan.shared_refs))
         if set(map(type, tensors)) != {torch.nn.Parameter}:
             return None
-        buffers = None
-        if plan.buffer_refs:
-            found = list(map(call, plan.buffer_refs))
-            if set(map(type, found)) != {torch.Tensor}:
+        groups = cast(BufferGroups, plan.buffers)
+        buffers: list[SharedBuffers] = []
+        if groups.integer_refs:
+            integers = list(map(call, groups.integer_refs))
+            if set(map(type, integers)) != {torch.Tensor}:
                 return None
-            buffers = SharedBuffers(
-                plan.buffers, cast(list[torch.Tensor], found), plan.copies, store.replicas
-            )
+            buffers.append(SharedIntegers(groups, cast(list[torch.Tensor], integers)))
+        if groups.statistic_refs:
+            statistics = list(map(call, groups.statistic_refs))
+            if set(map(type, statistics)) != {torch.Tensor}:
+                return None
+            buffers.append(SharedStatistics(
+                groups.statistics, cast(list[torch.Tensor], statistics), store.replicas
+            ))
         return cls(store, plan, cast(list[torch.Tensor], tensors), buffers)
 
     def leave(self, replica: int, finished: bool) -> None:
@@ -258,7 +260,7 @@ class DirectRun(Run):
             _finish_shared(self._store, self._shared, replica)
 
     def suspend(self, replica: int) -> None:
-        self._kept[replica] = keep_replaced(self._plan.slots)
+        self._kept[replica] = keep_replaced(self._slots)
         _park_shared(self._store, self._shared, replica)
 
     def resume(self, replica: int) -> None:
@@ -293,8 +295,8 @@ def _finish_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
         _raise_written(store, written, replica)
     if replica < len(store.replicas) - 1:
         shared.park(replica)
-    elif shared.buffers is not None:
-        shared.buffers.take(replica)
+    elif shared.buffers:
+        shared.finish(replica)
 
 
 def _park_shared(store: Store, shared: DirectReplicas, replica: int) -> None:
@@ -326,22 +328,10 @@ class ReplicasRun(Run):
         else:  # dead ones, or another class, which must take the resolving one
             shared = [t for t in found if type(t) is torch.nn.Parameter]
             lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]
-        records, buffers = plan.buffers, cast(list[torch.Tensor], alive(plan.buffer_refs))
-        if len(buffers) != len(records) or set(map(type, buffers)) - {torch.Tensor}:
-            found = list(map(call, plan.buffer_refs))
-            records = [r for r, t in zip(records, found) if type(t) is torch.Tensor]
-            buffers = [t for t in found if type(t) is torch.Tensor]
-            lent += [t for t in found if t is not None and type(t) is not torch.Tensor]
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
-        self._shared: DirectReplicas | None = None
-        if shared or buffers:
-            self._shared = DirectReplicas(shared, SharedBuffers(
-                records, buffers, plan.copies, store.replicas
-            ) if buffers else None)
-        self.uses_views = bool(lent) or (
-            bool(shared or buffers) and not all(store.on_parameters)
-        )
+        self._shared = DirectReplicas(shared) if shared else None
+        self.uses_views = bool(lent) or (bool(shared) and not all(store.on_parameters))
         self._shared_lent = False  # whether the shared parameters have the class now
         self._filled: Filled | None = None
         # what each suspended replica's own code had put in module slots (functional_call)
@@ -398,7 +388,7 @@ class ReplicasRun(Run):
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:
-        lent = self._lent + (self._shared.used if self._shared_lent and self._shared else [])
+        lent = self._lent + (self._shared.tensors if self._shared_lent and self._shared else [])
         restore_class(lent)
         try:
             with resolving(None):
@@ -406,14 +396,14 @@ class ReplicasRun(Run):
         finally:
             lend_class(lent)
             if self._shared is not None:  # the merge's sync point committed what came before
-                self._shared = self._shared.again()
+                self._shared = DirectReplicas(self._shared.tensors)
 
     def _lend_shared(self, lent: bool) -> None:
         """Give the shared parameters the resolving class (for a replica that sees views of
         them), or take it back (for one that uses them directly)."""
         if lent == self._shared_lent or self._shared is None:
             return
-        tensors = self._shared.used
+        tensors = self._shared.tensors
         if lent:
             lend_class(tensors)  # their class was checked when the run began
         else:
@@ -435,7 +425,7 @@ class ReplicasRun(Run):
             self._filled = None
         restore_class(self._lent)
         if self._shared is not None and self._shared_lent:
-            restore_class(self._shared.used)
+            restore_class(self._shared.tensors)
         self._shared_lent = False
 
 

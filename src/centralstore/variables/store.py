@@ -305,7 +305,7 @@ class VariableStore:
         return alive(refs)
 
     def plan(self) -> Plan:
-        if self._plan is None or self._plan.copies.outdated:  # (a buffer was written)
+        if self._plan is None:
             self._plan = Plan(
                 self.records, self.on_parameters, self.placement.parameter_storage
             )

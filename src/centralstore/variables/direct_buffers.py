@@ -1,0 +1,303 @@
+"""Buffers that replicas computing where they live use directly, one replica at a time.
+
+Views give every replica a private copy of each buffer and fold the copies' writes at the
+sync point (``folding.apply_writes``): Python per buffer and per replica, which made a
+network of ten batch-norm layers cost 1.23x two half-batch passes at R = 2. The replicas of
+a ``DirectRun`` compute one after another on the calling thread, so they can share the
+buffers themselves instead, if each finds them as they were before the run and the sync
+point leaves what views would. Two kinds qualify (``BufferGroups``):
+
+* **integers** taking the first replica's write (their default aggregation: position ids,
+  ``num_batches_tracked``): a write moves the version counter, so a run that writes none
+  (the usual case for position ids) costs a comparison of counters, and the values from
+  before the run are copied only when a buffer changed since the last copy. The sync point
+  gives each written buffer its first writer's value, as views do. (A write through
+  ``.data`` moves no counter: it applies at once, as on one device.)
+* **running statistics** of normalization layers (floating ``running_mean`` /
+  ``running_var`` of batch and instance norm, aggregation MEAN): their kernel writes them
+  behind their version counters, so every run copies them (one foreach call), and the
+  sync point compares each replica's values with those. A statistic that every replica
+  changed by its kernel becomes the mean of the replicas' values in replica order, batched
+  (``(w0 + w1 + ...) / R``, the arithmetic of views); any other pattern (a replica that did
+  not change it, a write that moved the counter) goes to the writers' views, whose fold is
+  the general one.
+
+Each replica's values are kept when it finishes or waits in a rendezvous and the values from
+before the run put back (two foreach calls), so the next replica does not see them; a
+replica that runs on after a rendezvous finds its own again. The last replica's stay in the
+buffers until the sync point. Other floating buffers (a float mask, which views copy only
+when it changes) and buffers whose aggregation was set keep their views.
+"""
+
+from __future__ import annotations
+
+from itertools import chain, compress
+from math import isnan
+from operator import attrgetter
+
+import torch
+
+from .._aggregation import VariableAggregation
+from .._autograd import no_grad
+from .._autograd import version_of as _version
+from .records import Central
+from .views import ReplicaViews
+
+_STATISTICS = frozenset({"running_mean", "running_var"})
+_INF = float("inf")
+
+
+def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
+    """A floating running statistic of normalization layers only, averaged by replicas."""
+    if record.aggregation is not VariableAggregation.MEAN or not tensor.is_floating_point():
+        return False
+    for module_ref, name in record.owners:
+        module = module_ref()
+        if name not in _STATISTICS or not isinstance(
+            module, torch.nn.modules.batchnorm._NormBase
+        ):
+            return False
+    return True
+
+
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (in one call, except for booleans, which a product promotes).
+    Fresh memory for each: a run inside ``merge_call`` keeps copies of the same buffers."""
+    if torch.bool in set(map(_dtype, tensors)):
+        return [tensor.clone() for tensor in tensors]
+    return list(torch._foreach_mul(tensors, 1))
+
+
+_dtype = attrgetter("dtype")
+
+
+def _note(
+    written: dict[int, list[bool]], replica: int, versions: list[int], before: list[int]
+) -> None:
+    """Add to ``written[replica]`` the buffers whose version counter moved."""
+    moved = list(map(int.__ne__, versions, before))
+    known = written.get(replica)
+    written[replica] = moved if known is None else list(map(bool.__or__, known, moved))
+
+
+class BufferGroups:
+    """The buffers of a plan that replicas use directly: ``integers`` and ``statistics``
+    (records), and the integers' values from before the runs while they stay."""
+
+    __slots__ = ("_before", "_stamps", "integer_refs", "integers", "statistic_refs", "statistics")
+
+    def __init__(self, records: list[Central], storage: torch.device) -> None:
+        self.integers: list[Central] = []
+        self.statistics: list[Central] = []
+        for record in records:
+            tensor = record.ref()
+            if (
+                tensor is None or not record.owners or not record.is_buffer or record.on_read
+                or tensor.device != storage or tensor.is_complex()
+            ):
+                continue
+            if not tensor.is_floating_point():
+                if record.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+                    self.integers.append(record)
+            elif _is_statistic(record, tensor):
+                self.statistics.append(record)
+        self.integer_refs = [record.ref for record in self.integers]
+        self.statistic_refs = [record.ref for record in self.statistics]
+        # the integers' values before the run, and when they were copied
+        self._before: list[torch.Tensor] = []
+        self._stamps: tuple[list[int], list[int]] | None = None
+
+    @property
+    def records(self) -> list[Central]:
+        return self.integers + self.statistics
+
+    def integers_before(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The integers' values before the run: copied again only if one moved."""
+        stamps = (list(map(_version, tensors)), list(map(torch.Tensor.data_ptr, tensors)))
+        if stamps != self._stamps:
+            self._before = _copies(tensors)
+            self._stamps = stamps
+        return self._before
+
+
+class SharedIntegers:
+    """The integer buffers of one run (see the module's docstring)."""
+
+    __slots__ = ("_before", "_groups", "_kept", "_versions", "_written", "tensors")
+
+    def __init__(self, groups: BufferGroups, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self._groups = groups
+        self._before = groups.integers_before(tensors)
+        self._versions = list(map(_version, tensors))
+        self._written: dict[int, list[bool]] = {}  # replica -> which buffers it wrote
+        self._kept: dict[int, list[torch.Tensor]] = {}  # replica -> its values
+
+    def take(self, replica: int, last: bool) -> None:
+        """Replica ``replica`` finished (``last``: the last one) or waits: its writes are
+        noted, and the values of a replica that wrote are kept while the buffers get back
+        their values from before the run (the last replica's stay in them)."""
+        versions = list(map(_version, self.tensors))
+        if versions != self._versions:
+            _note(self._written, replica, versions, self._versions)
+        if last or replica not in self._written:  # (nothing of its own in the buffers)
+            return
+        self._kept[replica] = _copies(self.tensors)
+        torch._foreach_copy_(self.tensors, self._before)
+        self._versions = list(map(_version, self.tensors))
+
+    def put_back(self, replica: int) -> None:
+        """Replica ``replica`` runs on after a rendezvous: its writes are back."""
+        kept = self._kept.pop(replica, None)
+        if kept is not None:
+            torch._foreach_copy_(self.tensors, kept)
+            self._versions = list(map(_version, self.tensors))
+
+    def commit(self) -> None:
+        """Each written buffer takes its first writer's value (the last replica's is in
+        the buffer already)."""
+        if not self._written:
+            return
+        kept = self._kept.get(0)
+        if kept is not None and all(self._written[0]):  # replica 0 wrote every one
+            torch._foreach_copy_(self.tensors, kept)
+            self._written, self._kept = {}, {}
+            return
+        first: dict[int, int] = {}  # buffer -> its first writer
+        for replica in sorted(self._written, reverse=True):
+            for index in compress(range(len(self.tensors)), self._written[replica]):
+                first[index] = replica
+        targets, sources = [], []
+        for index, replica in first.items():
+            kept = self._kept.get(replica)
+            if kept is not None:  # (None: the last replica, whose values are in place)
+                targets.append(self.tensors[index])
+                sources.append(kept[index])
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self._written, self._kept = {}, {}
+
+    def again(self) -> SharedIntegers:
+        """The same buffers, used afresh from a sync point on (a merge's)."""
+        return SharedIntegers(self._groups, self.tensors)
+
+    def restore(self) -> None:
+        """The run failed: the buffers as before it."""
+        if self._written or list(map(_version, self.tensors)) != self._versions:
+            torch._foreach_copy_(self.tensors, self._before)
+        self._written, self._kept = {}, {}
+
+
+class SharedStatistics:
+    """The running statistics of one run (see the module's docstring)."""
+
+    __slots__ = ("_before", "_kept", "_moved", "_records", "_replicas", "_versions", "tensors")
+
+    def __init__(
+        self, records: list[Central], tensors: list[torch.Tensor], replicas: list[ReplicaViews],
+    ) -> None:
+        self.tensors = tensors
+        self._records = records
+        self._replicas = replicas
+        self._before = _copies(tensors)
+        self._versions = list(map(_version, tensors))
+        self._kept: dict[int, list[torch.Tensor]] = {}  # replica -> its values
+        self._moved: dict[int, list[bool]] = {}  # replica -> its writes that moved a counter
+
+    def take(self, replica: int, last: bool) -> None:
+        """Replica ``replica`` finished (``last``: the last one) or waits: its values are
+        kept and the buffers get back their values from before the run (the last
+        replica's stay in them)."""
+        versions = list(map(_version, self.tensors))
+        if versions != self._versions:
+            _note(self._moved, replica, versions, self._versions)
+        if last:
+            return
+        self._kept[replica] = _copies(self.tensors)
+        torch._foreach_copy_(self.tensors, self._before)
+        self._versions = list(map(_version, self.tensors))
+
+    def put_back(self, replica: int) -> None:
+        """Replica ``replica`` runs on after a rendezvous: its values are back."""
+        kept = self._kept.pop(replica, None)
+        if kept is not None:
+            torch._foreach_copy_(self.tensors, kept)
+            self._versions = list(map(_version, self.tensors))
+
+    def commit(self) -> None:
+        """Fold the replicas' values: a statistic every replica changed by its kernel is
+        their mean, in replica order, batched; any other write goes to the writers' views
+        (``folding.apply_writes`` folds them next)."""
+        count = len(self._replicas)
+        # (every replica's values are kept when the sync point is a merge's)
+        values = [self._kept[r] for r in range(count - 1)]
+        values.append(self._kept.get(count - 1, self.tensors))
+        changes = torch._foreach_sub(list(chain.from_iterable(values)), self._before * count)
+        found = torch.stack(torch._foreach_norm(changes, _INF)).tolist()
+        if not self._moved and all(found) and not any(map(isnan, found)):
+            self._mean(self.tensors, values)  # training: every replica's kernel changed each
+        elif self._moved or any(found):  # (none changed: evaluation)
+            self._fold(values, found)
+        self._kept, self._moved = {}, {}
+
+    def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
+        """Each of ``targets`` becomes the mean of the replicas' ``values``, in replica
+        order: what ``folding.apply_writes`` computes for averaged assignments."""
+        total = torch._foreach_add(values[0], values[1])
+        for more in values[2:]:
+            torch._foreach_add_(total, more)
+        torch._foreach_div_(total, len(values))
+        torch._foreach_copy_(targets, total)
+
+    def _fold(self, values: list[list[torch.Tensor]], found: list[float]) -> None:
+        """Some replica left a statistic unchanged or moved its counter: the statistics
+        every replica changed by kernel are averaged, those some replica wrote go to the
+        writers' views, where ``folding.apply_writes`` folds them next."""
+        size, count = len(self.tensors), len(values)
+        changed = [found[r * size:(r + 1) * size] for r in range(count)]
+        for r, row in enumerate(changed):  # NaN: torch.equal decides, as views' check does
+            for index, norm in enumerate(row):
+                if isnan(norm):
+                    row[index] = not torch.equal(values[r][index], self._before[index])
+        moved = [self._moved.get(r, [False] * size) for r in range(count)]
+        fast: list[int] = []
+        for index in range(size):
+            writers = [r for r in range(count) if changed[r][index] or moved[r][index]]
+            if len(writers) == count and not any(m[index] for m in moved):
+                fast.append(index)
+            elif writers:
+                self._to_views(index, writers, values, moved)
+        if fast:
+            self._mean(
+                [self.tensors[index] for index in fast],
+                [[v[index] for index in fast] for v in values],
+            )
+
+    def _to_views(
+        self, index: int, writers: list[int], values: list[list[torch.Tensor]],
+        moved: list[list[bool]],
+    ) -> None:
+        """Statistic ``index``'s writes, each in its writer's view, which the sync point
+        folds as views' writes: one that moved the counter as a change, one by the kernel
+        as an assignment (``modules.record_unseen``'s rule)."""
+        record, tensor = self._records[index], self.tensors[index]
+        with no_grad(), torch.inference_mode(False):
+            written = [  # (the last replica's values may be the buffer itself)
+                value.detach().clone() if value is tensor else value
+                for value in (values[replica][index] for replica in writers)
+            ]
+            tensor.copy_(self._before[index])
+            for replica, value in zip(writers, written):
+                views = self._replicas[replica]
+                view = views.validate(record, tensor, views.views.get(record.key))
+                view.tensor.copy_(value)
+                view.assigned = not moved[replica][index]
+
+    def again(self) -> SharedStatistics:
+        """The same statistics, used afresh from a sync point on (a merge's)."""
+        return SharedStatistics(self._records, self.tensors, self._replicas)
+
+    def restore(self) -> None:
+        """The run failed: the statistics as before it."""
+        torch._foreach_copy_(self.tensors, self._before)
+        self._kept, self._moved = {}, {}
