@@ -202,6 +202,11 @@ def test_parameters_integer_buffers_and_statistics_take_no_views_and_other_buffe
         norm = nn.BatchNorm1d(2)  # running statistics and num_batches_tracked
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
+        double = nn.BatchNorm1d(2, dtype=torch.float64)  # a second dtype: not one tensor
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
+    del double
+    assert modes_of(strategy) == ["DirectRun", "DirectRun"]
+    with strategy.scope():
         masked = nn.Module()
         masked.register_buffer("mask", torch.ones(3))  # a floating buffer of another kind
     assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]

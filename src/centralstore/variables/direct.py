@@ -63,11 +63,13 @@ class Undo:
             learned = tensors
         else:
             learned = list(compress(tensors, flags))
-            self._state = [  # frozen weights are not copied
-                (tensor, tensor.detach().clone())
-                for tensor in compress(tensors, map(not_, flags))
-                if not isinstance(tensor, torch.nn.Parameter)
-            ]
+            others = list(compress(tensors, map(not_, flags)))
+            # frozen weights are not copied (passes in C: ``isinstance`` of a Parameter
+            # runs its metaclass's Python)
+            state = list(compress(others, map(
+                not_, map(issubclass, map(type, others), repeat(torch.nn.Parameter))
+            )))
+            self._state = list(zip(state, map(torch.Tensor.clone, state)))
         self._tensors = learned
         self._old: list[torch.Tensor | None] = list(map(_grad, learned))
         self._held = _any(self._old)  # whether some .grad was set aside

@@ -2,9 +2,9 @@
 
 Views give every replica a private copy of each buffer and fold the copies' writes at the
 sync point (``folding.apply_writes``): Python per buffer and per replica, which made a
-network of ten batch-norm layers cost 1.23x two half-batch passes at R = 2. The replicas of
-a ``DirectRun`` compute one after another on the calling thread, so they can share the
-buffers themselves instead, if each finds them as they were before the run and the sync
+network of ten batch-norm layers cost 1.15 to 1.18x two half-batch passes at R = 2. The
+replicas of a ``DirectRun`` compute one after another on the calling thread, so they can
+share the buffers themselves instead, if each finds them as they were before the run and the sync
 point leaves what views would. Two kinds qualify (``BufferGroups``):
 
 * **integers** taking the first replica's write (their default aggregation: position ids,
@@ -15,12 +15,14 @@ point leaves what views would. Two kinds qualify (``BufferGroups``):
   ``.data`` moves no counter: it applies at once, as on one device.)
 * **running statistics** of normalization layers (floating ``running_mean`` /
   ``running_var`` of batch and instance norm, aggregation MEAN): their kernel writes them
-  behind their version counters, so every run copies them (one foreach call), and the
-  sync point compares each replica's values with those. A statistic that every replica
-  changed by its kernel becomes the mean of the replicas' values in replica order, batched
-  (``(w0 + w1 + ...) / R``, the arithmetic of views); any other pattern (a replica that did
-  not change it, a write that moved the counter) goes to the writers' views, whose fold is
-  the general one.
+  behind their version counters, so every run copies them, into one flat tensor (of one
+  dtype, reused from run to run: ``StatisticsMemory``), and the sync point compares each
+  replica's copy with the one from before the run, in one operation. If every replica's
+  kernel changed every statistic (training), they become the mean of the replicas' values
+  in replica order, on the flat copies (``(w0 + w1 + ...) / R``, the arithmetic of
+  views); any other pattern (a replica that did not change one, a write that moved a
+  counter) goes statistic by statistic: those every replica changed are averaged, the
+  others' writes go to the writers' views, whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
@@ -31,9 +33,9 @@ when it changes) and buffers whose aggregation was set keep their views.
 
 from __future__ import annotations
 
-from itertools import chain, compress
-from math import isnan
+from itertools import compress
 from operator import attrgetter
+from typing import cast
 
 import torch
 
@@ -61,11 +63,9 @@ def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors`` (in one call, except for booleans, which a product promotes).
-    Fresh memory for each: a run inside ``merge_call`` keeps copies of the same buffers."""
-    if torch.bool in set(map(_dtype, tensors)):
-        return [tensor.clone() for tensor in tensors]
-    return list(torch._foreach_mul(tensors, 1))
+    """Copies of ``tensors``, in fresh memory: a run inside ``merge_call`` keeps copies of
+    the same buffers."""
+    return list(map(torch.Tensor.clone, tensors))
 
 
 _dtype = attrgetter("dtype")
@@ -84,7 +84,9 @@ class BufferGroups:
     """The buffers of a plan that replicas use directly: ``integers`` and ``statistics``
     (records), and the integers' values from before the runs while they stay."""
 
-    __slots__ = ("_before", "_stamps", "integer_refs", "integers", "statistic_refs", "statistics")
+    __slots__ = (
+        "_before", "_stamps", "integer_refs", "integers", "memory", "statistic_refs", "statistics",
+    )
 
     def __init__(self, records: list[Central], storage: torch.device) -> None:
         self.integers: list[Central] = []
@@ -101,6 +103,12 @@ class BufferGroups:
                     self.integers.append(record)
             elif _is_statistic(record, tensor):
                 self.statistics.append(record)
+        if self.statistics:  # of one dtype, so that they fit one tensor (the others: views)
+            dtype = cast(torch.Tensor, self.statistics[0].ref()).dtype
+            self.statistics = [r for r in self.statistics if _dtype(r.ref()) is dtype]
+        self.memory = StatisticsMemory(
+            [cast(torch.Tensor, record.ref()) for record in self.statistics]
+        ) if self.statistics else None
         self.integer_refs = [record.ref for record in self.integers]
         self.statistic_refs = [record.ref for record in self.statistics]
         # the integers' values before the run, and when they were copied
@@ -188,20 +196,64 @@ class SharedIntegers:
         self._written, self._kept = {}, {}
 
 
+class Flat:
+    """Memory for one copy of a plan's statistics: one tensor, and a view of it shaped like
+    each statistic, so that a copy is one ``_foreach_copy_`` and a comparison or a mean
+    of all of them one operation."""
+
+    __slots__ = ("flat", "pieces")
+
+    def __init__(self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int]) -> None:
+        self.flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+        pieces = torch.split(self.flat, sizes)
+        self.pieces = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+
+
+class StatisticsMemory:
+    """The ``Flat`` copies of a plan's statistics (all of one dtype), reused from run to run
+    (each is lent to one run at a time: a run inside ``merge_call`` takes others), and the
+    index of each element's statistic, for comparisons statistic by statistic."""
+
+    __slots__ = ("_like", "_shapes", "_sizes", "_spare", "segments")
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._like = torch.empty((), dtype=tensors[0].dtype, device=tensors[0].device)
+        self._shapes = [tensor.shape for tensor in tensors]
+        self._sizes = [tensor.numel() for tensor in tensors]
+        self._spare: list[Flat] = []
+        self.segments = torch.repeat_interleave(
+            torch.arange(len(tensors), device=self._like.device),
+            torch.tensor(self._sizes, device=self._like.device),
+        )
+
+    def lend(self, values: list[torch.Tensor] | None = None) -> Flat:
+        """A copy, holding ``values`` if given."""
+        copy = self._spare.pop() if self._spare else Flat(self._like, self._shapes, self._sizes)
+        if values is not None:
+            torch._foreach_copy_(copy.pieces, values)
+        return copy
+
+    def take_back(self, copies: list[Flat]) -> None:
+        self._spare += copies
+
+
 class SharedStatistics:
     """The running statistics of one run (see the module's docstring)."""
 
-    __slots__ = ("_before", "_kept", "_moved", "_records", "_replicas", "_versions", "tensors")
+    __slots__ = ("_before", "_kept", "_memory", "_moved", "_records", "_replicas", "_versions",
+                 "tensors")
 
     def __init__(
-        self, records: list[Central], tensors: list[torch.Tensor], replicas: list[ReplicaViews],
+        self, records: list[Central], tensors: list[torch.Tensor], memory: StatisticsMemory,
+        replicas: list[ReplicaViews],
     ) -> None:
         self.tensors = tensors
         self._records = records
         self._replicas = replicas
-        self._before = _copies(tensors)
+        self._memory = memory
+        self._before = memory.lend(tensors)
         self._versions = list(map(_version, tensors))
-        self._kept: dict[int, list[torch.Tensor]] = {}  # replica -> its values
+        self._kept: dict[int, Flat] = {}  # replica -> its values
         self._moved: dict[int, list[bool]] = {}  # replica -> its writes that moved a counter
 
     def take(self, replica: int, last: bool) -> None:
@@ -213,56 +265,69 @@ class SharedStatistics:
             _note(self._moved, replica, versions, self._versions)
         if last:
             return
-        self._kept[replica] = _copies(self.tensors)
-        torch._foreach_copy_(self.tensors, self._before)
+        self._kept[replica] = self._memory.lend(self.tensors)
+        torch._foreach_copy_(self.tensors, self._before.pieces)
         self._versions = list(map(_version, self.tensors))
 
     def put_back(self, replica: int) -> None:
         """Replica ``replica`` runs on after a rendezvous: its values are back."""
         kept = self._kept.pop(replica, None)
         if kept is not None:
-            torch._foreach_copy_(self.tensors, kept)
+            torch._foreach_copy_(self.tensors, kept.pieces)
+            self._memory.take_back([kept])
             self._versions = list(map(_version, self.tensors))
 
     def commit(self) -> None:
         """Fold the replicas' values: a statistic every replica changed by its kernel is
-        their mean, in replica order, batched; any other write goes to the writers' views
+        their mean, in replica order; any other write goes to the writers' views
         (``folding.apply_writes`` folds them next)."""
         count = len(self._replicas)
-        # (every replica's values are kept when the sync point is a merge's)
-        values = [self._kept[r] for r in range(count - 1)]
-        values.append(self._kept.get(count - 1, self.tensors))
-        changes = torch._foreach_sub(list(chain.from_iterable(values)), self._before * count)
-        found = torch.stack(torch._foreach_norm(changes, _INF)).tolist()
-        if not self._moved and all(found) and not any(map(isnan, found)):
-            self._mean(self.tensors, values)  # training: every replica's kernel changed each
-        elif self._moved or any(found):  # (none changed: evaluation)
-            self._fold(values, found)
+        last = self._kept.get(count - 1)  # (every replica's are kept at a merge's sync point)
+        if last is None:
+            last = self._kept[count - 1] = self._memory.lend(self.tensors)
+        values = [self._kept[r] for r in range(count)]
+        size = len(self.tensors)
+        differs = torch.stack([v.flat for v in values]).ne_(self._before.flat)  # NaN differs
+        changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
+        found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
+        if not self._moved and all(map(all, found)):
+            self._mean(self.tensors, [v.pieces for v in values], values)  # training
+        elif self._moved or any(map(any, found)):  # (none changed: evaluation)
+            self._fold([v.pieces for v in values], found)
+        self._memory.take_back([self._before, *values])
         self._kept, self._moved = {}, {}
 
-    def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
+    def _mean(
+        self, targets: list[torch.Tensor], values: list[list[torch.Tensor]],
+        flats: list[Flat] | None = None,
+    ) -> None:
         """Each of ``targets`` becomes the mean of the replicas' ``values``, in replica
-        order: what ``folding.apply_writes`` computes for averaged assignments."""
-        total = torch._foreach_add(values[0], values[1])
+        order: what ``folding.apply_writes`` computes for averaged assignments (on the
+        ``flats`` holding all of them, when given)."""
+        if flats is not None:
+            total = self._memory.lend()
+            torch.add(flats[0].flat, flats[1].flat, out=total.flat)
+            for flat in flats[2:]:
+                total.flat.add_(flat.flat)
+            total.flat.div_(len(flats))
+            torch._foreach_copy_(targets, total.pieces)
+            self._memory.take_back([total])
+            return
+        sums = torch._foreach_add(values[0], values[1])
         for more in values[2:]:
-            torch._foreach_add_(total, more)
-        torch._foreach_div_(total, len(values))
-        torch._foreach_copy_(targets, total)
+            torch._foreach_add_(sums, more)
+        torch._foreach_div_(sums, len(values))
+        torch._foreach_copy_(targets, sums)
 
-    def _fold(self, values: list[list[torch.Tensor]], found: list[float]) -> None:
+    def _fold(self, values: list[list[torch.Tensor]], found: list[list[int]]) -> None:
         """Some replica left a statistic unchanged or moved its counter: the statistics
         every replica changed by kernel are averaged, those some replica wrote go to the
         writers' views, where ``folding.apply_writes`` folds them next."""
         size, count = len(self.tensors), len(values)
-        changed = [found[r * size:(r + 1) * size] for r in range(count)]
-        for r, row in enumerate(changed):  # NaN: torch.equal decides, as views' check does
-            for index, norm in enumerate(row):
-                if isnan(norm):
-                    row[index] = not torch.equal(values[r][index], self._before[index])
         moved = [self._moved.get(r, [False] * size) for r in range(count)]
         fast: list[int] = []
         for index in range(size):
-            writers = [r for r in range(count) if changed[r][index] or moved[r][index]]
+            writers = [r for r in range(count) if found[r][index] or moved[r][index]]
             if len(writers) == count and not any(m[index] for m in moved):
                 fast.append(index)
             elif writers:
@@ -282,22 +347,19 @@ class SharedStatistics:
         as an assignment (``modules.record_unseen``'s rule)."""
         record, tensor = self._records[index], self.tensors[index]
         with no_grad(), torch.inference_mode(False):
-            written = [  # (the last replica's values may be the buffer itself)
-                value.detach().clone() if value is tensor else value
-                for value in (values[replica][index] for replica in writers)
-            ]
-            tensor.copy_(self._before[index])
-            for replica, value in zip(writers, written):
+            tensor.copy_(self._before.pieces[index])
+            for replica in writers:
                 views = self._replicas[replica]
                 view = views.validate(record, tensor, views.views.get(record.key))
-                view.tensor.copy_(value)
+                view.tensor.copy_(values[replica][index])
                 view.assigned = not moved[replica][index]
 
     def again(self) -> SharedStatistics:
         """The same statistics, used afresh from a sync point on (a merge's)."""
-        return SharedStatistics(self._records, self.tensors, self._replicas)
+        return SharedStatistics(self._records, self.tensors, self._memory, self._replicas)
 
     def restore(self) -> None:
         """The run failed: the statistics as before it."""
-        torch._foreach_copy_(self.tensors, self._before)
+        torch._foreach_copy_(self.tensors, self._before.pieces)
+        self._memory.take_back([self._before, *self._kept.values()])
         self._kept, self._moved = {}, {}

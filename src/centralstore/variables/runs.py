@@ -39,7 +39,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .direct import DirectReplicas, SharedBuffers, Undo, shared_parameters
-from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics
+from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, StatisticsMemory
 from .modules import (
     Filled,
     Replaced,
@@ -251,7 +251,8 @@ class DirectRun(Run):
             if set(map(type, statistics)) != {torch.Tensor}:
                 return None
             buffers.append(SharedStatistics(
-                groups.statistics, cast(list[torch.Tensor], statistics), store.replicas
+                groups.statistics, cast(list[torch.Tensor], statistics),
+                cast(StatisticsMemory, groups.memory), store.replicas,
             ))
         return cls(store, plan, cast(list[torch.Tensor], tensors), buffers)
 
