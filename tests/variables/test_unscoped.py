@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -65,3 +66,29 @@ def test_unpickling_outside_scope_is_plain_and_setstate_is_restored() -> None:
         inside = copy.deepcopy(model)
     assert strategy.extended.variable_created_in_scope(inside.weight)
     assert inside.weight is not model.weight
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.double(),
+        lambda m: m.half(),
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.to("cpu", torch.float64),
+    ],
+    ids=["double", "half", "to-bfloat16", "to-device-and-dtype"],
+)
+def test_a_model_converted_in_scope_stays_central_and_apply_is_restored(convert: Any) -> None:
+    strategy = strategy_of(2)
+    original = nn.Module._apply
+    with strategy.scope():
+        model = convert(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+    assert nn.Module._apply is original
+    for tensor in (*model.parameters(), *model.buffers()):  # new buffers: taken too
+        assert strategy.extended.variable_created_in_scope(tensor)
+    dtype = model[0].weight.dtype
+    x = cs.PerReplica([torch.randn(3, 2, dtype=dtype), torch.randn(3, 2, dtype=dtype)])
+    strategy.run(lambda xs: model(xs).float().sum().backward(), args=(x,))
+    assert int(model[1].num_batches_tracked) == 1  # one update, not one per replica
+    outside = convert(nn.BatchNorm1d(2))  # outside every scope: plain
+    assert not strategy.extended.variable_created_in_scope(outside.running_mean)

@@ -4,9 +4,11 @@ The scope's registration hooks (``store.py``) make central what a module registe
 of module register nothing in the scope:
 
 * a module restored by unpickling (``copy.deepcopy(model)``, ``torch.load`` of a whole
-  module) gets its tables back without registering them: inside a scope, ``adopting`` takes
-  each restored module's tensors as the registration hooks would, so a copy made in the
-  scope is central like the module it copies;
+  module) gets its tables back without registering them, and a conversion
+  (``model.double()``, ``.half()``, ``.to(torch.bfloat16)``) puts new buffers in them:
+  inside a scope, ``adopting`` takes each restored or converted module's tensors as the
+  registration hooks would, so a copy made in the scope is central like the module it
+  copies, and a model converted there stays central;
 * a module built outside every scope (or restored there): each replica would use it as it
   is, so its buffers would take one update per replica (BatchNorm's ``num_batches_tracked``
   would count R per step). Such a module is refused at its first call in a run, naming it
@@ -133,20 +135,34 @@ _takers: list[Take] = []  # innermost last: the scopes that adopt what is restor
 _original_setstate: Callable[[torch.nn.Module, Any], None] = torch.nn.Module.__setstate__
 
 
+_original_apply: Callable[..., torch.nn.Module] = torch.nn.Module._apply
+
+
 def _setstate(self: torch.nn.Module, state: Any) -> None:
     _original_setstate(self, state)
     if _takers:
         _takers[-1](self)
 
 
+def _apply(self: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """``Module._apply`` (under ``to``, ``double``, ``half``, ...), after which the module's
+    tensors are taken: a conversion of dtype puts new buffers in its table, without
+    registering them (each submodule's ``_apply`` takes its own)."""
+    result = _original_apply(self, fn, *args, **kwargs)
+    if _takers:
+        _takers[-1](self)
+    return result
+
+
 @contextlib.contextmanager
 def adopting(take: Take) -> Iterator[None]:
     """While the block runs, each module restored by unpickling (``copy.deepcopy``,
     ``torch.load``) is passed to ``take``, once its own tables are back (its submodules were
-    restored before it)."""
+    restored before it), and each module converted (``Module._apply``), once converted."""
     with _lock:
         if not _takers:
             torch.nn.Module.__setstate__ = _setstate  # type: ignore[method-assign]
+            torch.nn.Module._apply = _apply  # type: ignore[method-assign]
         _takers.append(take)
     try:
         yield
@@ -155,6 +171,7 @@ def adopting(take: Take) -> Iterator[None]:
             _takers.remove(take)
             if not _takers:
                 torch.nn.Module.__setstate__ = _original_setstate  # type: ignore[method-assign]
+                torch.nn.Module._apply = _original_apply  # type: ignore[method-assign]
 
 
 class FirstUse:
