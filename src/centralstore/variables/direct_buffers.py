@@ -2,7 +2,7 @@
 
 Views give every replica a private copy of each buffer and fold the copies' writes at the
 sync point (``folding.apply_writes``): Python per buffer and per replica, which made a
-network of ten batch-norm layers cost 1.15 to 1.18x two half-batch passes at R = 2. The
+network of ten batch-norm layers cost 1.17 to 1.19x two half-batch passes at R = 2. The
 replicas of a ``DirectRun`` compute one after another on the calling thread, so they can
 share the buffers themselves instead, if each finds them as they were before the run and the sync
 point leaves what views would. Two kinds qualify (``BufferGroups``):
