@@ -325,3 +325,29 @@ def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+@each_path
+def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> None:
+    """The statistics' copies made in a run under ``torch.inference_mode`` serve the training
+    runs after it."""
+
+    def train(path: str) -> dict[str, torch.Tensor]:
+        strategy = strategy_on(path)
+        model = normalized(strategy)
+        x = cs.PerReplica(list(torch.randn(4, 3, 4, 4).chunk(2)))
+        with torch.inference_mode():
+            run_on(path, strategy, model, args=(x,))
+        model.eval()
+        with torch.inference_mode():
+            run_on(path, strategy, model, args=(x,))
+        model.train()
+        run_on(path, strategy, lambda xs: model(xs).sum().backward(), args=(x,))
+        return {name: value.clone() for name, value in model.state_dict().items()}
+
+    torch.manual_seed(1)
+    got = train(path)
+    torch.manual_seed(1)
+    want = train("views")
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

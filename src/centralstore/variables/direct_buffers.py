@@ -50,8 +50,12 @@ _INF = float("inf")
 
 
 def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
-    """A floating running statistic of normalization layers only, averaged by replicas."""
-    if record.aggregation is not VariableAggregation.MEAN or not tensor.is_floating_point():
+    """A floating running statistic of normalization layers only (a vector of one value per
+    feature), averaged by replicas."""
+    if (
+        record.aggregation is not VariableAggregation.MEAN or not tensor.is_floating_point()
+        or tensor.dim() != 1
+    ):
         return False
     for module_ref, name in record.owners:
         module = module_ref()
@@ -204,7 +208,8 @@ class Flat:
     __slots__ = ("flat", "pieces")
 
     def __init__(self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int]) -> None:
-        self.flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+        with torch.inference_mode(False):  # written again by later runs, in any mode
+            self.flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
         pieces = torch.split(self.flat, sizes)
         self.pieces = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
 
@@ -229,8 +234,8 @@ class StatisticsMemory:
     def lend(self, values: list[torch.Tensor] | None = None) -> Flat:
         """A copy, holding ``values`` if given."""
         copy = self._spare.pop() if self._spare else Flat(self._like, self._shapes, self._sizes)
-        if values is not None:
-            torch._foreach_copy_(copy.pieces, values)
+        if values is not None:  # (vectors: one concatenation, where a copy each costs more)
+            torch.cat(values, out=copy.flat)
         return copy
 
     def take_back(self, copies: list[Flat]) -> None:
