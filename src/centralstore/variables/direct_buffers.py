@@ -46,7 +46,6 @@ from .records import Central
 from .views import ReplicaViews
 
 _STATISTICS = frozenset({"running_mean", "running_var"})
-_INF = float("inf")
 
 
 def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
@@ -202,8 +201,8 @@ class SharedIntegers:
 
 class Flat:
     """Memory for one copy of a plan's statistics: one tensor, and a view of it shaped like
-    each statistic, so that a copy is one ``_foreach_copy_`` and a comparison or a mean
-    of all of them one operation."""
+    each statistic, so that copying them in is one ``cat``, putting them back one
+    ``_foreach_copy_``, and a comparison or a mean of all of them one operation."""
 
     __slots__ = ("flat", "pieces")
 
