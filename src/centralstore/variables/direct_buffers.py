@@ -295,28 +295,26 @@ class SharedStatistics:
         changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
         found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
         if not self._moved and all(map(all, found)):
-            self._mean(self.tensors, [v.pieces for v in values], values)  # training
+            self._mean_of_all(values)  # training
         elif self._moved or any(map(any, found)):  # (none changed: evaluation)
             self._fold([v.pieces for v in values], found)
         self._memory.take_back([self._before, *values])
         self._kept, self._moved = {}, {}
 
-    def _mean(
-        self, targets: list[torch.Tensor], values: list[list[torch.Tensor]],
-        flats: list[Flat] | None = None,
-    ) -> None:
-        """Each of ``targets`` becomes the mean of the replicas' ``values``, in replica
-        order: what ``folding.apply_writes`` computes for averaged assignments (on the
-        ``flats`` holding all of them, when given)."""
-        if flats is not None:
-            total = self._memory.lend()
-            torch.add(flats[0].flat, flats[1].flat, out=total.flat)
-            for flat in flats[2:]:
-                total.flat.add_(flat.flat)
-            total.flat.div_(len(flats))
-            torch._foreach_copy_(targets, total.pieces)
-            self._memory.take_back([total])
-            return
+    def _mean_of_all(self, copies: list[Flat]) -> None:
+        """Each statistic becomes the mean of the replicas' values, in replica order, on
+        the flat ``copies``: what ``folding.apply_writes`` computes for averaged
+        assignments."""
+        total = self._memory.lend()
+        torch.add(copies[0].flat, copies[1].flat, out=total.flat)
+        for copy in copies[2:]:
+            total.flat.add_(copy.flat)
+        total.flat.div_(len(copies))
+        torch._foreach_copy_(self.tensors, total.pieces)
+        self._memory.take_back([total])
+
+    def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
+        """``_mean_of_all`` for some statistics only (``targets``), tensor by tensor."""
         sums = torch._foreach_add(values[0], values[1])
         for more in values[2:]:
             torch._foreach_add_(sums, more)
