@@ -351,3 +351,78 @@ def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> 
     want = train("views")
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+def mixed_tensors() -> list[torch.Tensor]:
+    """Vectors and scalars of two dtypes each, a matrix, and a vector alone of its dtype."""
+    return [
+        torch.randn(3), torch.tensor(4), torch.randn(5), torch.tensor(7), torch.randn(2, 2),
+        torch.randn(4, dtype=torch.float64), torch.tensor(9), torch.tensor(1.5),
+        torch.tensor(2.5),
+    ]
+
+
+def test_copies_restore_every_tensor_exactly_from_fresh_memory() -> None:
+    from centralstore.variables.direct import Copier
+
+    tensors = mixed_tensors()
+    before = [t.clone() for t in tensors]
+    copier = Copier()
+    copies = copier.copy(tensors)
+    # vectors (float32), scalars (int64), scalars (float32), then the matrix and the lone
+    # float64 vector cloned
+    assert len(copies._parts) == 4
+    for tensor in tensors:
+        tensor.add_(1)
+    for piece, tensor, old in zip(copies.pieces(), tensors, before, strict=True):
+        assert torch.equal(piece, old) and piece.dtype == old.dtype and piece.shape == old.shape
+        assert piece.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    copies.restore()
+    for tensor, old in zip(tensors, before, strict=True):
+        assert torch.equal(tensor, old)
+
+
+def test_a_copier_groups_again_when_a_tensor_changes_in_place() -> None:
+    from centralstore.variables.direct import Copier
+
+    tensors = mixed_tensors()
+    copier = Copier()
+    copier.copy(tensors)
+    changes = [
+        (0, torch.randn(6)),  # a vector of another size
+        (1, torch.tensor(3.0, dtype=torch.float64)),  # a scalar of another dtype
+        (3, torch.ones(2)),  # a scalar that became a vector
+    ]
+    for index, value in changes:
+        tensors[index].data = value
+        before = [t.clone() for t in tensors]
+        copies = copier.copy(tensors)
+        for tensor in tensors:
+            tensor.mul_(2)
+        copies.restore()
+        for tensor, old in zip(tensors, before, strict=True):
+            assert torch.equal(tensor, old) and tensor.dtype == old.dtype
+
+
+def test_a_failed_run_of_one_replica_leaves_batch_norm_as_before_it() -> None:
+    """One replica uses the statistics and counters themselves (``Undo``): a run that fails
+    after its forward puts back all of them, and the runs that pass train like one device."""
+    strategy = strategy_of(1)
+    model = normalized(strategy)
+    alone = normalized(cs.get_strategy())  # the default strategy: one device
+    x = torch.randn(4, 3, 4, 4)
+
+    def fails(xs: torch.Tensor) -> None:
+        model(xs).pow(2).mean().backward()
+        raise RuntimeError("the replica fails")
+
+    for _ in range(2):
+        strategy.run(lambda xs: model(xs).pow(2).mean().backward(), args=(x,))
+        alone(x).pow(2).mean().backward()
+        kept = {name: value.clone() for name, value in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match="the replica fails"):
+            strategy.run(fails, args=(x,))
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, kept[name]), name
+    for name, value in alone.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name

@@ -38,7 +38,7 @@ from typing import Protocol, cast, final
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .direct import DirectReplicas, SharedBuffers, Undo, shared_parameters
+from .direct import Copier, DirectReplicas, SharedBuffers, Undo, shared_parameters
 from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, StatisticsMemory
 from .modules import (
     Filled,
@@ -59,6 +59,7 @@ class Store(Protocol):
     records: dict[int, Central]
     replicas: list[ReplicaViews]
     on_parameters: tuple[bool, ...]
+    copier: Copier
 
     def live(self) -> list[torch.Tensor]: ...
 
@@ -193,7 +194,7 @@ class OwnRun(Run):
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._undo = Undo(store.live())
+        self._undo = Undo(store.live(), store.copier)
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
         return NOTHING  # nothing to do on entry or exit: the variables are the replica's own
@@ -203,8 +204,8 @@ class OwnRun(Run):
         try:
             with resolving(None):
                 yield
-        finally:
-            self._undo = Undo(self._store.live())  # the merge's sync point committed
+        finally:  # the merge's sync point committed
+            self._undo = Undo(self._store.live(), self._store.copier)
 
     def commit(self) -> list[torch.Tensor]:
         return self._undo.commit()

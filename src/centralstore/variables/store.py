@@ -34,6 +34,7 @@ from .._autograd import no_grad
 from .._placement import Placement
 from . import folding, steps, unscoped
 from .buckets import GradientBuckets
+from .direct import Copier
 from .modules import record_unseen
 from .records import (
     Central,
@@ -116,6 +117,7 @@ class VariableStore:
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._plan: Plan | None = None  # how replicas see the records, while they stay
         self._refs: list[weakref.ref[torch.Tensor]] | None = None  # theirs, while they stay
+        self.copier = Copier()  # copies of the buffers a run of one replica may have to restore
         # whether each replica computes where the parameters live (and so may use them
         # directly, ``DirectReplicas``): only in one process of several replicas
         several = 1 < placement.local_replicas == placement.num_replicas
