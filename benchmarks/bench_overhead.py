@@ -26,8 +26,16 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 ``--where CONFIG`` lists the functions that execute the most lines in one configuration
 (for example ``--where "cnn cs R=2"``).
 
+``--phases`` times where a step's overhead falls instead (wall-clock microseconds, medians
+of ``--phase-steps`` steps, cs and plain PyTorch taking turns step by step): from
+``strategy.run``'s call to the first line of replica 0's function, from one replica's
+return to the next one's first line, from the last replica's return to ``run``'s, and the
+optimizer step's sync point (cs's ``optimizer.step()`` less plain's, the same update);
+against the whole step's difference from plain (``halves`` at R = 2). Lines cost far more
+here than in a loop: the step's kernels have just evicted the code and data they touch.
+
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
-        [--where "cnn cs R=2"]
+        [--where "cnn cs R=2"] [--phases] [--phase-steps 200]
 """
 
 from __future__ import annotations
@@ -36,14 +44,16 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
-from bench_models import make_step
+from bench_models import MODELS, make_step
 from torch import nn
 
 import centralstore as cs
@@ -97,6 +107,92 @@ def count(step: Callable[[], None]) -> Counts:
     finally:
         sys.settrace(None)
     return calls, lines
+
+
+def phase_steps(
+    model_name: str, replicas: int
+) -> tuple[Callable[[], list[float]], Callable[[], list[float]]]:
+    """One AdamW step of ``model_name`` with ``replicas`` replicas of ``PER_REPLICA``
+    examples, and plain PyTorch's passes over the same slices; each returns its phases in
+    seconds (see ``--phases``): cs before, between, after, optimizer step, whole step; plain
+    optimizer step, whole step."""
+    build, inputs, per_example = MODELS[model_name]
+    clock = time.perf_counter
+    global_batch = PER_REPLICA * replicas
+    torch.manual_seed(0)
+    x, y = inputs(global_batch)
+    slices = [(x[i * PER_REPLICA:(i + 1) * PER_REPLICA], y[i * PER_REPLICA:(i + 1) * PER_REPLICA])
+              for i in range(replicas)]
+    plain_model = build()
+    plain_optimizer = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+
+    def plain_step() -> list[float]:
+        start = clock()
+        plain_optimizer.zero_grad()
+        for xs, ys in slices:
+            (per_example(plain_model, xs, ys).sum() / global_batch).backward()
+        update = clock()
+        plain_optimizer.step()
+        end = clock()
+        return [end - update, end - start]
+
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    arguments = slices[0] if replicas == 1 else (
+        cs.PerReplica([xs for xs, _ in slices]), cs.PerReplica([ys for _, ys in slices])
+    )
+    marks: list[float] = []  # each replica's first line and return
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        marks.append(clock())
+        # one expression, so that the graph is freed before the mark, as plain's is
+        cs.compute_average_loss(  # type: ignore[no-untyped-call]
+            per_example(model, xs, ys), global_batch_size=global_batch
+        ).backward()
+        marks.append(clock())
+
+    def cs_step() -> list[float]:
+        start = clock()
+        optimizer.zero_grad()
+        marks.clear()
+        called = clock()
+        strategy.run(replica_step, args=arguments)
+        returned = clock()
+        optimizer.step()
+        end = clock()
+        between = sum(marks[i + 1] - marks[i] for i in range(1, len(marks) - 1, 2))
+        return [marks[0] - called, between, returned - marks[-1], end - returned, end - start]
+
+    return cs_step, plain_step
+
+
+def phases(models: list[str], steps: int) -> None:
+    """The ``--phases`` table (see the module's docstring)."""
+    print(f"{'model':<6} {'config':<7} {'before':>7} {'between':>8} {'after':>7} "
+          f"{'opt step':>9} {'sum':>7} {'step - plain':>13}   (us, wall-clock medians of "
+          f"{steps} steps)")
+    for model_name in models:
+        for replicas in (1, 2):
+            cs_step, plain_step = phase_steps(model_name, replicas)
+            for _ in range(30):
+                cs_step()
+                plain_step()
+            cs_times, plain_times = [], []
+            for i in range(steps):
+                if i % 2:
+                    cs_times.append(cs_step())
+                    plain_times.append(plain_step())
+                else:
+                    plain_times.append(plain_step())
+                    cs_times.append(cs_step())
+            c = [statistics.median(column) * 1e6 for column in zip(*cs_times)]
+            p = [statistics.median(column) * 1e6 for column in zip(*plain_times)]
+            parts = [c[0], c[1], c[2], c[3] - p[0]]
+            between = f"{parts[1]:.1f}" if replicas > 1 else "-"
+            print(f"{model_name:<6} {f'R={replicas}':<7} {parts[0]:>7.1f} {between:>8} "
+                  f"{parts[2]:>7.1f} {parts[3]:>9.1f} {sum(parts):>7.1f} {c[4] - p[1]:>13.1f}")
 
 
 def worker_counts() -> dict[str, dict[str, Any]]:
@@ -153,6 +249,9 @@ def main() -> None:
                         default=["cnn", "gpt2", "bert", "vit", "bn"])
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
+    parser.add_argument("--phases", action="store_true",
+                        help="time where the overhead falls instead of counting lines")
+    parser.add_argument("--phase-steps", type=int, default=200)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -161,6 +260,9 @@ def main() -> None:
             print(json.dumps(result))
         return
     torch.set_num_threads(1)
+    if options.phases:
+        phases(options.models, options.phase_steps)
+        return
     print(f"{'model':<6} {'config':<11} {'calls':>6} {'lines':>6} {'cs - plain calls':>17} "
           f"{'cs - plain lines':>17}")
     where: Counts | None = None
