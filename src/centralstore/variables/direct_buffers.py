@@ -42,7 +42,6 @@ import torch
 from .._aggregation import VariableAggregation
 from .._autograd import no_grad
 from .._autograd import version_of as _version
-from .direct import Copier, Copies
 from .records import Central
 from .views import ReplicaViews
 
@@ -66,6 +65,12 @@ def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
     return True
 
 
+def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors``, in fresh memory: a run inside ``merge_call`` keeps copies of
+    the same buffers."""
+    return list(map(torch.Tensor.clone, tensors))
+
+
 _dtype = attrgetter("dtype")
 
 
@@ -83,8 +88,7 @@ class BufferGroups:
     (records), and the integers' values from before the runs while they stay."""
 
     __slots__ = (
-        "_before", "_stamps", "copier", "integer_refs", "integers", "memory", "statistic_refs",
-        "statistics",
+        "_before", "_stamps", "integer_refs", "integers", "memory", "statistic_refs", "statistics",
     )
 
     def __init__(self, records: list[Central], storage: torch.device) -> None:
@@ -110,21 +114,19 @@ class BufferGroups:
         ) if self.statistics else None
         self.integer_refs = [record.ref for record in self.integers]
         self.statistic_refs = [record.ref for record in self.statistics]
-        # copies of the integers (fresh memory each: a run inside ``merge_call`` keeps
-        # copies of the same buffers); their values before the run, and when they were copied
-        self.copier = Copier()
-        self._before: Copies | None = None
+        # the integers' values before the run, and when they were copied
+        self._before: list[torch.Tensor] = []
         self._stamps: tuple[list[int], list[int]] | None = None
 
     @property
     def records(self) -> list[Central]:
         return self.integers + self.statistics
 
-    def integers_before(self, tensors: list[torch.Tensor]) -> Copies:
+    def integers_before(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The integers' values before the run: copied again only if one moved."""
         stamps = (list(map(_version, tensors)), list(map(torch.Tensor.data_ptr, tensors)))
-        if stamps != self._stamps or self._before is None:
-            self._before = self.copier.copy(tensors)
+        if stamps != self._stamps:
+            self._before = _copies(tensors)
             self._stamps = stamps
         return self._before
 
@@ -140,7 +142,7 @@ class SharedIntegers:
         self._before = groups.integers_before(tensors)
         self._versions = list(map(_version, tensors))
         self._written: dict[int, list[bool]] = {}  # replica -> which buffers it wrote
-        self._kept: dict[int, Copies] = {}  # replica -> its values
+        self._kept: dict[int, list[torch.Tensor]] = {}  # replica -> its values
 
     def take(self, replica: int, last: bool) -> None:
         """Replica ``replica`` finished (``last``: the last one) or waits: its writes are
@@ -151,15 +153,15 @@ class SharedIntegers:
             _note(self._written, replica, versions, self._versions)
         if last or replica not in self._written:  # (nothing of its own in the buffers)
             return
-        self._kept[replica] = self._groups.copier.copy(self.tensors)
-        self._before.restore()
+        self._kept[replica] = _copies(self.tensors)
+        torch._foreach_copy_(self.tensors, self._before)
         self._versions = list(map(_version, self.tensors))
 
     def put_back(self, replica: int) -> None:
         """Replica ``replica`` runs on after a rendezvous: its writes are back."""
         kept = self._kept.pop(replica, None)
         if kept is not None:
-            kept.restore()
+            torch._foreach_copy_(self.tensors, kept)
             self._versions = list(map(_version, self.tensors))
 
     def commit(self) -> None:
@@ -169,7 +171,7 @@ class SharedIntegers:
             return
         kept = self._kept.get(0)
         if kept is not None and all(self._written[0]):  # replica 0 wrote every one
-            kept.restore()
+            torch._foreach_copy_(self.tensors, kept)
             self._written, self._kept = {}, {}
             return
         first: dict[int, int] = {}  # buffer -> its first writer
@@ -177,11 +179,11 @@ class SharedIntegers:
             for index in compress(range(len(self.tensors)), self._written[replica]):
                 first[index] = replica
         targets, sources = [], []
-        pieces = {replica: kept.pieces() for replica, kept in self._kept.items()}
         for index, replica in first.items():
-            if replica in pieces:  # (not: the last replica, whose values are in place)
+            kept = self._kept.get(replica)
+            if kept is not None:  # (None: the last replica, whose values are in place)
                 targets.append(self.tensors[index])
-                sources.append(pieces[replica][index])
+                sources.append(kept[index])
         if targets:
             torch._foreach_copy_(targets, sources)
         self._written, self._kept = {}, {}
@@ -193,7 +195,7 @@ class SharedIntegers:
     def restore(self) -> None:
         """The run failed: the buffers as before it."""
         if self._written or list(map(_version, self.tensors)) != self._versions:
-            self._before.restore()
+            torch._foreach_copy_(self.tensors, self._before)
         self._written, self._kept = {}, {}
 
 
