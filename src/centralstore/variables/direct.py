@@ -113,48 +113,31 @@ def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
 
 
 class Copies:
-    """One copy of some tensors, in fresh memory (``Copier.copy``): ``restore`` puts it back
-    in them, ``pieces`` gives each tensor's copy."""
+    """One copy of some tensors, in fresh memory (``Copier.copy``), which ``restore`` puts
+    back in them."""
 
-    __slots__ = ("_parts", "_pieces", "tensors")
+    __slots__ = ("_parts", "tensors")
 
     def __init__(
         self, tensors: list[torch.Tensor], parts: list[tuple[_Group, Sequence[torch.Tensor], Copy]]
     ) -> None:
         self.tensors = tensors
         self._parts = parts
-        self._pieces: list[list[torch.Tensor]] | None = None  # per part, made once when asked
-
-    def _each(self) -> list[list[torch.Tensor]]:
-        if self._pieces is None:
-            self._pieces = [list(group.pieces(copy)) for group, _, copy in self._parts]
-        return self._pieces
 
     def restore(self) -> None:
         """The tensors take back the copied values."""
         with no_grad():
-            for (_, members, _), pieces in zip(self._parts, self._each(), strict=True):
-                torch._foreach_copy_(list(members), pieces)
-
-    def pieces(self) -> list[torch.Tensor]:
-        """Each tensor's copy, in the order of ``tensors``."""
-        each = self._each()
-        if len(each) == 1 and len(each[0]) == len(self.tensors):  # one group of them all
-            return each[0]
-        out = list(self.tensors)
-        for (group, _, _), pieces in zip(self._parts, each, strict=True):
-            for i, piece in zip(group.indices, pieces, strict=True):
-                out[i] = piece
-        return out
+            for group, members, copy in self._parts:
+                torch._foreach_copy_(list(members), list(group.pieces(copy)))
 
 
 class Copier:
-    """Copies of the same tensors run after run (buffers: running statistics, counters), in
-    few kernels: the vectors of one dtype in one ``cat``, the scalars of one dtype in one
-    ``stack``, each tensor's copy a view of the result; any other tensor cloned. (A clone
-    each costs a kernel per tensor: 30 for ten batch-norm layers.) How they group is worked
-    out again whenever the list holds other tensors (by identity) or one of them changed
-    its dtype or size in place."""
+    """Copies of the same tensors run after run (the buffers of a one-replica run: running
+    statistics, counters), in few kernels: the vectors of one dtype in one ``cat``, the
+    scalars of one dtype in one ``stack``, each tensor's copy a view of the result; any
+    other tensor cloned. (A clone each costs a kernel per tensor: 30 for ten batch-norm
+    layers, a launch each on a GPU.) How they group is worked out again whenever the list
+    holds other tensors (by identity) or one of them changed its dtype or size in place."""
 
     __slots__ = ("_groups", "_ids")
 
