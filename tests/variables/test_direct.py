@@ -427,3 +427,24 @@ def test_a_failed_run_of_one_replica_leaves_batch_norm_as_before_it() -> None:
             assert torch.equal(value, kept[name]), name
     for name, value in alone.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass, as a library's buffer might be."""
+
+
+def test_copies_clone_the_tensors_no_concatenation_may_join() -> None:
+    """Sparse vectors and vectors of a tensor subclass are cloned and put back one by one."""
+    from centralstore.variables.direct import Copier
+
+    tensors = [
+        torch.randn(5).to_sparse(), torch.randn(5).to_sparse(),
+        torch.randn(3).as_subclass(Tagged), torch.randn(2).as_subclass(Tagged),
+    ]
+    before = [t.clone() for t in tensors]
+    copies = Copier().copy(tensors)
+    for tensor in tensors:
+        tensor.mul_(2)
+    copies.restore()
+    for tensor, old in zip(tensors, before, strict=True):
+        assert type(tensor) is type(old) and torch.equal(tensor.to_dense(), old.to_dense())

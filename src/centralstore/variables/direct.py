@@ -80,7 +80,7 @@ class _Group:
         return members, flat
 
     def pieces(self, copy: Copy) -> Sequence[torch.Tensor]:
-        """Each member's copy, in order: views of a flat copy."""
+        """Each member's copy, in order: views of a flat copy, or the clones."""
         if isinstance(copy, list):
             return copy
         return torch.split(copy, self.sizes) if self.kind == _CAT else copy.unbind()
@@ -91,13 +91,17 @@ class _Changed(Exception):
 
 
 def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
-    """How ``tensors`` are copied: dense vectors and scalars together by dtype and device (a
-    group of one is cloned), the rest cloned."""
+    """How ``tensors`` are copied: plain dense vectors and scalars together by dtype and
+    device (a group of one is cloned), the rest (matrices, subclasses, sparse or quantized
+    tensors) cloned."""
     together: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
     alone: list[int] = []
     for i, tensor in enumerate(tensors):
         rank = tensor.dim()
-        if rank < 2 and tensor.layout is torch.strided:
+        if (
+            rank < 2 and type(tensor) is torch.Tensor and tensor.layout is torch.strided
+            and not tensor.is_quantized
+        ):
             together.setdefault((rank, tensor.dtype, tensor.device), []).append(i)
         else:
             alone.append(i)
@@ -128,7 +132,11 @@ class Copies:
         """The tensors take back the copied values."""
         with no_grad():
             for group, members, copy in self._parts:
-                torch._foreach_copy_(list(members), list(group.pieces(copy)))
+                if isinstance(copy, list):  # clones: a ``copy_`` each, which any layout has
+                    for tensor, value in zip(members, copy, strict=True):
+                        tensor.copy_(value)
+                else:
+                    torch._foreach_copy_(list(members), list(group.pieces(copy)))
 
 
 class Copier:
