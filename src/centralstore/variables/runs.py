@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from operator import call
 from typing import Protocol, cast, final
 
@@ -82,6 +82,7 @@ class Plan:
         self, records: dict[int, Central], on_parameters: Sequence[bool],
         parameter_storage: torch.device,
     ) -> None:
+        _refuse_sparse(records.values())
         slots = slots_of(records)
         self.slots = Slots(slots)
         self.shared: list[Central] = []
@@ -98,6 +99,32 @@ class Plan:
             with DisableTorchFunctionSubclass():
                 self.buffers = BufferGroups(self.others, parameter_storage)
         self.direct = self.buffers is not None and len(self.buffers.records) == len(self.others)
+
+
+def _refuse_sparse(records: Iterable[Central]) -> None:
+    """Replicas that see variables through views of their own (several replicas, or one
+    away from its variables) need dense variables: centralstore makes views of strided
+    tensors only. (One replica on the variables' device uses them as they are.)"""
+    for record in records:
+        tensor = record.ref()
+        if tensor is None or tensor.layout is torch.strided:
+            continue
+        module = record.owners[0][0]() if record.owners else None
+        what = "buffer" if record.is_buffer else "variable"
+        if module is not None:
+            what += f" {record.owners[0][1]!r} of {type(module).__name__}"
+        instead = (
+            ", or, if the replicas only read it, keep it as a plain attribute "
+            "(module.adjacency = tensor) instead of a buffer, so that every replica reads "
+            "the same tensor" if record.is_buffer else ""
+        )
+        raise ValueError(
+            f"The {what} is a {tensor.layout} tensor of shape {tuple(tensor.shape)}, but "
+            "replicas that see the variables through copies of their own (several "
+            "replicas, or one on another device than its variables) need dense variables: "
+            f"centralstore makes those copies of dense tensors only. Make it dense "
+            f"(tensor.to_dense()){instead}."
+        )
 
 
 class Run(abc.ABC):
