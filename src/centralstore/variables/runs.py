@@ -122,7 +122,7 @@ def _refuse_sparse(records: Iterable[Central]) -> None:
             f"The {what} is a {tensor.layout} tensor of shape {tuple(tensor.shape)}, but "
             "replicas that see the variables through copies of their own (several "
             "replicas, or one on another device than its variables) need dense variables: "
-            f"centralstore makes those copies of dense tensors only. Make it dense "
+            "centralstore makes those copies of dense tensors only. Make it dense "
             f"(tensor.to_dense()){instead}."
         )
 
