@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from paths import each_path, run_on, strategy_on
 from replicas import strategy_of
 from torch import nn
 from torch.nn.modules import module as torch_module
@@ -92,3 +93,47 @@ def test_a_model_converted_in_scope_stays_central_and_apply_is_restored(convert:
     assert int(model[1].num_batches_tracked) == 1  # one update, not one per replica
     outside = convert(nn.BatchNorm1d(2))  # outside every scope: plain
     assert not strategy.extended.variable_created_in_scope(outside.running_mean)
+
+
+class Stepping(nn.Module):
+    """Counts its calls in a buffer, in place (``+=``) or by assigning a new tensor."""
+
+    def __init__(self, assign: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.register_buffer("steps", torch.tensor(0))
+        self.assign = assign
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.assign:
+            self.steps = self.steps + 1
+        else:
+            self.steps += 1
+        return self.linear(x).sum()
+
+
+@each_path
+def test_a_replica_assigning_a_new_tensor_to_a_central_buffer_is_told_to_write_in_place(
+    path: str,
+) -> None:
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = Stepping(assign=True)
+    central = model.steps
+    x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
+    with pytest.raises(ValueError, match=r"Replica 0 assigned a new tensor of shape \(\) to the "
+                       r"buffer 'steps' of Stepping .*Write it in place"):
+        run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert model.steps is central and int(central) == 0  # the run was rolled back
+    model.assign = False  # the advice: += writes in place, and counts each step once
+    for _ in range(3):
+        run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert model.steps is central and int(central) == 3
+
+
+def test_outside_run_a_central_buffer_may_take_a_new_tensor() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = Stepping(assign=True)
+        model(torch.ones(1, 2))  # in the scope, cross-replica: a plain assignment
+    assert int(model.steps) == 1

@@ -50,6 +50,8 @@ _watched: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDicti
 
 
 def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
+    if isinstance(value, torch.Tensor) or value is None:
+        _refuse_rebinding(module, name, value)
     if value is None or module in _watched:
         return
     if isinstance(value, torch.nn.Module) and value not in _watched:
@@ -58,6 +60,37 @@ def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
     if entry.replica_context is None and entry.strategy is not _context.default().strategy:
         return  # a scope takes it
     _watched[module] = module.register_forward_pre_hook(_first_call)
+
+
+def _refuse_rebinding(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Inside a replica, a module slot that holds a central variable may not take another
+    tensor: the replicas run one after another on the same module, so the next one would
+    find the tensor this one left, and the variable would no longer be in its module.
+    (``torch.func.functional_call`` swaps the tables' entries without this hook.)"""
+    table = module._parameters if name in module._parameters else module._buffers
+    if value is not None and table.get(name) is value:
+        return  # the same tensor again: ``module.count += 1`` writes in place, then sets it
+    entry = _context.current()
+    if entry.replica_context is None or entry.strategy is _context.default().strategy:
+        return
+    table = module._parameters if name in module._parameters else module._buffers
+    if value is not None and table.get(name) is value:
+        return  # the same tensor again: ``module.count += 1`` writes in place, then sets it
+    owned = getattr(entry.store, "owned", None)
+    if owned is None or (id(module), name) not in owned()[1]:
+        return
+    kind = "parameter" if name in module._parameters else "buffer"
+    replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
+    given = "None" if value is None else f"a new tensor of shape {tuple(value.shape)}"
+    raise ValueError(
+        f"Replica {replica} assigned {given} to the {kind} {name!r} of "
+        f"{type(module).__name__} (module.{name} = ...), which is a central variable of "
+        f"{entry.strategy!r}: the replicas share the module, so the next replica would find "
+        "this replica's tensor, and the variable would leave the module. Write it in place "
+        f"instead (module.{name} += 1, module.{name}.copy_(value)): writes in place are "
+        "combined at the end of run by the variable's aggregation. To replace the variable, "
+        "do it outside run, inside strategy.scope()."
+    )
 
 
 def _first_call(module: torch.nn.Module, args: Any) -> None:
