@@ -137,3 +137,39 @@ def test_outside_run_a_central_buffer_may_take_a_new_tensor() -> None:
         model = Stepping(assign=True)
         model(torch.ones(1, 2))  # in the scope, cross-replica: a plain assignment
     assert int(model.steps) == 1
+
+
+class LazyScale(nn.Module):
+    """Creates a buffer at its first call, as some caches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "scale"):
+            self.register_buffer("scale", torch.full((2,), 2.0), persistent=False)
+        return self.linear(x * self.scale).sum()
+
+
+@each_path
+def test_a_replica_registering_a_new_buffer_is_told_to_create_it_in_the_scope(path: str) -> None:
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = LazyScale()
+    x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
+    with pytest.raises(ValueError, match=r"Replica 0 registered a new buffer 'scale' of shape "
+                       r"\(2,\) in LazyScale inside run.*call the module once inside"):
+        run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert not hasattr(model, "scale")
+    with strategy.scope():  # the advice: its first call in the scope makes the buffer central
+        model(torch.ones(1, 2))
+    run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert id(model.scale) in strategy._store.records
+
+
+def test_a_layer_made_inside_run_is_refused_by_its_parameter() -> None:
+    strategy = strategy_of(2)
+    with pytest.raises(ValueError, match=r"registered a new parameter 'weight' of shape \(1, 2\) "
+                       r"in Linear inside run"):
+        strategy.run(lambda: nn.Linear(2, 1))

@@ -20,6 +20,10 @@ of module register nothing in the scope:
   run, and a module restored outside a scope (it registers nothing) first called after the
   first run.
 
+Inside a replica the same registration hooks refuse, at once, a new tensor in a slot that
+holds a central variable (``module.steps = module.steps + 1``: write in place instead) and a
+parameter or buffer registered there (variables are created in the scope).
+
 >>> import torch
 >>> import centralstore as cs
 >>> strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
@@ -51,7 +55,7 @@ _watched: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDicti
 
 def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor) or value is None:
-        _refuse_rebinding(module, name, value)
+        _refuse_in_replica(module, name, value)
     if value is None or module in _watched:
         return
     if isinstance(value, torch.nn.Module) and value not in _watched:
@@ -62,25 +66,37 @@ def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
     _watched[module] = module.register_forward_pre_hook(_first_call)
 
 
-def _refuse_rebinding(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
-    """Inside a replica, a module slot that holds a central variable may not take another
-    tensor: the replicas run one after another on the same module, so the next one would
-    find the tensor this one left, and the variable would no longer be in its module.
-    (``torch.func.functional_call`` swaps the tables' entries without this hook.)"""
+def _refuse_in_replica(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Inside a replica, a module takes no other tensor. The replicas run one after another
+    on the same modules, so the next replica would find the tensor this one left: a slot
+    that holds a central variable may not be assigned (the variable would leave the
+    module), and a new parameter or buffer is no central variable (each replica would make
+    its own, which no sync point combines). (``torch.func.functional_call`` swaps the tables'
+    entries without this hook.)"""
     table = module._parameters if name in module._parameters else module._buffers
     if value is not None and table.get(name) is value:
         return  # the same tensor again: ``module.count += 1`` writes in place, then sets it
     entry = _context.current()
     if entry.replica_context is None or entry.strategy is _context.default().strategy:
         return
-    table = module._parameters if name in module._parameters else module._buffers
-    if value is not None and table.get(name) is value:
-        return  # the same tensor again: ``module.count += 1`` writes in place, then sets it
+    parameter = name in module._parameters or isinstance(value, torch.nn.Parameter)
+    kind = "parameter" if parameter else "buffer"
+    replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
+    if name not in table:
+        if value is None:
+            return
+        raise ValueError(
+            f"Replica {replica} registered a new {kind} {name!r} of shape "
+            f"{tuple(value.shape)} in {type(module).__name__} inside run: a variable is "
+            f"created in strategy.scope(), where it becomes a central variable of "
+            f"{entry.strategy!r}; made by a replica, the next replica would find it and no "
+            "sync point would combine it. Create it in the module's __init__, or, if the "
+            "module creates it at its first call, call the module once inside "
+            "`with strategy.scope():` before run."
+        )
     owned = getattr(entry.store, "owned", None)
     if owned is None or (id(module), name) not in owned()[1]:
-        return
-    kind = "parameter" if name in module._parameters else "buffer"
-    replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
+        return  # a module built outside every scope: its first call in a run says so
     given = "None" if value is None else f"a new tensor of shape {tuple(value.shape)}"
     raise ValueError(
         f"Replica {replica} assigned {given} to the {kind} {name!r} of "
