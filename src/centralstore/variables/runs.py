@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from operator import call
 from typing import Protocol, cast, final
@@ -125,6 +126,13 @@ def _refuse_sparse(records: Iterable[Central]) -> None:
             "centralstore makes those copies of dense tensors only. Make it dense "
             f"(tensor.to_dense()){instead}."
         )
+
+
+def _all_of(refs: list[weakref.ref[torch.Tensor]], kind: type) -> list[torch.Tensor] | None:
+    """The tensors of ``refs`` if every one is alive and of class ``kind`` exactly (one
+    pass in C), else None."""
+    tensors = list(map(call, refs))
+    return cast(list[torch.Tensor], tensors) if set(map(type, tensors)) == {kind} else None
 
 
 class Run(abc.ABC):
@@ -264,25 +272,25 @@ class DirectRun(Run):
     def open(cls, store: Store, plan: Plan) -> DirectRun | None:
         if not plan.direct or not all(store.on_parameters):
             return None
-        tensors = list(map(call, plan.shared_refs))
-        if set(map(type, tensors)) != {torch.nn.Parameter}:
+        tensors = _all_of(plan.shared_refs, torch.nn.Parameter)
+        if tensors is None:
             return None
         groups = cast(BufferGroups, plan.buffers)
         buffers: list[SharedBuffers] = []
         if groups.integer_refs:
-            integers = list(map(call, groups.integer_refs))
-            if set(map(type, integers)) != {torch.Tensor}:
+            integers = _all_of(groups.integer_refs, torch.Tensor)
+            if integers is None:
                 return None
-            buffers.append(SharedIntegers(groups, cast(list[torch.Tensor], integers)))
+            buffers.append(SharedIntegers(groups, integers))
         if groups.statistic_refs:
-            statistics = list(map(call, groups.statistic_refs))
-            if set(map(type, statistics)) != {torch.Tensor}:
+            statistics = _all_of(groups.statistic_refs, torch.Tensor)
+            if statistics is None:
                 return None
             buffers.append(SharedStatistics(
-                groups.statistics, cast(list[torch.Tensor], statistics),
-                cast(StatisticsMemory, groups.memory), store.replicas,
+                groups.statistics, statistics, cast(StatisticsMemory, groups.memory),
+                store.replicas,
             ))
-        return cls(store, plan, cast(list[torch.Tensor], tensors), buffers)
+        return cls(store, plan, tensors, buffers)
 
     def leave(self, replica: int, finished: bool) -> None:
         if finished:
