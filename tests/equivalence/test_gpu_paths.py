@@ -331,3 +331,51 @@ def test_modules_copied_in_scope_are_central_and_ones_built_outside_are_refused(
     with pytest.raises(ValueError, match=r"The Linear module .* 'weight'"):
         strategy.run(lambda x: outside(x), args=(xs,))
     assert int(outside[1].num_batches_tracked) == 0
+
+
+def test_a_gpu_replica_assigning_or_registering_a_tensor_is_refused(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """The checks of tests/variables/test_unscoped.py on GPU replicas, whose slots hold
+    views: a new tensor in a central buffer's slot, and a buffer registered inside run."""
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        holder = nn.Module()
+        holder.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def assign() -> None:
+        holder.count = holder.count + 1
+
+    def register() -> None:
+        holder.register_buffer("cache", torch.ones(2))
+
+    with pytest.raises(ValueError, match=r"assigned a new tensor of shape \(\) to the buffer "
+                       r"'count' of Module"):
+        strategy.run(assign)
+    with pytest.raises(ValueError, match=r"registered a new buffer 'cache' of shape \(2,\)"):
+        strategy.run(register)
+    strategy.run(lambda: holder.count.add_(1))  # in place: the first replica's write
+    assert int(holder.count) == 1 and not hasattr(holder, "cache")
+
+
+@pytest.mark.fake_gpus(1)
+def test_a_failed_run_of_one_gpu_replica_leaves_batch_norm_as_before_it(
+    fake_gpus: Any,
+) -> None:
+    """One replica on the GPU that holds the variables uses them directly (``OwnRun``): a
+    run that fails after its forward puts back the statistics and the counter."""
+    strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cuda:0")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    x = torch.randn(6, 3).to("cuda:0")
+    strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+    kept = host_state(model)
+
+    def fails(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+        raise RuntimeError("the replica fails")
+
+    with pytest.raises(RuntimeError, match="the replica fails"):
+        strategy.run(fails, args=(x,))
+    for name, value in host_state(model).items():
+        assert torch.equal(value, kept[name]), name

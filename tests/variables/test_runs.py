@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import each_path, run_on, strategy_on
 from replicas import strategy_of
 from torch import nn
 
@@ -27,7 +28,7 @@ class Graph(nn.Module):
         return torch.sparse.mm(self.adjacency, self.linear(x))
 
 
-def trained(strategy: cs.Strategy, as_buffer: bool) -> list[torch.Tensor]:
+def trained(strategy: cs.Strategy, as_buffer: bool, path: str = "direct") -> list[torch.Tensor]:
     """Two SGD steps over two graphs' features (six nodes, three features each), one graph
     per replica at R = 2, both in the one replica at R = 1."""
     with strategy.scope():
@@ -42,18 +43,19 @@ def trained(strategy: cs.Strategy, as_buffer: bool) -> list[torch.Tensor]:
 
     for _ in range(2):
         optimizer.zero_grad()
-        strategy.run(step, args=(cs.PerReplica(list(x.chunk(2))) if replicas > 1 else x,))
+        run_on(path, strategy, step, args=(cs.PerReplica(list(x.chunk(2))) if replicas > 1 else x,))
         optimizer.step()
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_several_replicas_refuse_a_sparse_buffer_and_name_it() -> None:
-    strategy = strategy_of(2)
+@each_path
+def test_several_replicas_refuse_a_sparse_buffer_and_name_it(path: str) -> None:
+    strategy = strategy_on(path)
     with strategy.scope():
         model = Graph(as_buffer=True)
     called = []
     with pytest.raises(ValueError, match=r"buffer 'adjacency' of Graph is a torch.sparse_coo"):
-        strategy.run(lambda: called.append(model))
+        run_on(path, strategy, lambda: called.append(model))
     assert not called
 
 
@@ -65,11 +67,13 @@ def test_one_replica_uses_a_sparse_buffer_as_one_device_does() -> None:
         assert torch.equal(got, want)
 
 
-def test_several_replicas_read_a_sparse_tensor_held_as_a_plain_attribute() -> None:
+@each_path
+def test_several_replicas_read_a_sparse_tensor_held_as_a_plain_attribute(path: str) -> None:
     """The error's advice works: every replica reads the one tensor, and training matches one
     device up to the order of the sum."""
     for got, want in zip(
-        trained(strategy_of(2), as_buffer=False), trained(strategy_of(1), as_buffer=False),
+        trained(strategy_on(path), as_buffer=False, path=path),
+        trained(strategy_of(1), as_buffer=False),
         strict=True,
     ):
         torch.testing.assert_close(got, want)
