@@ -11,6 +11,7 @@ from replicas import context, local, replica_id, strategy_of
 from torch import nn
 
 import centralstore as cs
+from centralstore.variables import direct_buffers
 
 
 def linear(strategy: cs.Strategy) -> nn.Linear:
@@ -226,6 +227,34 @@ def test_integer_buffers_nothing_writes_are_not_copied_again_by_later_runs() -> 
     assert groups.integers_before([model.ids, model.count]) is before
     model.count.fill_(3)  # written outside run: copied again before the next run
     assert groups.integers_before([model.ids, model.count]) is not before
+
+
+def test_integer_buffers_every_run_writes_are_copied_once_a_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.BatchNorm1d(2)  # its integer buffer: num_batches_tracked
+    copies: list[list[torch.Tensor]] = []
+    copy = direct_buffers._copies
+
+    def counted(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        copies.append(copy(tensors))
+        return copies[-1]
+
+    monkeypatch.setattr(direct_buffers, "_copies", counted)
+    x = cs.PerReplica([torch.randn(3, 2), torch.randn(3, 2)])
+    strategy.run(model, args=(x,))  # copies the counter before the run, and replica 0's
+    assert len(copies) == 2
+    for run in range(2, 5):  # replica 0's copy, given to the counter, is the next run's before
+        strategy.run(model, args=(x,))
+        assert len(copies) == run + 1
+    assert int(model.num_batches_tracked) == 4
+    groups = strategy._store.plan().buffers
+    assert groups is not None
+    (before,) = groups.integers_before([model.num_batches_tracked])  # no copy more
+    assert len(copies) == 5 and int(before) == 4
+    assert before.data_ptr() != model.num_batches_tracked.data_ptr()
 
 
 def writes_to_a_counter(path: str, fail: bool = False) -> tuple[list[int], list[int], int]:

@@ -10,7 +10,9 @@ point leaves what views would. Two kinds qualify (``BufferGroups``):
 * **integers** taking the first replica's write (their default aggregation: position ids,
   ``num_batches_tracked``): a write moves the version counter, so a run that writes none
   (the usual case for position ids) costs a comparison of counters, and the values from
-  before the run are copied only when a buffer changed since the last copy. The sync point
+  before the run are copied only when a buffer changed since the last copy (a sync point
+  that gives every buffer replica 0's copy counts as one: ``num_batches_tracked``, which
+  every run writes, is copied once a run, for the next replica, not twice). The sync point
   gives each written buffer its first writer's value, as views do. (A write through
   ``.data`` moves no counter: it applies at once, as on one device.)
 * **running statistics** of normalization layers (floating ``running_mean`` /
@@ -124,11 +126,22 @@ class BufferGroups:
 
     def integers_before(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The integers' values before the run: copied again only if one moved."""
-        stamps = (list(map(_version, tensors)), list(map(torch.Tensor.data_ptr, tensors)))
+        stamps = _stamps(tensors)
         if stamps != self._stamps:
             self._before = _copies(tensors)
             self._stamps = stamps
         return self._before
+
+    def remember(self, tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """A sync point left ``tensors`` holding ``values``, copies no one writes: the next
+        run's values from before it, unless one moves first. (A counter that every run
+        writes, ``num_batches_tracked``, is then copied once a run, not twice.)"""
+        self._before = values
+        self._stamps = _stamps(tensors)
+
+
+def _stamps(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    return list(map(_version, tensors)), list(map(torch.Tensor.data_ptr, tensors))
 
 
 class SharedIntegers:
@@ -171,7 +184,8 @@ class SharedIntegers:
             return
         kept = self._kept.get(0)
         if kept is not None and all(self._written[0]):  # replica 0 wrote every one
-            torch._foreach_copy_(self.tensors, kept)
+            torch._foreach_copy_(self.tensors, kept)  # (so they hold its copies exactly)
+            self._groups.remember(self.tensors, kept)
             self._written, self._kept = {}, {}
             return
         first: dict[int, int] = {}  # buffer -> its first writer
