@@ -1,6 +1,6 @@
 """Milliseconds per training step: plain PyTorch against centralstore on logical CPU devices.
 
-Compares, in one run and interleaved round by round (this machine is shared and noisy):
+Compares, in one run and interleaved step by step (this machine is shared and noisy):
   plain        a plain PyTorch loop on the full batch
   halves       the same loop doing two half-batch passes that accumulate gradients
                (the floor for R = 2: the same arithmetic as two replicas)
@@ -9,10 +9,13 @@ Compares, in one run and interleaved round by round (this machine is shared and 
 on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time),
 and on the transformer again with its forward and loss ``torch.compile``d in every
 configuration ("transformer-compiled": the counterpart of a ``@tf.function`` step).
-The order of the configurations alternates between rounds, and each configuration takes one
-untimed step before its timed ones: the first step after another configuration ran is slower,
-and the configurations in the middle of the order (halves, cs R=1) follow another one in every
-round, the two at its ends in every other round.
+The configurations take turns step by step, each step timed alone, in an order reversed every
+round, and the table gives each one's median step: every step follows another configuration's
+(whose model and activations left the caches cold), so each pays for the switch alike. (An
+earlier version timed blocks of 20 steps per configuration and took the median of the blocks'
+means: the machine's changes of speed between blocks, and one slow step in a block, moved the
+small transformer's R=2 / halves from 0.90 to 1.17 over three runs of the same code, where
+the medians of the steps read 0.93 to 1.03.)
 Peak memory is measured per configuration in a fresh subprocess: the highest resident set
 size sampled every millisecond during 5 training steps, above what the process held after
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
@@ -165,6 +168,12 @@ def time_steps(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def time_step(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return (time.perf_counter() - start) * 1e3
+
+
 def peak_rss_mb(config: str, model_name: str, steps: int) -> float:
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import bench_train as b;"
@@ -227,10 +236,11 @@ def main() -> None:
         for step in steps.values():  # warm up
             time_steps(step, 3)
         samples: dict[str, list[float]] = {config: [] for config in CONFIGS}
-        for round_ in range(options.rounds):  # the order alternates between rounds
-            for config in CONFIGS if round_ % 2 == 0 else reversed(CONFIGS):
-                steps[config]()  # untimed: the first step after a switch pays for it
-                samples[config].append(time_steps(steps[config], options.steps))
+        for round_ in range(options.rounds):  # the order is reversed every round
+            order = CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]
+            for _ in range(options.steps):
+                for config in order:
+                    samples[config].append(time_step(steps[config]))
         medians = {config: statistics.median(v) for config, v in samples.items()}
         for config in CONFIGS:
             memory = "" if options.no_memory else f"{peak_rss_mb(config, model_name, 5):8.0f}"
