@@ -313,7 +313,7 @@ def statistics_after(path: str, replicas: int, write: str) -> dict[str, torch.Te
     (``skip``: the last one makes no forward; ``add``: each adds to a statistic in
     place; ``fail``: the last one raises after its forward, in the second step; ``eval``:
     the model evaluates in the second step; ``merge``: a ``merge_call`` between two
-    forwards)."""
+    forwards; ``dead``: a channel that training leaves at its running mean)."""
     strategy = strategy_on(path, replicas)
     model = normalized(strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -323,7 +323,11 @@ def statistics_after(path: str, replicas: int, write: str) -> dict[str, torch.Te
         replica = replica_id()
         if write == "skip" and replica == replicas - 1:
             return
-        model(xs).pow(2).mean().backward()
+        if write == "dead":  # a channel of zeros: its running mean stays 0, its variance not
+            hidden = model[0](xs) * torch.tensor([0.0, 1.0, 1.0, 1.0]).view(1, 4, 1, 1)
+            model[1:](hidden).pow(2).mean().backward()
+        else:
+            model(xs).pow(2).mean().backward()
         if write == "add":
             model[1].running_mean.add_(replica + 0.1)  # a change, not an assignment
         if write == "fail" and second and replica == replicas - 1:
@@ -345,7 +349,7 @@ def statistics_after(path: str, replicas: int, write: str) -> dict[str, torch.Te
 
 @each_path
 @pytest.mark.parametrize("replicas", [2, 3])
-@pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge"])
+@pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge", "dead"])
 def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
     path: str, replicas: int, write: str,
 ) -> None:

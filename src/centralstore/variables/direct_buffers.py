@@ -19,8 +19,10 @@ point leaves what views would. Two kinds qualify (``BufferGroups``):
   ``running_var`` of batch and instance norm, aggregation MEAN): their kernel writes them
   behind their version counters, so every run copies them, into one flat tensor (of one
   dtype, reused from run to run: ``StatisticsMemory``), and the sync point compares each
-  replica's copy with the one from before the run, in one operation. If every replica's
-  kernel changed every statistic (training), they become the mean of the replicas' values
+  replica's copy with the one from before the run, in one operation (element by element,
+  then, unless every element changed, statistic by statistic: a training step can leave a
+  value as it was, the running mean of a channel of zeros). If every replica's kernel
+  changed every statistic (training), they become the mean of the replicas' values
   in replica order, on the flat copies (``(w0 + w1 + ...) / R``, the arithmetic of
   views); any other pattern (a replica that did not change one, a write that moved a
   counter) goes statistic by statistic: those every replica changed are averaged, the
@@ -306,12 +308,15 @@ class SharedStatistics:
         values = [self._kept[r] for r in range(count)]
         size = len(self.tensors)
         differs = torch.stack([v.flat for v in values]).ne_(self._before.flat)  # NaN differs
-        changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
-        found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
-        if not self._moved and all(map(all, found)):
-            self._mean_of_all(values)  # training
-        elif self._moved or any(map(any, found)):  # (none changed: evaluation)
-            self._fold([v.pieces for v in values], found)
+        if not self._moved and bool(differs.all()):  # training: every element changed
+            self._mean_of_all(values)
+        else:  # statistic by statistic (a value that a training step left as it was counts)
+            changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
+            found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
+            if not self._moved and all(map(all, found)):
+                self._mean_of_all(values)
+            elif self._moved or any(map(any, found)):  # (none changed: evaluation)
+                self._fold([v.pieces for v in values], found)
         self._memory.take_back([self._before, *values])
         self._kept, self._moved = {}, {}
 
