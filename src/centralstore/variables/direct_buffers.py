@@ -69,9 +69,15 @@ def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
     return True
 
 
+# one call for a list (one kernel on a GPU), where this torch has it; else a clone each
+_clone_all = getattr(torch, "_foreach_clone", None)
+
+
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of ``tensors``, in fresh memory: a run inside ``merge_call`` keeps copies of
     the same buffers."""
+    if _clone_all is not None:
+        return list(_clone_all(tensors))
     return list(map(torch.Tensor.clone, tensors))
 
 
