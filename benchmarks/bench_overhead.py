@@ -26,6 +26,14 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 ``--where CONFIG`` lists the functions that execute the most lines in one configuration
 (for example ``--where "cnn cs R=2"``).
 
+``--fake-gpus`` counts the GPU path on the test suite's fake CUDA devices (``tests/fakegpu``:
+CUDA semantics emulated on the CPU): centralstore's own lines per training step, all of them
+(its hooks and views included), for two replicas on ``cuda:0`` and ``cuda:1`` with the
+variables on the CPU, and one replica on the ``cuda:0`` that holds them, on stacks of linear
+layers and of linear and batch-norm layers. The fake devices' own Python is not counted;
+their tensors are a subclass, which a few of centralstore's checks send to a general path
+(the one-replica undo record clones its buffers), so a real GPU may execute slightly fewer.
+
 ``--phases`` times where a step's overhead falls instead (wall-clock microseconds, medians
 of ``--phase-steps`` steps, cs and plain PyTorch taking turns step by step): from
 ``strategy.run``'s call to the first line of replica 0's function, from one replica's
@@ -35,7 +43,7 @@ against the whole step's difference from plain (``halves`` at R = 2). Lines cost
 here than in a loop: the step's kernels have just evicted the code and data they touch.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
-        [--where "cnn cs R=2"] [--phases] [--phase-steps 200]
+        [--where "cnn cs R=2"] [--fake-gpus] [--phases] [--phase-steps 200]
 """
 
 from __future__ import annotations
@@ -251,12 +259,113 @@ def worker_counts() -> dict[str, dict[str, Any]]:
     return out
 
 
+def count_package(step: Callable[[], None]) -> collections.Counter[str]:
+    """centralstore's lines in one ``step`` (after 3 untimed ones), by function: every frame
+    of the package, wherever it is called from, and nothing else."""
+    for _ in range(3):
+        step()
+    package = os.path.dirname(cs.__file__) + os.sep
+    lines: collections.Counter[str] = collections.Counter()
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if not code.co_filename.startswith(package):
+            return None
+        where = f"{code.co_filename[len(package):]}:{code.co_name}"
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                lines[where] += 1
+            return local
+
+        return local
+
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    sys.settrace(tracer)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+        if collecting:
+            gc.enable()
+    return lines
+
+
+def _training_step(devices: list[str], storage: str, model: Callable[[], nn.Module]) -> tuple[
+    Callable[[], None], int
+]:
+    """A training step of ``model`` built in a strategy on ``devices`` with its variables on
+    ``storage``, over a distributed ``DataLoader``; and the model's number of variables."""
+    strategy = cs.CentralStorageStrategy(devices, parameter_device=storage)
+    torch.manual_seed(0)
+    with strategy.scope():
+        module = model()
+        optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+    batches = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8 * len(devices), 4)),
+        batch_size=4 * len(devices),
+    )
+    source = strategy.experimental_distribute_dataset(batches)
+    inputs = iter(source)
+
+    def step() -> None:
+        nonlocal inputs
+        try:
+            (xs,) = next(inputs)
+        except StopIteration:
+            inputs = iter(source)
+            (xs,) = next(inputs)
+        optimizer.zero_grad()
+        strategy.run(lambda x: module(x).sum().backward(), args=(xs,))
+        optimizer.step()
+
+    return step, len(list(module.parameters())) + len(list(module.buffers()))
+
+
+def fake_gpu_counts() -> None:
+    """``--fake-gpus``: centralstore's lines per step on the GPU path (module docstring)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+    import fakegpu
+
+    def stack(depth: int, norm: bool) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            layers: list[nn.Module] = [nn.Linear(4, 8)]
+            for _ in range(depth):
+                layers += [nn.Linear(8, 8)] + ([nn.BatchNorm1d(8)] if norm else [])
+                layers.append(nn.ReLU())
+            return nn.Sequential(*layers, nn.Linear(8, 2))
+
+        return build
+
+    print(f"{'model':<32} {'placement':<34} {'variables':>9} {'lines':>7} {'per variable':>12}")
+    top: collections.Counter[str] = collections.Counter()
+    with fakegpu.devices(2):
+        for depth, norm in ((2, False), (20, False), (10, True)):
+            name = f"{depth} x Linear(8, 8)" + (" + BatchNorm1d" if norm else "")
+            for devices, storage in ((["cuda:0", "cuda:1"], "cpu"), (["cuda:0"], "cuda:0")):
+                step, variables = _training_step(devices, storage, stack(depth, norm))
+                lines = count_package(step)
+                if depth == 20 and len(devices) == 2:
+                    top = lines
+                total = sum(lines.values())
+                placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on {storage}"
+                print(f"{name:<32} {placement:<34} {variables:>9} {total:>7} "
+                      f"{total / variables:>12.1f}")
+    print("\n20 x Linear(8, 8), two GPUs, variables on the CPU: functions by lines")
+    for where, n in top.most_common(12):
+        print(f"  {n:>6}  {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit", "bn"],
                         default=["cnn", "gpt2", "bert", "vit", "bn"])
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
+    parser.add_argument("--fake-gpus", action="store_true",
+                        help="count the GPU path on the test suite's fake GPUs")
     parser.add_argument("--phases", action="store_true",
                         help="time where the overhead falls instead of counting lines")
     parser.add_argument("--phase-steps", type=int, default=200)
@@ -268,6 +377,9 @@ def main() -> None:
             print(json.dumps(result))
         return
     torch.set_num_threads(1)
+    if options.fake_gpus:
+        fake_gpu_counts()
+        return
     if options.phases:
         phases(options.models, options.phase_steps)
         return
