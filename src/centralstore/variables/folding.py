@@ -13,7 +13,7 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
-from itertools import compress, count, repeat
+from itertools import compress, count, repeat, zip_longest
 from operator import attrgetter, call, is_, is_not
 from typing import Any
 
@@ -222,28 +222,23 @@ def _fold_in_rounds(
     """Add ``gradients[i]`` (in order) to ``centrals[i].grad``, where a variable may come
     several times: round k adds each variable's k-th gradient, one ``_foreach_add_``."""
     received: list[torch.Tensor] = []
-    index: dict[int, int] = {}  # id of a central variable -> its place in ``received``
-    rounds: list[list[torch.Tensor | None]] = []  # round k: each central's k-th gradient
+    each: dict[int, list[torch.Tensor]] = {}  # id of a central variable -> its gradients
     for central, grads in zip(centrals, gradients):
-        i = index.get(id(central))
-        if i is None:
-            i = index[id(central)] = len(received)
+        held = each.get(id(central))
+        if held is None:
+            held = each[id(central)] = []
             received.append(central)
-            for earlier in rounds:
-                earlier.append(None)
-        start = next((k for k, grads_k in enumerate(rounds) if grads_k[i] is None), len(rounds))
-        for k, grad in enumerate(grads, start):
-            if k == len(rounds):
-                rounds.append([None] * len(received))
-            rounds[k][i] = grad
-    if rounds:
-        sums: list[torch.Tensor | None] = [central.grad for central in received]
-        for grads_k in rounds:
-            add_in_order(sums, grads_k, borrowed)
-        for central, total in zip(received, sums):
-            if total is not None and id(total) in borrowed:  # the only gradient it received
-                total = total.clone()
-            central.grad = total
+        held += grads
+    if not received:
+        return received
+    lists = list(each.values())  # in the order of ``received``
+    sums: list[torch.Tensor | None] = list(map(grad_of, received))
+    for grads_k in zip_longest(*lists):  # round k: each variable's k-th gradient, or None
+        add_in_order(sums, list(grads_k), borrowed)
+    for central, total in zip(received, sums):
+        if total is not None and id(total) in borrowed:  # the only gradient it received
+            total = total.clone()
+        central.grad = total
     return received
 
 
