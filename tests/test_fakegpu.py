@@ -475,7 +475,7 @@ def _iterate_a_distributed_dataset() -> None:
 _MUTATIONS = [
     pytest.param(views.ReplicaViews, "wait_for_copies", "Event.synchronize",
                  _evaluate_then_write_on_the_host, "read/write", id="views-wait_for_copies"),
-    pytest.param(folding, "gradients_of", "Event.synchronize", _train_on_cpu_parameters,
+    pytest.param(folding, "_fold_rounds", "Event.synchronize", _train_on_cpu_parameters,
                  "write/", id="folding-gradient-event-sync"),
     pytest.param(folding, "start_copy", "Event.record", _train_on_cpu_parameters,
                  "write/", id="folding-gradient-event-record"),

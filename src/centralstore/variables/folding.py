@@ -13,8 +13,9 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import compress, count, repeat, zip_longest
-from operator import attrgetter, call, is_, is_not
+from operator import attrgetter, call, is_, is_not, itemgetter, methodcaller
 from typing import Any
 
 import torch
@@ -190,6 +191,11 @@ def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
 
 _private_of = attrgetter("private")
 _pending_of = attrgetter("pending")
+_first = itemgetter(0)
+_take = methodcaller("take")
+_borrowed_of = attrgetter("borrowed")
+_device_of = attrgetter("device")
+_dtype_of = attrgetter("dtype")
 _alias_of = attrgetter("alias")
 _tensor_of = attrgetter("tensor")
 _record_of = attrgetter("record")
@@ -203,6 +209,31 @@ def _fold_rounds(
     a routed copy and its shared view), after ``centrals`` and their ``gradients``, taken
     off the views before them."""
     borrowed: set[int] = set()  # ids of gradients that are views of a bucket
+    pendings = list(map(_pending_of, views))
+    counts = list(map(len, pendings))
+    if (  # the usual step of GPU replicas: a copy each or none, nothing else, in C passes
+        set(counts) <= {0, 1}
+        and all(map(is_, map(_alias_of, views), repeat(None)))
+        and not some(list(map(grad_of, map(_tensor_of, views))))
+    ):
+        if not all(counts):  # (views without a gradient: buffers, unused parameters)
+            views, pendings = list(compress(views, counts)), list(compress(pendings, counts))
+        copies = list(map(_first, pendings))
+        taken: list[torch.Tensor] = list(map(_take, copies))  # in order, as below
+        borrowed.update(map(id, compress(taken, map(_borrowed_of, copies))))
+        deque(map(list.clear, pendings), maxlen=0)
+        found = list(map(call, map(_ref_of, map(_record_of, views))))
+        alive = list(map(is_not, found, repeat(None)))
+        if not all(alive):  # a variable dying right now
+            found, taken = list(compress(found, alive)), list(compress(taken, alive))
+        if (
+            list(map(_device_of, taken)) != list(map(_device_of, found))
+            or list(map(_dtype_of, taken)) != list(map(_dtype_of, found))
+        ):
+            taken = [g.to(c.device, c.dtype) for g, c in zip(taken, found, strict=True)]
+        centrals += found
+        gradients += [[g] for g in taken]
+        return _fold_in_rounds(centrals, gradients, borrowed)
     for view in views:
         grads = gradients_of(view, borrowed)
         central = view.record.ref()
