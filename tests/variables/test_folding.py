@@ -238,6 +238,25 @@ def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradien
     assert empty[0] is None and empty[1] is grad
 
 
+@pytest.mark.parametrize("lent", ["all", "some", "none"])
+def test_add_in_order_never_writes_a_borrowed_sum(lent: str) -> None:
+    """A sum that is a view of a gradient bucket (``borrowed``), which the next step
+    overwrites, is replaced by a new tensor of the same values; the others add in place."""
+    bucket = torch.arange(6.0)
+    views = [bucket[:3], bucket[3:]]
+    sums: list[torch.Tensor | None] = list(views)
+    grads: list[torch.Tensor | None] = [torch.ones(3), torch.full((3,), 2.0)]
+    borrowed = {"all": {id(views[0]), id(views[1])}, "some": {id(views[1])}, "none": set()}[lent]
+    add_in_order(sums, grads, borrowed)
+    assert torch.equal(sums[0], torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(sums[1], torch.tensor([5.0, 6.0, 7.0]))
+    for view, total in zip(views, sums, strict=True):
+        assert (total is view) == (id(view) not in borrowed)
+    written = torch.tensor([1.0, 2.0, 3.0, 5.0, 6.0, 7.0])
+    expected = {"all": torch.arange(6.0), "some": torch.tensor([1.0, 2.0, 3.0, 3.0, 4.0, 5.0])}
+    assert torch.equal(bucket, expected.get(lent, written))
+
+
 def _views(*specs: tuple[torch.Tensor, torch.Tensor | None]) -> list[View]:
     """A View per (central, gradient on the view), sharing the central's storage."""
     views = []

@@ -93,10 +93,16 @@ def add_in_order(
     if not some(sums):  # nothing held: the gradients are the sums
         sums[:] = grads
         return
-    if not borrowed and all_dense(sums, grads):  # the usual case, checked in C
-        with no_grad():
-            torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
-        return
+    if all_dense(sums, grads):  # the usual case, checked in C
+        lent = list(map(borrowed.__contains__, map(id, sums))) if borrowed else None
+        if lent is None or not any(lent):
+            with no_grad():
+                torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
+            return
+        if all(lent):  # every sum a view of a gradient bucket (GPU replicas' second round)
+            with no_grad():
+                sums[:] = torch._foreach_add(sums, grads)  # type: ignore[arg-type]
+            return
     targets, sources, fresh = [], [], []
     for i in compress(count(), map(is_not, grads, repeat(None))):  # skipping Nones in C
         grad: torch.Tensor = grads[i]  # type: ignore[assignment]
