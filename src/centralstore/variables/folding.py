@@ -198,6 +198,9 @@ def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
 _private_of = attrgetter("private")
 _pending_of = attrgetter("pending")
 _first = itemgetter(0)
+_assigned_of = attrgetter("assigned")
+_version_of = attrgetter("_version")
+_start_version_of = attrgetter("start_version")
 _take = methodcaller("take")
 _borrowed_of = attrgetter("borrowed")
 _device_of = attrgetter("device")
@@ -327,6 +330,10 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
     on_read: dict[int, list[tuple[int, View]]] = {}
     for replica, views in enumerate(touched):
         if not any(map(_private_of, views)):  # only a private copy can be written
+            continue
+        if not any(map(_assigned_of, views)) and list(
+            map(_version_of, map(_tensor_of, views))
+        ) == list(map(_start_version_of, views)):  # nothing written: checked in C
             continue
         for view in views:
             if view.private and (  # view.written(), inlined: this loop visits every view
