@@ -379,3 +379,32 @@ def test_a_failed_run_of_one_gpu_replica_leaves_batch_norm_as_before_it(
         strategy.run(fails, args=(x,))
     for name, value in host_state(model).items():
         assert torch.equal(value, kept[name]), name
+
+
+@pytest.mark.fake_gpus(2)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_gpu_replica_writing_a_parameter_in_place_is_applied_or_refused_at_every_run(
+    fake_gpus: Any, replicas: int,
+) -> None:
+    """Private views of trained parameters are refreshed and stamped all at once from the
+    second run on (``modules.Filled._fill_all``); a write through them is still recorded:
+    one replica's applies to the variable, as on one device, and with two replicas a write
+    to a parameter whose aggregation is NONE is refused, the variable untouched."""
+    devices = ["cuda:0", "cuda:1"][:replicas]
+    strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
+    with strategy.scope():
+        model = nn.Linear(3, 2)
+
+    def write() -> None:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+
+    for run in range(1, 4):
+        before = model.weight.detach().clone()
+        if replicas == 1:
+            strategy.run(write)
+            assert torch.equal(model.weight.detach(), before + 1.0), run
+        else:
+            with pytest.raises(ValueError, match="aggregation is NONE"):
+                strategy.run(write)
+            assert torch.equal(model.weight.detach(), before), run

@@ -90,6 +90,11 @@ _requires_grad_of = attrgetter("requires_grad")
 _version_of = attrgetter("_version")
 _hooks_of = attrgetter("_backward_hooks")
 _stamp_of = attrgetter("stamp")
+_central_ptr_of = attrgetter("central_ptr")
+
+
+def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
+    return tensor.copy_(central, non_blocking=True)
 _data_ptr = torch.Tensor.data_ptr
 
 
@@ -135,9 +140,12 @@ class Filled:
 
     def _fill_all(self, slots: Slots) -> bool:
         """Fill every slot in passes in C, if each module still holds its parameter and this
-        replica's view of each, not yet current this epoch, shares the parameter's storage
-        and needs nothing from ``ReplicaViews.validate`` but the stamps that make it
-        current. False, with nothing changed, otherwise: ``_fill`` takes them one by one."""
+        replica's view of each, not yet current this epoch, needs nothing from
+        ``ReplicaViews.validate`` but the stamps that make it current and, for a private copy
+        (a GPU replica's, of a variable elsewhere), a refresh from its trained variable: the
+        views all share their parameters' storage, or are all private copies of parameters
+        that require grad, whose storage stayed. False, with nothing changed, otherwise:
+        ``_fill`` takes them one by one."""
         replica = self.views
         modules = list(map(call, slots.refs))
         if not all(map(is_not, modules, repeat(None))):
@@ -150,7 +158,11 @@ class Filled:
         if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
             return False
         views: list[Any] = list(map(replica.views.get, slots.keys))
-        if not all(map(is_not, views, repeat(None))) or any(map(_private_of, views)):
+        if not all(map(is_not, views, repeat(None))):
+            return False
+        private = list(map(_private_of, views))
+        copies = any(private)
+        if copies and not all(private):
             return False
         tensors = list(map(_tensor_of, views))
         pointers = list(map(_data_ptr, centrals))
@@ -159,11 +171,21 @@ class Filled:
             or list(map(_shape_of, tensors)) != list(map(_shape_of, centrals))
             or list(map(_dtype_of, tensors)) != list(map(_dtype_of, centrals))
             or list(map(_requires_grad_of, tensors)) != list(map(_requires_grad_of, centrals))
-            or list(map(_data_ptr, tensors)) != pointers  # storage replaced (.data = ...)
             or not all(map(is_, map(_hooks_of, tensors), map(_hooks_of, centrals)))
         ):
             return False
-        # what ``validate`` and ``_current`` stamp on a shared view
+        if copies:
+            if (  # trained (refreshed at every step) and not moved (no pinning again)
+                not all(map(_requires_grad_of, centrals))
+                or list(map(_central_ptr_of, views)) != pointers
+            ):
+                return False
+            with torch.no_grad():  # what ``validate`` does for each, and one event after all
+                deque(map(_copy_to, tensors, centrals), maxlen=0)
+            replica.copied(centrals[-1])
+        elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
+            return False
+        # what ``validate`` and ``_current`` stamp on a view
         _set_all(views, "central_ptr", pointers)
         _set_all(views, "stamp", map(_stamp_of, slots.records))
         _set_all(views, "central_version", map(_version_of, centrals))
@@ -223,7 +245,7 @@ class Filled:
 
     def _empty_all(self, filled: _AllFilled, check: bool) -> None:
         """``empty`` of slots filled at once: shared views of parameters with aggregation
-        NONE, which no replica may write."""
+        NONE, which no replica may write, or private copies, whose writes are recorded."""
         tables, names, centrals, _, tensors, versions = filled
         if all(map(is_, map(dict.get, tables, names), tensors)):
             deque(map(setitem, tables, names, centrals), maxlen=0)
@@ -232,6 +254,10 @@ class Filled:
                 if table.get(name) is tensor:
                     table[name] = central
         if check and list(map(_version_of, tensors)) != versions:
+            if filled.views[0].private:  # private copies: writes recorded as ``_fill``'s are
+                self._record_writes(list(zip(tables, names, centrals, filled.views, tensors,
+                                             versions, strict=True)))
+                return
             for name, central, tensor, version in zip(names, centrals, tensors, versions):
                 if tensor._version != version:
                     raise_shared_write(self.views.replica, name, central)

@@ -221,7 +221,7 @@ class ReplicaViews:
                     self._pin(central)
                 with torch.no_grad():
                     tensor.copy_(central, non_blocking=True)
-                self._copied(central)
+                self.copied(central)
         view.central_ptr = central.data_ptr()
         view.stamp = record.stamp
         return self._current(view, central)
@@ -260,7 +260,7 @@ class ReplicaViews:
             value = first if self.global_replica == 0 else rest
             with torch.inference_mode(False):
                 copy = value.detach().to(self.device, copy=True, non_blocking=True)
-            self._copied(central)
+            self.copied(central)
             view = View(record, copy, private=True)
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
@@ -277,7 +277,7 @@ class ReplicaViews:
             view = View(record, central.detach(), private=False)
         else:
             copy = central.detach().to(self.device, copy=True, non_blocking=True)
-            self._copied(central)
+            self.copied(central)
             view = View(record, copy, private=True)
         self._make_leaf(view, view.tensor, central.requires_grad)
         self.views[record.key] = view
@@ -294,7 +294,7 @@ class ReplicaViews:
             with torch.no_grad():
                 central.data = central.data.pin_memory()
 
-    def _copied(self, central: torch.Tensor) -> None:
+    def copied(self, central: torch.Tensor) -> None:
         """A copy from ``central`` to this replica's GPU was queued without waiting."""
         if self.device.type == "cuda" and central.device.type == "cpu":
             if self._copies is None:
