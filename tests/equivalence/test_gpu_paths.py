@@ -408,3 +408,33 @@ def test_a_gpu_replica_writing_a_parameter_in_place_is_applied_or_refused_at_eve
             with pytest.raises(ValueError, match="aggregation is NONE"):
                 strategy.run(write)
             assert torch.equal(model.weight.detach(), before), run
+
+
+@pytest.mark.fake_gpus(2)
+def test_gpu_replicas_find_their_own_copies_of_parameters_and_buffers_at_every_run(
+    fake_gpus: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the second run on, the parameters' slots are filled at once and the buffers'
+    one by one (``Filled._fill_all``, then ``Filled._fill`` of the rest): every replica
+    still finds each of them on its own GPU."""
+    from centralstore.variables.modules import Filled
+
+    by_slot: list[int] = []
+    fill = Filled._fill
+    monkeypatch.setattr(
+        Filled, "_fill", lambda self, items: by_slot.append(len(items)) or fill(self, items)
+    )
+    devices = ("cuda:0", "cuda:1")
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cpu")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    seen: list[tuple[str, ...]] = []
+
+    def step(xs: torch.Tensor) -> None:
+        seen.append(tuple(str(t.device) for t in (*model.parameters(), *model.buffers())))
+        model(xs).sum().backward()
+
+    for _ in range(3):
+        strategy.run(step, args=(to_replicas(torch.randn(6, 3), devices),))
+    assert seen == [(device,) * 7 for device in devices] * 3
+    assert by_slot == [7, 7] + [3, 3] * 2  # the first run makes every view; then buffers

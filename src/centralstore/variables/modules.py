@@ -55,26 +55,46 @@ def slots_of(records: dict[int, Central]) -> list[Slot]:
     ]
 
 
+def _plain(slot: Slot) -> bool:
+    """A slot of a module parameter with aggregation NONE, neither ON_READ nor in an RNN's
+    list of weights."""
+    _, _, record, keeps_list = slot
+    return (
+        not record.is_buffer and record.aggregation is VariableAggregation.NONE
+        and not record.on_read and not keeps_list
+    )
+
+
 class Slots:
     """Module slots (``items``) as a run's plan keeps them, with what filling them all at
-    once needs. When every slot holds a module parameter with aggregation NONE (no RNN
-    weight list, no ON_READ variable, no parameter in two slots), a replica whose views all
+    once needs. The slots of module parameters with aggregation NONE (no RNN weight list, no
+    ON_READ variable, no parameter in two slots) are ``plain``; a replica fills, checks and
+    empties those in passes in C instead of a loop over slots when its views of them all
     share their variables' storage (every replica of a worker process on the parameter
-    device) fills, checks and empties them in passes in C instead of a loop over slots."""
+    device) or are all private copies of trained parameters (GPU replicas), and the
+    others (``rest``: buffers, tied or aggregated variables) one by one."""
 
-    __slots__ = ("items", "keys", "names", "records", "refs", "uniform")
+    __slots__ = ("items", "keys", "names", "plain", "records", "refs", "rest", "uniform")
 
-    def __init__(self, items: list[Slot]) -> None:
+    def __init__(self, items: list[Slot], uniform: bool | None = None) -> None:
         self.items = items
         self.refs = [ref for ref, _, _, _ in items]
         self.names = [name for _, name, _, _ in items]
         self.records = [record for _, _, record, _ in items]
         self.keys = [record.key for record in self.records]
-        self.uniform = len(set(self.keys)) == len(self.keys) and all(  # none tied
-            not record.is_buffer and record.aggregation is VariableAggregation.NONE
-            and not record.on_read and not keeps_list
-            for _, _, record, keeps_list in items
+        tied = {key for key in self.keys if self.keys.count(key) > 1} if (
+            len(set(self.keys)) < len(self.keys)
+        ) else set()
+        self.uniform = (
+            uniform if uniform is not None
+            else not tied and all(map(_plain, items))
         )
+        self.plain: Slots | None = self
+        self.rest: list[Slot] = []
+        if not self.uniform:
+            plain = [slot for slot in items if _plain(slot) and slot[2].key not in tied]
+            self.plain = Slots(plain, uniform=True) if plain else None
+            self.rest = [slot for slot in items if not _plain(slot) or slot[2].key in tied]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -132,7 +152,11 @@ class Filled:
         self._all: _AllFilled | None = None  # slots filled at once (``_fill_all``)
         try:
             with DisableTorchFunctionSubclass():  # the variables' own shapes and versions
-                if not (slots.uniform and self._fill_all(slots)):
+                plain = slots.plain
+                if plain is not None and self._fill_all(plain):
+                    if slots.rest:
+                        self._fill(slots.rest)
+                else:
                     self._fill(slots.items)
         except BaseException:
             self.empty(check=False)
