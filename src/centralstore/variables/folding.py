@@ -93,13 +93,17 @@ def add_in_order(
     if not some(sums):  # nothing held: the gradients are the sums
         sums[:] = grads
         return
-    if all_dense(sums, grads):  # the usual case, checked in C
-        lent = list(map(borrowed.__contains__, map(id, sums))) if borrowed else None
-        if lent is None or not any(lent):
+    if not borrowed and all_dense(sums, grads):  # the usual case, checked in C
+        with no_grad():
+            torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
+        return
+    if borrowed and all_dense(sums, grads):  # GPU replicas' gradients: checked in C too
+        lent = list(map(borrowed.__contains__, map(id, sums)))
+        if not any(lent):
             with no_grad():
                 torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
             return
-        if all(lent):  # every sum a view of a gradient bucket (GPU replicas' second round)
+        if all(lent):  # every sum a view of a gradient bucket: none is written
             with no_grad():
                 sums[:] = torch._foreach_add(sums, grads)  # type: ignore[arg-type]
             return

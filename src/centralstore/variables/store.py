@@ -21,6 +21,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Iterator
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Protocol, cast
 
@@ -396,8 +397,14 @@ class VariableStore:
                 folding.discard(touched)
             else:
                 with no_grad():
-                    for views in touched:
-                        received += folding.fold_gradients(views, distinct=True)
+                    if self._on_gpus and len(touched) > 1:
+                        # the GPU replicas' gradients wait in reused host buckets: folded
+                        # together, the first replica's is not copied out of its bucket,
+                        # the second's sum with it is a new tensor (the same arithmetic)
+                        received += folding.fold_gradients(list(chain.from_iterable(touched)))
+                    else:
+                        for views in touched:
+                            received += folding.fold_gradients(views, distinct=True)
                     folding.apply_writes(
                         touched, self.placement.num_replicas, self.placement.replica_offset
                     )
