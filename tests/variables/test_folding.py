@@ -238,15 +238,19 @@ def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradien
     assert empty[0] is None and empty[1] is grad
 
 
-@pytest.mark.parametrize("lent", ["all", "some", "none"])
+@pytest.mark.parametrize("lent", ["all", "some", "none", "gradients only"])
 def test_add_in_order_never_writes_a_borrowed_sum(lent: str) -> None:
     """A sum that is a view of a gradient bucket (``borrowed``), which the next step
-    overwrites, is replaced by a new tensor of the same values; the others add in place."""
+    overwrites, is replaced by a new tensor of the same values; the others add in place
+    (``gradients only``: the borrowed tensors are the gradients added, a GPU replica's)."""
     bucket = torch.arange(6.0)
     views = [bucket[:3], bucket[3:]]
     sums: list[torch.Tensor | None] = list(views)
     grads: list[torch.Tensor | None] = [torch.ones(3), torch.full((3,), 2.0)]
-    borrowed = {"all": {id(views[0]), id(views[1])}, "some": {id(views[1])}, "none": set()}[lent]
+    borrowed = {
+        "all": {id(views[0]), id(views[1])}, "some": {id(views[1])}, "none": set(),
+        "gradients only": {id(grads[0]), id(grads[1])},
+    }[lent]
     add_in_order(sums, grads, borrowed)
     assert torch.equal(sums[0], torch.tensor([1.0, 2.0, 3.0]))
     assert torch.equal(sums[1], torch.tensor([5.0, 6.0, 7.0]))
