@@ -111,11 +111,13 @@ _version_of = attrgetter("_version")
 _hooks_of = attrgetter("_backward_hooks")
 _stamp_of = attrgetter("stamp")
 _central_ptr_of = attrgetter("central_ptr")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
+    """A private copy refreshed from its central variable, as ``ReplicaViews.validate``
+    does it (under ``no_grad``)."""
     return tensor.copy_(central, non_blocking=True)
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _set_all(objects: list[Any], name: str, values: Any) -> None:
