@@ -74,9 +74,9 @@ class Slots:
     device) or are all private copies of trained parameters (GPU replicas), and the
     others (``rest``: buffers, tied or aggregated variables) one by one."""
 
-    __slots__ = ("items", "keys", "names", "plain", "records", "refs", "rest", "uniform")
+    __slots__ = ("items", "keys", "names", "plain", "records", "refs", "rest")
 
-    def __init__(self, items: list[Slot], uniform: bool | None = None) -> None:
+    def __init__(self, items: list[Slot], all_plain: bool = False) -> None:
         self.items = items
         self.refs = [ref for ref, _, _, _ in items]
         self.names = [name for _, name, _, _ in items]
@@ -85,15 +85,11 @@ class Slots:
         tied = {key for key in self.keys if self.keys.count(key) > 1} if (
             len(set(self.keys)) < len(self.keys)
         ) else set()
-        self.uniform = (
-            uniform if uniform is not None
-            else not tied and all(map(_plain, items))
-        )
         self.plain: Slots | None = self
         self.rest: list[Slot] = []
-        if not self.uniform:
+        if not (all_plain or (not tied and all(map(_plain, items)))):
             plain = [slot for slot in items if _plain(slot) and slot[2].key not in tied]
-            self.plain = Slots(plain, uniform=True) if plain else None
+            self.plain = Slots(plain, all_plain=True) if plain else None
             self.rest = [slot for slot in items if not _plain(slot) or slot[2].key in tied]
 
     def __len__(self) -> int:
