@@ -261,7 +261,7 @@ def _heads_loss(heads: tuple[int, ...], passes: int = 1) -> Callable[..., torch.
 
 
 def _layout_of(steps: _Steps) -> tuple[int, ...]:
-    slots = steps.strategy._store.replicas[0].gradient_buckets._slots
+    slots = steps.strategy._store.replicas[0].gradient_buckets.slots
     return tuple(id(bucket) for slot in slots.values() for bucket, _ in slot.pieces)
 
 
@@ -412,3 +412,33 @@ def test_a_deferred_gradient_left_at_its_sync_point_is_copied_alone_at_the_next_
     gradients.copy(1, grad(4.0), side)  # the next step: laid out for 1 and 2, and late alone
     assert _pinned_allocations(fake_gpus) - pins == 2  # the new bucket, and late's block
     assert torch.equal(late.take(), torch.full((3,), 3.0)) and not late.borrowed
+
+
+def test_take_all_waits_for_each_bucket_once_and_reads_every_slot(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """A steady step's copies, several in one bucket: ``take_all`` gives what each
+    ``take()`` gives, synchronizes the bucket's event once, and leaves it read and all taken,
+    so that the next step fills it again."""
+    side = torch.cuda.Stream(0)
+    gradients = buckets.GradientBuckets()
+
+    def step(value: float) -> list[buckets.GradientCopy]:
+        return [
+            gradients.copy(key, torch.full((key + 1,), value + key, device="cuda:0"), side)
+            for key in range(3)
+        ]
+
+    buckets.take_all(step(0.0))  # deferred: the sync point lays the three out
+    copies = step(10.0)
+    assert all(isinstance(c, buckets.InBucket) and c.borrowed for c in copies)
+    syncs = fake_gpus.calls["Event.synchronize", side]
+    taken = buckets.take_all(copies)
+    assert fake_gpus.calls["Event.synchronize", side] - syncs == 1
+    assert [t.tolist() for t in taken] == [[10.0], [11.0, 11.0], [12.0, 12.0, 12.0]]
+    (bucket,) = {id(b): b for c in copies for b, _ in c.slot.pieces}.values()
+    assert bucket.state is buckets.BucketState.READ and bucket.unread == 0
+    assert gradients.synced
+    again = step(20.0)
+    assert all(isinstance(c, buckets.InBucket) for c in again)  # the bucket took them
+    assert [c.take().tolist() for c in again] == [[20.0], [21.0, 21.0], [22.0, 22.0, 22.0]]

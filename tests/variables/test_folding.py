@@ -16,7 +16,12 @@ from torch import nn
 
 import centralstore as cs
 from centralstore._aggregation import VariableAggregation
-from centralstore.variables.folding import add_in_order, fold_gradients
+from centralstore.variables.folding import (
+    _block_width,
+    _fold_in_rounds,
+    add_in_order,
+    fold_gradients,
+)
 from centralstore.variables.records import Central
 from centralstore.variables.runs import OwnRun
 from centralstore.variables.views import View
@@ -300,3 +305,37 @@ def test_fold_gradients_of_a_routed_view_after_plain_ones_keeps_the_earlier_grad
     assert fold_gradients(views) == [a, b]
     assert torch.equal(a.grad, torch.ones(2))
     assert torch.equal(b.grad, torch.full((2,), 5.0))
+
+
+# float32 sums that depend on their order: (1e8 + 1) - 1e8 == 0, (-1e8 + 1e8) + 1 == 1
+_A_ORDER, _B_ORDER = (1e8, 1.0, -1e8), (-1e8, 1e8, 1.0)
+
+
+@pytest.mark.parametrize("layout", ["blocks", "mixed"])
+def test_fold_in_rounds_adds_each_variables_gradients_in_their_order(layout: str) -> None:
+    """Three replicas' gradients of two variables: in blocks (each replica's in the same
+    order, the GPU replicas' usual step, taken in passes) or mixed (the general loop), each
+    variable's gradients are added in the order they come, onto its ``.grad``."""
+    a, b = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))
+    held = a.grad = torch.zeros(1)
+    order = [a, b] * 3 if layout == "blocks" else [a, b, b, a, a, b]
+    values = {id(a): iter(_A_ORDER), id(b): iter(_B_ORDER)}
+    gradients = [(torch.tensor([next(values[id(t)])]),) for t in order]
+    assert _block_width(order, gradients) == (2 if layout == "blocks" else 0)
+    assert _fold_in_rounds(order, list(gradients), set()) == [a, b]
+    assert a.grad is held and a.grad.item() == 0.0  # in place, in order
+    assert b.grad is not None and b.grad.item() == 1.0
+
+
+@pytest.mark.parametrize("layout", ["blocks", "mixed"])
+def test_fold_in_rounds_never_leaves_a_bucket_view_in_grad(layout: str) -> None:
+    """A variable whose only gradient is a view of a gradient bucket (``borrowed``), which
+    the next step overwrites, gets a copy of it."""
+    bucket = torch.arange(4.0)
+    lent, own = bucket[:2], torch.ones(2)
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    centrals = [a] if layout == "blocks" else [a, b, b]
+    gradients = [(lent,), (own,), (own,)][:len(centrals)]
+    _fold_in_rounds(centrals, list(gradients), {id(lent)})
+    assert a.grad is not None and torch.equal(a.grad, lent)
+    assert a.grad.data_ptr() != bucket.data_ptr()

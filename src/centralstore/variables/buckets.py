@@ -35,7 +35,10 @@ from __future__ import annotations
 import abc
 import enum
 import functools
+from collections import Counter
 from collections.abc import Callable
+from itertools import repeat, starmap
+from operator import attrgetter, is_not, itemgetter, methodcaller
 from typing import Any, NamedTuple, final
 
 import torch
@@ -78,20 +81,20 @@ class Bucket:
         self._event: Any = None
 
     def accepts(self, piece: Piece) -> bool:
-        """Whether ``piece`` may land now: the bucket is empty (a fill read and all taken
-        empties it), or its fill is open and has not had the piece yet."""
+        """Whether ``piece`` may land now: the bucket's fill is open and has not had the
+        piece yet, or the bucket is empty (a fill read and all taken empties it)."""
+        if self.state is BucketState.FILLING:  # (most arrivals)
+            return self._held[piece.position] is None
         if self.state is BucketState.READ and self.unread == 0:
             self.state = BucketState.EMPTY
-        if self.state is BucketState.EMPTY:
-            return True
-        return self.state is BucketState.FILLING and self._held[piece.position] is None
+        return self.state is BucketState.EMPTY
 
-    def add(self, piece: Piece, flat: torch.Tensor, stream: Any, side: Any) -> None:
-        """``piece`` of the flattened gradient ``flat``, produced on ``stream``, has arrived;
+    def add(self, piece: Piece, run: torch.Tensor, stream: Any, side: Any) -> None:
+        """``piece``, whose elements are ``run`` (flat), produced on ``stream``, has arrived;
         the last piece of the bucket starts its copy on ``side``."""
         if self.state is BucketState.EMPTY:
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
-        self._held[piece.position] = flat[piece.start:piece.stop]
+        self._held[piece.position] = run
         if stream not in self._streams:
             self._streams.append(stream)
         self.arrived += 1
@@ -166,17 +169,18 @@ class GradientCopy(abc.ABC):
 
 @final
 class InBucket(GradientCopy):
-    """A gradient copied into its slot of the buckets."""
+    """A gradient copied into its slot of the buckets. (One per slot, made with the layout:
+    a slot holds one gradient at a time.)"""
 
-    __slots__ = ("_owner", "_slot", "borrowed")
+    __slots__ = ("_owner", "borrowed", "slot")
 
     def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
         self._owner = owner
-        self._slot = slot
+        self.slot = slot
         self.borrowed = slot.host is not None
 
     def take(self) -> torch.Tensor:
-        slot = self._slot
+        slot = self.slot
         for bucket, _ in slot.pieces:
             bucket.wait()
         if slot.host is not None:
@@ -248,6 +252,31 @@ class Deferred(GradientCopy):
         return self._copy.take()
 
 
+def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
+    """Each copy's ``take()``, in order. When all are copies into one-piece slots (a steady
+    step's), each bucket is waited for once and the gradients read in passes in C."""
+    if set(map(type, copies)) != {InBucket}:
+        return list(map(_take, copies))
+    slots = list(map(_slot_of, copies))
+    hosts = list(map(_host_of, slots))
+    if not all(map(is_not, hosts, repeat(None))):  # a gradient across two buckets
+        return list(map(_take, copies))
+    for bucket, taken in Counter(map(_first, map(_first, map(_pieces_of, slots)))).items():
+        bucket.wait()
+        bucket.unread -= taken
+    for owner in set(map(_owner_of, copies)):
+        owner.synced = True
+    return hosts
+
+
+_take = methodcaller("take")
+_slot_of = attrgetter("slot")
+_host_of = attrgetter("host")
+_pieces_of = attrgetter("pieces")
+_owner_of = attrgetter("_owner")
+_first = itemgetter(0)
+
+
 class _Arrival(NamedTuple):
     key: int
     shape: torch.Size
@@ -259,11 +288,12 @@ class GradientBuckets:
     """One replica's gradient buckets: their layout, built from a step's arrivals, and the
     step in progress (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_arrivals", "_deferred", "_filled", "_slots", "_stale",
+    __slots__ = ("__weakref__", "_arrivals", "_copies", "_deferred", "_filled", "_stale",
                  "synced")
 
     def __init__(self) -> None:
-        self._slots: dict[int, Slot] = {}  # by the key of the central variable
+        # by the key of the central variable: its slot, as the copy into it
+        self._copies: dict[int, InBucket] = {}
         self._arrivals: list[_Arrival] = []  # this step's gradients, in order
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
@@ -277,48 +307,63 @@ class GradientBuckets:
             self._next_step()
         self._arrivals.append(_Arrival(key, grad.shape, grad.dtype))
         stream = torch.cuda.current_stream(grad.device)
-        slot = self._slots.get(key)
-        if slot is None or slot.shape != grad.shape or slot.dtype != grad.dtype:
+        copy = self._copies.get(key)
+        if copy is None or copy.slot.shape != grad.shape or copy.slot.dtype != grad.dtype:
             self._stale = True
             deferred = Deferred(self, key, grad, stream, side)
             self._deferred.append(deferred)
             return deferred
-        return self._land(slot, grad, stream, side)
+        return self._land(copy, grad, stream, side)
 
-    def _land(self, slot: Slot, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
-        if not all(bucket.accepts(piece) for bucket, piece in slot.pieces):
+    def _land(self, copy: InBucket, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
+        pieces = copy.slot.pieces
+        if not all(starmap(Bucket.accepts, pieces)):
             return Alone(self, grad, stream, side)
         if grad.is_contiguous():
             flat = grad.view(-1)
         else:  # a copy, made where the gradient was (the sync point's stream may differ)
             with torch.cuda.stream(stream):
                 flat = grad.reshape(-1)
-        for bucket, piece in slot.pieces:
+        if copy.borrowed:  # one piece: the whole gradient
+            bucket, piece = pieces[0]
             bucket.add(piece, flat, stream, side)
+        else:
+            for bucket, piece in pieces:
+                bucket.add(piece, flat[piece.start:piece.stop], stream, side)
         self._filled += 1
-        return InBucket(self, slot)
+        return copy
+
+    def _lay_out(self) -> None:
+        """Slots for this step's arrivals."""
+        slots = lay_out(self._arrivals, BUCKET_BYTES)
+        self._copies = {key: InBucket(self, slot) for key, slot in slots.items()}
 
     def settle(self) -> None:
         """At the sync point, with deferred gradients: the layout from this step's arrivals,
         and those gradients copied into it."""
-        self._slots = lay_out(self._arrivals, BUCKET_BYTES)
+        self._lay_out()
         deferred, self._deferred = self._deferred, []
         for entry in deferred:
-            entry.place(functools.partial(self._land, self._slots[entry.key]))
-        self._stale, self._filled = False, len(self._slots)  # it fits this step
+            entry.place(functools.partial(self._land, self._copies[entry.key]))
+        self._stale, self._filled = False, len(self._copies)  # it fits this step
+
+    @property
+    def slots(self) -> dict[int, Slot]:
+        """The present layout: each variable's slot, by its key."""
+        return {key: copy.slot for key, copy in self._copies.items()}
 
     @property
     def pinned_bytes(self) -> int:
         """The bytes of the pinned buffers of the present layout."""
-        buckets = {id(b): b for slot in self._slots.values() for b, _ in slot.pieces}
+        buckets = {id(b): b for slot in self.slots.values() for b, _ in slot.pieces}
         return sum(b.host.untyped_storage().nbytes() for b in buckets.values())
 
     def _next_step(self) -> None:
         """The first gradient after a sync point: lay out again if the step before did not
         fit the layout (a slot left empty; one missing was laid out at the sync point)."""
         self.synced = False
-        if self._stale or self._filled != len(self._slots):
-            self._slots = lay_out(self._arrivals, BUCKET_BYTES)
+        if self._stale or self._filled != len(self._copies):
+            self._lay_out()
         self._arrivals, self._filled, self._stale = [], 0, False
         for entry in self._deferred:  # not taken at the sync point (a discarded view's)
             entry.place(functools.partial(Alone, self))

@@ -14,15 +14,16 @@ When the sync point happens is the store's business (``store.py``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from itertools import compress, count, repeat, zip_longest
-from operator import attrgetter, call, is_, is_not, itemgetter, methodcaller
+from operator import attrgetter, call, is_, is_not, itemgetter
 from typing import Any
 
 import torch
 
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
-from .buckets import GradientBuckets
+from .buckets import GradientBuckets, take_all
 from .views import View
 
 
@@ -205,7 +206,6 @@ _first = itemgetter(0)
 _assigned_of = attrgetter("assigned")
 _version_of = attrgetter("_version")
 _start_version_of = attrgetter("start_version")
-_take = methodcaller("take")
 _borrowed_of = attrgetter("borrowed")
 _device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
@@ -216,7 +216,7 @@ _ref_of = attrgetter("ref")
 
 
 def _fold_rounds(
-    views: list[View], centrals: list[torch.Tensor], gradients: list[list[torch.Tensor]]
+    views: list[View], centrals: list[torch.Tensor], gradients: list[Sequence[torch.Tensor]]
 ) -> list[torch.Tensor]:
     """``fold_gradients`` of views that may hold several gradients each (copies from a GPU,
     a routed copy and its shared view), after ``centrals`` and their ``gradients``, taken
@@ -232,7 +232,7 @@ def _fold_rounds(
         if not all(counts):  # (views without a gradient: buffers, unused parameters)
             views, pendings = list(compress(views, counts)), list(compress(pendings, counts))
         copies = list(map(_first, pendings))
-        taken: list[torch.Tensor] = list(map(_take, copies))  # in order, as below
+        taken = take_all(copies)  # in order, as below
         borrowed.update(map(id, compress(taken, map(_borrowed_of, copies))))
         deque(map(list.clear, pendings), maxlen=0)
         found = list(map(call, map(_ref_of, map(_record_of, views))))
@@ -245,7 +245,7 @@ def _fold_rounds(
         ):
             taken = [g.to(c.device, c.dtype) for g, c in zip(taken, found, strict=True)]
         centrals += found
-        gradients += [[g] for g in taken]
+        gradients += zip(taken)  # one gradient each
         return _fold_in_rounds(centrals, gradients, borrowed)
     for view in views:
         grads = gradients_of(view, borrowed)
@@ -261,29 +261,52 @@ def _fold_rounds(
 
 
 def _fold_in_rounds(
-    centrals: list[torch.Tensor], gradients: list[list[torch.Tensor]], borrowed: set[int]
+    centrals: list[torch.Tensor], gradients: list[Sequence[torch.Tensor]], borrowed: set[int]
 ) -> list[torch.Tensor]:
     """Add ``gradients[i]`` (in order) to ``centrals[i].grad``, where a variable may come
     several times: round k adds each variable's k-th gradient, one ``_foreach_add_``."""
-    received: list[torch.Tensor] = []
-    each: dict[int, list[torch.Tensor]] = {}  # id of a central variable -> its gradients
-    for central, grads in zip(centrals, gradients):
-        held = each.get(id(central))
-        if held is None:
-            held = each[id(central)] = []
-            received.append(central)
-        held += grads
-    if not received:
-        return received
-    lists = list(each.values())  # in the order of ``received``
-    sums: list[torch.Tensor | None] = list(map(grad_of, received))
-    for grads_k in zip_longest(*lists):  # round k: each variable's k-th gradient, or None
-        add_in_order(sums, list(grads_k), borrowed)
-    for central, total in zip(received, sums):
-        if total is not None and id(total) in borrowed:  # the only gradient it received
-            total = total.clone()
-        central.grad = total
+    width = _block_width(centrals, gradients)
+    if width:  # every replica's gradients of the same variables, one each: rounds in C
+        received = centrals[:width]
+        sums: list[torch.Tensor | None] = list(map(grad_of, received))
+        for k in range(0, len(centrals), width):
+            add_in_order(sums, list(map(_first, gradients[k:k + width])), borrowed)
+    else:
+        received = []
+        each: dict[int, list[torch.Tensor]] = {}  # id of a central variable -> its gradients
+        for central, grads in zip(centrals, gradients):
+            held = each.get(id(central))
+            if held is None:
+                held = each[id(central)] = []
+                received.append(central)
+            held += grads
+        if not received:
+            return received
+        lists = list(each.values())  # in the order of ``received``
+        sums = list(map(grad_of, received))
+        for grads_k in zip_longest(*lists):  # round k: each variable's k-th gradient, or None
+            add_in_order(sums, list(grads_k), borrowed)
+    if borrowed and not borrowed.isdisjoint(map(id, sums)):  # the only gradient it received
+        sums = [
+            total.clone() if total is not None and id(total) in borrowed else total
+            for total in sums
+        ]
+    set_grads(received, sums)
     return received
+
+
+def _block_width(centrals: list[torch.Tensor], gradients: list[Sequence[torch.Tensor]]) -> int:
+    """The number of variables in each block if ``centrals`` is one block of distinct
+    variables repeated (each replica's, in the same order), each entry with one gradient
+    (GPU replicas' usual step); 0 otherwise. Passes in C."""
+    ids = list(map(id, centrals))
+    width = len(set(ids))
+    if not width or len(ids) % width or set(map(len, gradients)) != {1}:
+        return 0
+    first = ids[:width]
+    if all(ids[k:k + width] == first for k in range(width, len(ids), width)):
+        return width
+    return 0
 
 
 class HeldHooks:
