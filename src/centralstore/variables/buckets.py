@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable
 from itertools import repeat, starmap
 from operator import attrgetter, is_not, itemgetter, methodcaller
-from typing import Any, NamedTuple, final
+from typing import Any, NamedTuple, cast, final
 
 import torch
 
@@ -110,7 +110,7 @@ class Bucket:
             side.wait_stream(stream)
         with torch.cuda.stream(side):
             for first, last in self._runs():
-                runs = [held for held in self._held[first:last + 1] if held is not None]
+                runs = cast(list[torch.Tensor], self._held[first:last + 1])  # all arrived
                 flat = runs[0] if len(runs) == 1 else torch.cat(runs)
                 begin, end = self.pieces[first], self.pieces[last]
                 stop = end.offset + end.stop - end.start
@@ -122,6 +122,8 @@ class Bucket:
 
     def _runs(self) -> list[tuple[int, int]]:
         """The arrived pieces as runs of consecutive indices, first and last of each."""
+        if self.arrived == len(self.pieces):  # all of them (a fill that completed)
+            return [(0, self.arrived - 1)]
         runs: list[tuple[int, int]] = []
         for i, held in enumerate(self._held):
             if held is None:

@@ -40,7 +40,8 @@ def start_copy(buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> No
     if grad is None or grad.is_sparse:  # a sparse gradient waits on the view for the fold
         return
     tensor.grad = None
-    view.pending.append(buckets.copy(view.record.key, grad, _side_stream(grad.device)))
+    side = _side_streams.get(grad.device) or _side_stream(grad.device)
+    view.pending.append(buckets.copy(view.record.key, grad, side))
 
 
 _side_streams: dict[torch.device, Any] = {}
@@ -432,7 +433,7 @@ def finish(touched: list[list[View]]) -> None:
     """Close the replicas' views after a sync point: routed copies go back to the shared
     views, and the touched lists are emptied."""
     for views in touched:
-        if any(map(_private_of, views)):  # (a routed copy is private)
+        if not all(map(is_, map(_alias_of, views), repeat(None))):  # some routed copy
             for view in views:
                 if view.alias is not None:
                     view.tensor, view.alias, view.private = view.alias, None, False
