@@ -373,6 +373,8 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                     writers.setdefault(view.record.key, []).append(view)
     for copies in on_read.values():
         _reduce_copies(copies, len(touched))
+    batched: dict[tuple[VariableAggregation, int, bool], list[tuple[torch.Tensor, list[View]]]]
+    batched = {}
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -385,6 +387,14 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             central.copy_(views[0].tensor.detach())
             continue
         any_assigned = any(view.assigned for view in views)
+        if (
+            aggregation in _BATCHED and type(central) is torch.Tensor
+            and central.is_floating_point()
+        ):  # the usual writes, batch norm's statistics: with the others like them, below
+            batched.setdefault(
+                (aggregation, len(views), any_assigned), []
+            ).append((central, views))
+            continue
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             views = views[:1]
         terms = [
@@ -397,6 +407,51 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         central.copy_(
             written_value(aggregation, central, sum_in_order(terms), len(views), any_assigned)
         )
+    for (aggregation, writes, assigned), entries in batched.items():
+        _apply_together(aggregation, writes, assigned, entries)
+
+
+_BATCHED = (VariableAggregation.SUM, VariableAggregation.MEAN)
+
+
+def _apply_together(
+    aggregation: VariableAggregation, writes: int, assigned: bool,
+    entries: list[tuple[torch.Tensor, list[View]]],
+) -> None:
+    """The writes of ``writes`` replicas to floating-point variables of aggregation SUM or
+    MEAN, the arithmetic of ``write_term``, ``sum_in_order`` and ``written_value`` in a few
+    ``_foreach`` kernels per replica for all of them, each replica's values brought to the
+    variables' device in one copy. Without an assignment each variable moves by the sum of
+    the replicas' moves in replica order (over ``writes`` for MEAN); with one (``assigned``:
+    a kernel's write, batch norm's statistics on a GPU) it becomes the sum of their values
+    (their mean)."""
+    centrals = [central for central, _ in entries]
+    total: Sequence[torch.Tensor] = ()
+    for k in range(writes):  # (out of place: a replica's values may be its own tensors)
+        values = _brought(centrals, [views[k].tensor.detach() for _, views in entries])
+        terms = values if assigned else torch._foreach_sub(values, centrals)
+        total = torch._foreach_add(list(total), terms) if total else terms
+    if aggregation is VariableAggregation.MEAN:
+        total = torch._foreach_div(list(total), writes)
+    if assigned:
+        torch._foreach_copy_(centrals, list(total))
+    else:
+        torch._foreach_add_(centrals, list(total))
+
+
+def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``values[i]`` on the device of ``centrals[i]``. Values of one dtype on one device, for
+    variables on one other device (a GPU replica's, for host variables), come in one copy:
+    a copy each would wait for the GPU each time."""
+    devices = list(map(_device_of, values))
+    if devices == list(map(_device_of, centrals)):
+        return values
+    dtypes = set(map(_dtype_of, values))
+    if len(set(devices)) > 1 or len(set(map(_device_of, centrals))) > 1 or len(dtypes) > 1:
+        return [value.to(central.device) for central, value in zip(centrals, values)]
+    flat = torch.cat([value.reshape(-1) for value in values]).to(centrals[0].device)
+    pieces = torch.split(flat, [value.numel() for value in values])
+    return [piece.view(value.shape) for piece, value in zip(pieces, values)]
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
