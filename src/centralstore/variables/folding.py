@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress, count, repeat, zip_longest
-from operator import attrgetter, call, is_, is_not, itemgetter
+from operator import and_, attrgetter, call, is_, is_not, itemgetter, ne, or_
 from typing import Any
 
 import torch
@@ -363,14 +363,14 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             map(_version_of, map(_tensor_of, views))
         ) == list(map(_start_version_of, views)):  # nothing written: checked in C
             continue
-        for view in views:
-            if view.private and (  # view.written(), inlined: this loop visits every view
-                view.assigned or view.tensor._version != view.start_version
-            ):
-                if view.record.on_read:
-                    on_read.setdefault(view.record.key, []).append((offset + replica, view))
-                else:
-                    writers.setdefault(view.record.key, []).append(view)
+        written = map(and_, map(_private_of, views), map(or_, map(_assigned_of, views), map(
+            ne, map(_version_of, map(_tensor_of, views)), map(_start_version_of, views)
+        )))  # view.written() of each, in C
+        for view in compress(views, written):
+            if view.record.on_read:
+                on_read.setdefault(view.record.key, []).append((offset + replica, view))
+            else:
+                writers.setdefault(view.record.key, []).append(view)
     for copies in on_read.values():
         _reduce_copies(copies, len(touched))
     batched: dict[tuple[VariableAggregation, int, bool], list[tuple[torch.Tensor, list[View]]]]
