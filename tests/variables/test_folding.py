@@ -15,9 +15,11 @@ from replicas import context, replica_id, strategy_of
 from torch import nn
 
 import centralstore as cs
-from centralstore._aggregation import VariableAggregation
+from centralstore._aggregation import VariableAggregation, sum_in_order, write_term, written_value
+from centralstore.variables import folding
 from centralstore.variables.folding import (
     _block_width,
+    _brought,
     _fold_in_rounds,
     add_in_order,
     fold_gradients,
@@ -339,3 +341,51 @@ def test_fold_in_rounds_never_leaves_a_bucket_view_in_grad(layout: str) -> None:
     _fold_in_rounds(centrals, list(gradients), {id(lent)})
     assert a.grad is not None and torch.equal(a.grad, lent)
     assert a.grad.data_ptr() != bucket.data_ptr()
+
+
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN"])
+@pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
+def test_writes_combined_together_match_each_variables_own_arithmetic(
+    aggregation: str, assigned: bool
+) -> None:
+    """Three replicas' writes to two floating-point variables, combined for all variables at
+    once (``_apply_together``): bit for bit what ``write_term``, ``sum_in_order`` and
+    ``written_value`` give each variable, with values whose sums depend on their order."""
+    kind = VariableAggregation[aggregation]
+    starts = [torch.tensor([0.0, 3.0]), torch.tensor([0.0])]
+    values = [  # per replica, per variable: in replica order 1e8 - 1e8 + 1 == 1, reversed 0
+        [torch.tensor([1e8, 1.0]), torch.tensor([1.0])],
+        [torch.tensor([-1e8, 1e-8]), torch.tensor([1e8])],
+        [torch.tensor([1.0, 7.0]), torch.tensor([-1e8])],
+    ]
+    expected = []
+    for v, start in enumerate(starts):
+        terms = [
+            write_term(kind, start, values[r][v], 1, assigned, assigned) for r in range(3)
+        ]
+        expected.append(written_value(kind, start, sum_in_order(terms), 3, assigned))
+    centrals = [start.clone() for start in starts]
+    entries = []
+    for v, central in enumerate(centrals):
+        record = Central(id(central), weakref.ref(central), kind, False)
+        entries.append((central, [View(record, values[r][v], private=True) for r in range(3)]))
+    folding._apply_together(kind, 3, assigned, entries)
+    for central, value in zip(centrals, expected, strict=True):
+        assert torch.equal(central, value)
+    assert values[0][0].tolist() == [1e8, 1.0]  # a replica's own tensors are not written
+    assert centrals[0][0].item() == pytest.approx(1.0 if aggregation == "SUM" else 1.0 / 3)
+
+
+@pytest.mark.usefixtures("fake_gpus")
+def test_values_on_a_gpu_come_to_their_variables_in_one_copy_or_one_each() -> None:
+    """One GPU's values of one dtype: one copy (the same values); mixed dtypes or devices:
+    a copy each."""
+    centrals = [torch.zeros(2, 2), torch.zeros(3)]
+    values = [torch.arange(4.0).view(2, 2).to("cuda:0"), torch.ones(3, device="cuda:0")]
+    brought = _brought(centrals, values)
+    assert [b.device.type for b in brought] == ["cpu", "cpu"]
+    assert torch.equal(brought[0], torch.arange(4.0).view(2, 2))
+    assert torch.equal(brought[1], torch.ones(3))
+    mixed = [values[0], torch.ones(3, dtype=torch.float64, device="cuda:1")]
+    assert [b.dtype for b in _brought(centrals, mixed)] == [torch.float32, torch.float64]
+    assert _brought(centrals, centrals) is centrals  # already there: as they are
