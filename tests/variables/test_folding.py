@@ -389,3 +389,32 @@ def test_values_on_a_gpu_come_to_their_variables_in_one_copy_or_one_each() -> No
     mixed = [values[0], torch.ones(3, dtype=torch.float64, device="cuda:1")]
     assert [b.dtype for b in _brought(centrals, mixed)] == [torch.float32, torch.float64]
     assert _brought(centrals, centrals) is centrals  # already there: as they are
+
+
+@pytest.mark.parametrize("aggregation", ["SUM", "ONLY_FIRST_REPLICA"])
+@pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
+def test_integer_writes_combined_together_match_each_variables_own_arithmetic(
+    aggregation: str, assigned: bool
+) -> None:
+    """Counters (``num_batches_tracked``) written by two replicas: combined with the other
+    counters at once, the value each variable's own arithmetic gives (the first writer's
+    alone for ONLY_FIRST_REPLICA)."""
+    kind = VariableAggregation[aggregation]
+    starts = [torch.tensor(5), torch.tensor([1, 2])]
+    values = [[torch.tensor(6), torch.tensor([3, 2])], [torch.tensor(9), torch.tensor([1, 7])]]
+    writers = 1 if kind is VariableAggregation.ONLY_FIRST_REPLICA else 2
+    expected = []
+    for v, start in enumerate(starts):
+        terms = [
+            write_term(kind, start, values[r][v], 1, assigned, assigned) for r in range(writers)
+        ]
+        expected.append(written_value(kind, start, sum_in_order(terms), writers, assigned))
+    centrals = [start.clone() for start in starts]
+    entries = []
+    for v, central in enumerate(centrals):
+        record = Central(id(central), weakref.ref(central), kind, False)
+        views = [View(record, values[r][v], private=True) for r in range(writers)]
+        entries.append((central, views))
+    folding._apply_together(kind, writers, assigned, entries)
+    for central, value in zip(centrals, expected, strict=True):
+        assert central.dtype == torch.int64 and torch.equal(central, value)

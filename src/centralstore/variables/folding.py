@@ -373,8 +373,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                 writers.setdefault(view.record.key, []).append(view)
     for copies in on_read.values():
         _reduce_copies(copies, len(touched))
-    batched: dict[tuple[VariableAggregation, int, bool], list[tuple[torch.Tensor, list[View]]]]
-    batched = {}
+    batched: dict[tuple[Any, ...], list[tuple[torch.Tensor, list[View]]]] = {}
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -387,16 +386,18 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             central.copy_(views[0].tensor.detach())
             continue
         any_assigned = any(view.assigned for view in views)
-        if (
-            aggregation in _BATCHED and type(central) is torch.Tensor
-            and central.is_floating_point()
-        ):  # the usual writes, batch norm's statistics: with the others like them, below
-            batched.setdefault(
-                (aggregation, len(views), any_assigned), []
-            ).append((central, views))
-            continue
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             views = views[:1]
+        if (
+            aggregation in _BATCHED and type(central) is torch.Tensor
+            and central.dtype is not torch.bool
+            and (central.is_floating_point() or aggregation is not VariableAggregation.MEAN)
+        ):  # the usual writes, batch norm's statistics and counters: with the others like
+            # them (an integer MEAN rounds its quotient: below, by ``copy_``)
+            batched.setdefault(
+                (aggregation, len(views), any_assigned, central.dtype), []
+            ).append((central, views))
+            continue
         terms = [
             write_term(
                 aggregation, central, view.tensor.detach().to(central.device), 1,
@@ -407,24 +408,26 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         central.copy_(
             written_value(aggregation, central, sum_in_order(terms), len(views), any_assigned)
         )
-    for (aggregation, writes, assigned), entries in batched.items():
+    for (aggregation, writes, assigned, _), entries in batched.items():
         _apply_together(aggregation, writes, assigned, entries)
 
 
-_BATCHED = (VariableAggregation.SUM, VariableAggregation.MEAN)
+_BATCHED = (
+    VariableAggregation.SUM, VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA
+)
 
 
 def _apply_together(
     aggregation: VariableAggregation, writes: int, assigned: bool,
     entries: list[tuple[torch.Tensor, list[View]]],
 ) -> None:
-    """The writes of ``writes`` replicas to floating-point variables of aggregation SUM or
-    MEAN, the arithmetic of ``write_term``, ``sum_in_order`` and ``written_value`` in a few
-    ``_foreach`` kernels per replica for all of them, each replica's values brought to the
-    variables' device in one copy. Without an assignment each variable moves by the sum of
-    the replicas' moves in replica order (over ``writes`` for MEAN); with one (``assigned``:
-    a kernel's write, batch norm's statistics on a GPU) it becomes the sum of their values
-    (their mean)."""
+    """The writes of ``writes`` replicas to variables of one dtype and aggregation (SUM,
+    MEAN of floating point, or ONLY_FIRST_REPLICA: the first writer's), the arithmetic of
+    ``write_term``, ``sum_in_order`` and ``written_value`` in a few ``_foreach`` kernels per
+    replica for all of them, each replica's values brought to the variables' device in one
+    copy. Without an assignment each variable moves by the sum of the replicas' moves in
+    replica order (over ``writes`` for MEAN); with one (``assigned``: a kernel's write,
+    batch norm's statistics on a GPU) it becomes the sum of their values (their mean)."""
     centrals = [central for central, _ in entries]
     total: Sequence[torch.Tensor] = ()
     for k in range(writes):  # (out of place: a replica's values may be its own tensors)
