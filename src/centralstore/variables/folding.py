@@ -385,7 +385,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         if num_replicas == 1:
             central.copy_(views[0].tensor.detach())
             continue
-        any_assigned = any(view.assigned for view in views)
+        any_assigned = any(map(_assigned_of, views))
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             views = views[:1]
         if (
