@@ -273,8 +273,8 @@ def test_shared_views_of_parameters_fill_every_slot_at_once(
     expected = gradients(cs.OneDeviceStrategy("cpu"))
     by_slot.clear()
     got = gradients(strategy_of(2, direct=False))
-    # the first run's fills, of every slot, then per run and replica those of the tied
-    # weight's two slots
-    assert by_slot == [4, 4] + ([2, 2] * 2 if tied else []), by_slot
+    # the first run's fills, of every slot (the plain ones, then the tied weight's two), then
+    # per run and replica those of the tied weight's two slots
+    assert by_slot == ([2, 2] * 2 + [2] * 4 if tied else [4, 4]), by_slot
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e)

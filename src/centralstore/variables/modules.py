@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from itertools import repeat
-from operator import attrgetter, call, is_, is_not, setitem
+from collections.abc import Iterator
+from itertools import chain, compress, repeat
+from operator import attrgetter, call, eq, is_, is_not, ne, not_, setitem
 from typing import Any, NamedTuple
 
 import torch
@@ -65,38 +66,52 @@ def _plain(slot: Slot) -> bool:
     )
 
 
+def _buffer(slot: Slot) -> bool:
+    """A slot of a module buffer that is not ON_READ."""
+    return slot[2].is_buffer and not slot[2].on_read
+
+
 class Slots:
     """Module slots (``items``) as a run's plan keeps them, with what filling them all at
     once needs. The slots of module parameters with aggregation NONE (no RNN weight list, no
     ON_READ variable, no parameter in two slots) are ``plain``; a replica fills, checks and
     empties those in passes in C instead of a loop over slots when its views of them all
     share their variables' storage (every replica of a worker process on the parameter
-    device) or are all private copies of trained parameters (GPU replicas), and the
-    others (``rest``: buffers, tied or aggregated variables) one by one."""
+    device) or are all private copies of trained parameters (GPU replicas). The slots of
+    buffers (not ON_READ, not in two slots) are ``buffers``, filled in passes in C too when
+    the replica's copies of them all exist; the others (``rest``: tied or aggregated
+    parameters, ON_READ variables) one by one."""
 
-    __slots__ = ("items", "keys", "names", "plain", "records", "refs", "rest")
+    __slots__ = ("buffers", "items", "keys", "names", "plain", "records", "refs", "rest")
 
-    def __init__(self, items: list[Slot], all_plain: bool = False) -> None:
+    def __init__(self, items: list[Slot], part: bool = False) -> None:
         self.items = items
         self.refs = [ref for ref, _, _, _ in items]
         self.names = [name for _, name, _, _ in items]
         self.records = [record for _, _, record, _ in items]
         self.keys = [record.key for record in self.records]
+        self.plain: Slots | None = None
+        self.buffers: Slots | None = None
+        self.rest: list[Slot] = []
+        if part:  # the plain slots or the buffers' of a run's plan
+            return
         tied = {key for key in self.keys if self.keys.count(key) > 1} if (
             len(set(self.keys)) < len(self.keys)
         ) else set()
-        self.plain: Slots | None = self
-        self.rest: list[Slot] = []
-        if not (all_plain or (not tied and all(map(_plain, items)))):
-            plain = [slot for slot in items if _plain(slot) and slot[2].key not in tied]
-            self.plain = Slots(plain, all_plain=True) if plain else None
-            self.rest = [slot for slot in items if not _plain(slot) or slot[2].key in tied]
+        plain = [slot for slot in items if _plain(slot) and slot[2].key not in tied]
+        buffers = [slot for slot in items if _buffer(slot) and slot[2].key not in tied]
+        self.plain = Slots(plain, part=True) if plain else None
+        self.buffers = Slots(buffers, part=True) if buffers else None
+        if len(plain) + len(buffers) < len(items):
+            chosen = {id(slot) for slot in plain + buffers}
+            self.rest = [slot for slot in items if id(slot) not in chosen]
 
     def __len__(self) -> int:
         return len(self.items)
 
 
 _parameters_of = attrgetter("_parameters")
+_buffers_of = attrgetter("_buffers")
 _tensor_of = attrgetter("tensor")
 _private_of = attrgetter("private")
 _epoch_of = attrgetter("epoch")
@@ -107,13 +122,22 @@ _version_of = attrgetter("_version")
 _hooks_of = attrgetter("_backward_hooks")
 _stamp_of = attrgetter("stamp")
 _central_ptr_of = attrgetter("central_ptr")
+_central_version_of = attrgetter("central_version")
+_start_version_of = attrgetter("start_version")
+_assigned_of = attrgetter("assigned")
 _data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_is_floating_point = torch.Tensor.is_floating_point
+_is_buffer_of = attrgetter("record.is_buffer")
+_on_read_of = attrgetter("record.on_read")
+_aggregation_of = attrgetter("record.aggregation")
+_ref_of = attrgetter("record.ref")
+_device_of = attrgetter("device")
+_unseen_of = attrgetter("unseen")
 
 
-def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
-    """A private copy refreshed from its central variable, as ``ReplicaViews.validate``
-    does it (under ``no_grad``)."""
-    return tensor.copy_(central, non_blocking=True)
+def _is_cpu(device: torch.device) -> bool:
+    return device.type == "cpu"
 
 
 def _set_all(objects: list[Any], name: str, values: Any) -> None:
@@ -150,12 +174,13 @@ class Filled:
         self._all: _AllFilled | None = None  # slots filled at once (``_fill_all``)
         try:
             with DisableTorchFunctionSubclass():  # the variables' own shapes and versions
-                plain = slots.plain
-                if plain is not None and self._fill_all(plain):
-                    if slots.rest:
-                        self._fill(slots.rest)
-                else:
-                    self._fill(slots.items)
+                plain, buffers = slots.plain, slots.buffers
+                if plain is not None and not self._fill_all(plain):
+                    self._fill(plain.items)
+                if buffers is not None and not self._fill_buffers(buffers):
+                    self._fill(buffers.items)
+                if slots.rest:
+                    self._fill(slots.rest)
         except BaseException:
             self.empty(check=False)
             raise
@@ -203,8 +228,7 @@ class Filled:
             ):
                 return False
             with torch.no_grad():  # what ``validate`` does for each, and one event after all
-                deque(map(_copy_to, tensors, centrals), maxlen=0)
-            replica.copied(centrals[-1])
+                replica.refresh(tensors, centrals)
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
         # what ``validate`` and ``_current`` stamp on a view
@@ -218,6 +242,58 @@ class Filled:
         replica.touched.extend(views)
         deque(map(setitem, tables, slots.names, tensors), maxlen=0)
         self._all = _AllFilled(tables, slots.names, centrals, views, tensors, versions)
+        return True
+
+    def _fill_buffers(self, slots: Slots) -> bool:
+        """Fill the slots of buffers in passes in C, if each module still holds its buffer
+        and this replica has a private copy of each, not yet current this epoch, that
+        ``ReplicaViews.validate`` would only refresh, where its buffer may have changed,
+        and stamp: same shape, dtype and storage, no gradient. False, with nothing changed,
+        otherwise: ``_fill`` takes them one by one."""
+        replica = self.views
+        modules = list(map(call, slots.refs))
+        if not all(map(is_not, modules, repeat(None))):
+            return False
+        tables: list[dict[str, Any]] = list(map(_buffers_of, modules))
+        try:
+            centrals: list[Any] = list(map(dict.get, tables, slots.names))
+        except TypeError:  # a module whose table is not a dict
+            return False
+        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
+            return False
+        views: list[Any] = list(map(replica.views.get, slots.keys))
+        if not all(map(is_not, views, repeat(None))):
+            return False
+        tensors = list(map(_tensor_of, views))
+        if (
+            list(map(_epoch_of, views)).count(replica.epoch)
+            or list(map(_shape_of, tensors)) != list(map(_shape_of, centrals))
+            or list(map(_dtype_of, tensors)) != list(map(_dtype_of, centrals))
+            or any(map(_requires_grad_of, centrals)) or any(map(_requires_grad_of, tensors))
+            or list(map(_central_ptr_of, views)) != list(map(_data_ptr, centrals))
+        ):
+            return False
+        versions = list(map(_version_of, centrals))
+        stale = list(map(  # ``validate``'s test: the buffer or its copy may have changed
+            any, zip(
+                map(ne, versions, map(_central_version_of, views)),
+                map(ne, map(_stamp_of, slots.records), map(_stamp_of, views)),
+                map(_assigned_of, views),
+                map(ne, map(_version_of, tensors), map(_start_version_of, views)),
+            )
+        ))
+        if any(stale):
+            with torch.no_grad():
+                replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
+        _set_all(views, "stamp", map(_stamp_of, slots.records))
+        _set_all(views, "central_version", versions)
+        started = list(map(_version_of, tensors))
+        _set_all(views, "start_version", started)
+        _set_all(views, "assigned", repeat(False))
+        _set_all(views, "epoch", repeat(replica.epoch))
+        replica.touched.extend(views)
+        deque(map(setitem, tables, slots.names, tensors), maxlen=0)
+        self._entries.extend(zip(tables, slots.names, centrals, views, tensors, started))
         return True
 
     def _fill(self, slots: list[Slot]) -> None:
@@ -256,9 +332,14 @@ class Filled:
         if filled is not None:
             self._empty_all(filled, check)
         entries, self._entries = self._entries, []
-        for table, name, central, _, tensor, _ in entries:
-            if table.get(name) is tensor:
-                table[name] = central
+        if entries:
+            tables, names, centrals, _, tensors, _ = zip(*entries, strict=True)
+            if all(map(is_, map(dict.get, tables, names), tensors)):
+                deque(map(setitem, tables, names, centrals), maxlen=0)
+            else:  # the replica's own code replaced some (``functional_call``): those stay
+                for table, name, central, tensor in zip(tables, names, centrals, tensors):
+                    if table.get(name) is tensor:
+                        table[name] = central
         rnns, self._rnns = self._rnns, []
         for module in rnns:
             _refresh_weight_list(module)
@@ -285,16 +366,26 @@ class Filled:
                     raise_shared_write(self.views.replica, name, central)
 
     def _record_writes(self, entries: list[_Entry]) -> None:
+        """Record the writes made through filled slots: a moved version counter is a delta
+        (and raises where the view shares its variable); a floating buffer's private copy
+        whose counter stayed may still have been written by a kernel (``record_unseen``)."""
+        if not entries:
+            return
         views = self.views
-        for _, name, central, view, tensor, version in entries:
-            if tensor._version != version:
+        _, _, _, candidates, tensors, versions = map(list, zip(*entries, strict=True))
+        moved = list(map(ne, map(_version_of, tensors), versions))
+        if any(moved):
+            for _, name, central, view, tensor, _ in compress(entries, moved):
                 if not view.private or tensor is not view.tensor:
                     raise_shared_write(views.replica, name, central)
                 views.note_write(view, DELTA)
-            elif view.private and view.record.is_buffer and tensor.is_floating_point() and (
-                not view.assigned
-            ):
-                views.unseen.append(view)  # perhaps written by a kernel: see record_unseen
+            stayed = list(map(not_, moved))
+            candidates = list(compress(candidates, stayed))
+            tensors = list(compress(tensors, stayed))
+        views.unseen.extend(compress(candidates, map(all, zip(
+            map(_private_of, candidates), map(_is_buffer_of, candidates),
+            map(_is_floating_point, tensors), map(not_, map(_assigned_of, candidates)),
+        ))))
 
 
 # A module slot whose entry the replica's own code replaced (``functional_call``): the slot's
@@ -333,17 +424,25 @@ def record_unseen(replicas: list[ReplicaViews]) -> None:
     compared with its central value. This waits for the devices, so it happens once, before
     a sync point, rather than when each replica ends, which would wait for each GPU in turn
     and keep the next replica from starting its work meanwhile."""
-    unseen = [(views, view) for views in replicas for view in views.unseen]
+    owners = list(chain.from_iterable(map(repeat, replicas, map(len, map(_unseen_of, replicas)))))
+    unseen: list[View] = list(chain.from_iterable(map(_unseen_of, replicas)))
     for views in replicas:
         views.unseen.clear()
-    pairs = [
-        (view.tensor, central)
-        for _, view in unseen
-        if (central := view.record.ref()) is not None
-    ]
-    for (views, view), changed in zip(unseen, _changed(pairs)):
-        if changed and not view.assigned:
-            views.note_write(view, ASSIGN)
+    centrals = list(map(call, map(_ref_of, unseen)))
+    alive = list(map(is_not, centrals, repeat(None)))
+    if not all(alive):
+        owners, unseen = list(compress(owners, alive)), list(compress(unseen, alive))
+        centrals = list(compress(centrals, alive))
+    changed = _changed(list(map(_tensor_of, unseen)), centrals)
+    written = list(compress(unseen, changed))
+    if any(map(_on_read_of, written)) or (
+        replicas[0].num_replicas > 1 and VariableAggregation.NONE in map(_aggregation_of, written)
+    ):  # ``note_write`` raises, or counts the write on the copy's version
+        for views, view in compress(zip(owners, unseen, strict=True), changed):
+            if not view.assigned:
+                views.note_write(view, ASSIGN)
+    else:  # what ``note_write`` does for each
+        _set_all(written, "assigned", repeat(True))
 
 
 def _refresh_weight_list(module: torch.nn.Module) -> None:
@@ -358,23 +457,35 @@ def _refresh_weight_list(module: torch.nn.Module) -> None:
     state["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in weights]
 
 
-def _changed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
-    """Whether each view differs from its central value (one host sync in all for the views
-    that are not on the CPU)."""
-    flags: list[bool] = []
-    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+def _changed(tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> list[bool]:
+    """Whether each view differs from its central value: pair by pair where both are on the
+    CPU; otherwise all of a device's at once, their central values brought in one copy,
+    with one wait for the device."""
     with DisableTorchFunctionSubclass():  # the central value, not the replica's view of it
-        for i, (tensor, central) in enumerate(pairs):
-            if tensor.device.type == "cpu" and central.device.type == "cpu":
-                flags.append(not torch.equal(tensor, central))
+        devices = list(map(_device_of, tensors))
+        found: dict[torch.device, Iterator[bool]] = {}
+        for device in dict.fromkeys(devices):
+            chosen = list(map(eq, devices, repeat(device)))
+            mine, theirs = list(compress(tensors, chosen)), list(compress(centrals, chosen))
+            if device.type == "cpu" and all(map(_is_cpu, map(_device_of, theirs))):
+                found[device] = map(not_, map(torch.equal, mine, theirs))
             else:
-                differs = (tensor != central.to(tensor.device, non_blocking=True)).any()
-                pending.setdefault(tensor.device, []).append((i, differs))
-                flags.append(False)
-        for found in pending.values():  # one stack per device: they cannot mix
-            for (i, _), differs in zip(found, torch.stack([d for _, d in found]).tolist()):
-                flags[i] = bool(differs)
-    return flags
+                found[device] = iter(_changed_on(device, mine, theirs))
+        return list(map(next, map(found.__getitem__, devices)))
+
+
+def _changed_on(
+    device: torch.device, tensors: list[torch.Tensor], centrals: list[torch.Tensor]
+) -> list[bool]:
+    """``_changed`` of views on one device that is not the CPU, or of central values that
+    are not there: one copy of the central values to the device, one wait for it."""
+    numels = list(map(_numel, tensors))
+    now = torch.cat(list(map(torch.reshape, tensors, repeat((-1,)))))
+    before = torch.cat(list(map(torch.reshape, centrals, repeat((-1,)))))
+    differs = (now != before.to(device, non_blocking=True)).cpu().long()  # the wait
+    which = torch.repeat_interleave(torch.arange(len(tensors)), torch.tensor(numels))
+    counts = torch.zeros(len(tensors), dtype=torch.int64).index_add_(0, which, differs)
+    return list(map(bool, counts.tolist()))
 
 
 def raise_shared_write(replica: int, name: str, central: torch.Tensor) -> None:

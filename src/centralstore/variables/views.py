@@ -30,7 +30,8 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from itertools import repeat
+from itertools import compress, repeat
+from operator import and_, attrgetter, eq, le, not_
 from typing import Any, Protocol
 
 import torch
@@ -133,6 +134,34 @@ class View:
 
     def written(self) -> bool:
         return self.private and (self.assigned or self.tensor._version != self.start_version)
+
+
+# A host-to-GPU copy of at most this many bytes goes with the others of its dtype
+# (``ReplicaViews.refresh``): gathering it on the host costs less than starting its own copy.
+_SMALL_COPY = 64 * 1024
+_nbytes_of = attrgetter("nbytes")
+_dtype_of = attrgetter("dtype")
+_shape_of = attrgetter("shape")
+_numel = torch.Tensor.numel
+
+
+def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
+    """A private copy refreshed from its central variable, without waiting."""
+    return tensor.copy_(central, non_blocking=True)
+
+
+def _copy_together(
+    tensors: list[torch.Tensor], centrals: list[torch.Tensor], dtype: torch.dtype
+) -> None:
+    """``_copy_to`` for each pair, host to one GPU, in one copy: the values (all of
+    ``dtype``) are gathered in a pinned buffer, which torch's host allocator keeps until the
+    copy has read it."""
+    numels = list(map(_numel, centrals))
+    gathered = torch.empty(sum(numels), dtype=dtype, pin_memory=True)
+    torch.cat(list(map(torch.reshape, centrals, repeat((-1,)))), out=gathered)
+    arrived = gathered.to(tensors[0].device, non_blocking=True)
+    pieces = arrived.split_with_sizes(numels)
+    torch._foreach_copy_(tensors, list(map(torch.Tensor.view, pieces, map(_shape_of, centrals))))
 
 
 def _on_gradient(
@@ -293,6 +322,28 @@ class ReplicaViews:
         ):
             with torch.no_grad():
                 central.data = central.data.pin_memory()
+
+    def refresh(self, tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> None:
+        """Copy each of ``centrals`` into its private copy in ``tensors`` without waiting, as
+        ``validate`` does for one (under ``no_grad``). From host memory to a GPU, the small
+        values travel together: a copy costs microseconds to start whatever its size, so
+        those of each dtype are gathered in one pinned buffer, copied at once and put in
+        place by one kernel."""
+        if not centrals:
+            return
+        first = centrals[0]
+        if self.device.type == "cuda" and first.device.type == "cpu":
+            small = list(map(le, map(_nbytes_of, centrals), repeat(_SMALL_COPY)))
+            if small.count(True) > 1:
+                dtypes = list(map(_dtype_of, centrals))
+                for dtype in dict.fromkeys(compress(dtypes, small)):
+                    chosen = list(map(and_, small, map(eq, dtypes, repeat(dtype))))
+                    _copy_together(list(compress(tensors, chosen)),
+                                   list(compress(centrals, chosen)), dtype)
+                large = list(map(not_, small))
+                tensors, centrals = list(compress(tensors, large)), list(compress(centrals, large))
+        deque(map(_copy_to, tensors, centrals), maxlen=0)
+        self.copied(first)
 
     def copied(self, central: torch.Tensor) -> None:
         """A copy from ``central`` to this replica's GPU was queued without waiting."""
