@@ -79,6 +79,38 @@ def test_everyday_patterns_on_two_gpus_train_like_one_device(
         torch.testing.assert_close(got[name], value, msg=name)
 
 
+def test_batch_norm_stacks_on_gpus_train_like_logical_devices(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """Batch norm on GPU replicas (private copies of every buffer, refreshed and compared
+    with their central values together) keeps the same running statistics and counters,
+    step after step, as on two logical CPU devices, where the replicas use the buffers
+    themselves (``direct_buffers.py``): every layer's, not only some, with writes to them
+    between steps."""
+
+    def write_between(model: nn.Module, _: Any) -> None:
+        with torch.no_grad():
+            model[1].running_mean.add_(1.0)
+            model[4].reset_running_stats()
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6),
+            nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 2),
+        )
+
+    spec = {
+        "make": make, "optimizer_of": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        "after_step": write_between,
+    }
+    logical = FakePlacement(None, ("cpu:0", "cpu:1"), "cpu")
+    expected = train_on_gpus(logical, spec, steps=4)
+    got = train_on_gpus(fake_gpu_placement, spec, steps=4)
+    assert int(got["1.num_batches_tracked"]) == 4 and int(got["4.num_batches_tracked"]) == 0
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
 def _linear_run(
     placement: FakePlacement, optimizer_of: Callable[[Any], torch.optim.Optimizer],
     between: Callable[[nn.Module], None] = lambda m: None, steps: int = 3,

@@ -180,3 +180,58 @@ def test_a_run_nested_in_merge_call_leaves_the_outer_run_to_take_the_class_back(
 
     strategy.run(step)
     assert all(type(p) is nn.Parameter for p in model.parameters())
+
+
+def _calls(gpus: Any, kind: str) -> int:
+    return sum(n for (what, _), n in gpus.calls.items() if what == kind)
+
+
+def _copies_to(gpus: Any) -> int:
+    return _calls(gpus, "copy to device")
+
+
+def test_small_values_refresh_a_gpu_replica_in_one_copy_per_dtype(fake_gpus: Any) -> None:
+    """``ReplicaViews.refresh`` from host memory to a GPU: the values of at most 64 KiB
+    travel in one copy per dtype, larger ones in their own; each private copy ends equal to
+    its central value, whatever its shape, layout and dtype, and one event follows them."""
+    from centralstore.variables.views import ReplicaViews
+
+    replica = ReplicaViews({}, 0, torch.device("cuda:0"), 2, None)
+    centrals = [
+        torch.randn(3, 4), torch.arange(5), torch.randn(2, 3, 4, 5), torch.randn(0, 4),
+        torch.randn(128, 256),  # 128 KiB: a copy of its own
+        torch.randn(7).half(), torch.arange(3) * 2, torch.randn(6, 1),
+    ]
+    tensors = [torch.zeros_like(c, device="cuda:0") for c in centrals]
+    tensors[2] = tensors[2].to(memory_format=torch.channels_last)  # strides of its own
+    copies, events = _copies_to(fake_gpus), _calls(fake_gpus, "Event.record")
+    with torch.no_grad():
+        replica.refresh(tensors, centrals)
+    # float32, int64, float16 gathered (float16 alone: its own copy all the same), and the
+    # large one
+    assert _copies_to(fake_gpus) - copies == 4
+    for tensor, central in zip(tensors, centrals, strict=True):
+        assert tensor.device == torch.device("cuda:0") and tensor.dtype == central.dtype
+        assert torch.equal(tensor.cpu(), central)
+    assert tensors[2].is_contiguous(memory_format=torch.channels_last)
+    assert _calls(fake_gpus, "Event.record") - events == 1
+
+
+def test_kernel_writes_to_buffers_on_gpus_are_told_with_one_copy_per_device(
+    fake_gpus: Any,
+) -> None:
+    """``modules._changed`` compares views on GPUs with their central values on the host
+    in one copy and one wait per device, and views on the CPU pair by pair: each flag is
+    its own pair's, in order, a NaN counting as a change as ``!=`` says."""
+    from centralstore.variables.modules import _changed
+
+    centrals = [torch.randn(4), torch.randn(2, 3), torch.zeros(0), torch.randn(5).half(),
+                torch.tensor([float("nan"), 1.0]), torch.randn(3), torch.randn(2)]
+    devices = ["cuda:0", "cuda:1", "cuda:0", "cuda:0", "cuda:1", "cpu", "cpu"]
+    tensors = [c.to(d, copy=True) for c, d in zip(centrals, devices, strict=True)]
+    tensors[1][0, 2] += 1
+    tensors[3][4] = -tensors[3][4] - 1
+    tensors[6][1] += 1
+    copies = _copies_to(fake_gpus)
+    assert _changed(tensors, centrals) == [False, True, False, True, True, False, True]
+    assert _copies_to(fake_gpus) - copies == 2
