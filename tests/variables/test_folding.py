@@ -8,6 +8,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -376,18 +377,30 @@ def test_writes_combined_together_match_each_variables_own_arithmetic(
     assert centrals[0][0].item() == pytest.approx(1.0 if aggregation == "SUM" else 1.0 / 3)
 
 
-@pytest.mark.usefixtures("fake_gpus")
-def test_values_on_a_gpu_come_to_their_variables_in_one_copy_or_one_each() -> None:
-    """One GPU's values of one dtype: one copy (the same values); mixed dtypes or devices:
-    a copy each."""
-    centrals = [torch.zeros(2, 2), torch.zeros(3)]
-    values = [torch.arange(4.0).view(2, 2).to("cuda:0"), torch.ones(3, device="cuda:0")]
+def test_values_on_gpus_come_to_their_variables_in_one_copy_per_device_and_dtype(
+    fake_gpus: Any,
+) -> None:
+    """Values on the variables' device stay as they are; the others come in one copy for
+    each device and dtype they are on, each to its own place in the list."""
+    centrals = [torch.zeros(2, 2), torch.zeros(3), torch.zeros(1), torch.zeros(2),
+                torch.zeros(0), torch.zeros(2)]
+    values = [
+        torch.arange(4.0).view(2, 2).to("cuda:0"), torch.ones(3, device="cuda:1"),
+        torch.full((1,), 7.0, device="cuda:0"), torch.ones(2, dtype=torch.float64,
+                                                            device="cuda:0"),
+        torch.zeros(0, device="cuda:1"), torch.tensor([4.0, 5.0]),
+    ]
+    copies = sum(n for (what, _), n in fake_gpus.calls.items() if what == "copy to host")
     brought = _brought(centrals, values)
-    assert [b.device.type for b in brought] == ["cpu", "cpu"]
-    assert torch.equal(brought[0], torch.arange(4.0).view(2, 2))
-    assert torch.equal(brought[1], torch.ones(3))
-    mixed = [values[0], torch.ones(3, dtype=torch.float64, device="cuda:1")]
-    assert [b.dtype for b in _brought(centrals, mixed)] == [torch.float32, torch.float64]
+    assert sum(n for (what, _), n in fake_gpus.calls.items() if what == "copy to host") == (
+        copies + 3
+    )
+    assert [b.device.type for b in brought] == ["cpu"] * 6
+    assert [b.dtype for b in brought] == [torch.float32] * 3 + [torch.float64] + [
+        torch.float32] * 2
+    for got, value in zip(brought, values, strict=True):
+        assert got.shape == value.shape and torch.equal(got, value.cpu())
+    assert brought[5] is values[5]
     assert _brought(centrals, centrals) is centrals  # already there: as they are
 
 

@@ -235,3 +235,22 @@ def test_kernel_writes_to_buffers_on_gpus_are_told_with_one_copy_per_device(
     copies = _copies_to(fake_gpus)
     assert _changed(tensors, centrals) == [False, True, False, True, True, False, True]
     assert _copies_to(fake_gpus) - copies == 2
+
+
+def test_small_values_refresh_a_gpu_replica_from_another_gpu_in_one_copy(fake_gpus: Any) -> None:
+    """From variables on another GPU (the parameter device ``cuda:1``), the small values
+    are gathered there and copied once; values already on the replica's GPU do not pass
+    through ``refresh``'s gathering at all."""
+    from centralstore.variables.views import ReplicaViews
+
+    replica = ReplicaViews({}, 0, torch.device("cuda:0"), 2, None)
+    centrals = [torch.randn(3, 4, device="cuda:1"), torch.randn(5, device="cuda:1"),
+                torch.randn(2, 2, device="cuda:1")]
+    tensors = [torch.zeros_like(c, device="cuda:0") for c in centrals]
+    copies = _calls(fake_gpus, "copy between devices")
+    with torch.no_grad():
+        replica.refresh(tensors, centrals)
+    assert _calls(fake_gpus, "copy between devices") - copies == 1
+    for tensor, central in zip(tensors, centrals, strict=True):
+        assert tensor.device == torch.device("cuda:0")
+        assert torch.equal(tensor.cpu(), central.cpu())

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress, count, repeat, zip_longest
-from operator import and_, attrgetter, call, is_, is_not, itemgetter, ne, or_
+from operator import and_, attrgetter, call, eq, is_, is_not, itemgetter, ne, not_, or_
 from typing import Any
 
 import torch
@@ -146,7 +146,7 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     grads: list[torch.Tensor] = []
     for n, view in enumerate(views):
         if view.pending or view.alias is not None:  # several gradients per view: in rounds
-            return _fold_rounds(views[n:], received, [[g] for g in grads])
+            return _fold_rounds(views[n:], received, [[g] for g in _moved(received, grads)])
         tensor = view.tensor
         grad = tensor.grad
         if grad is None:
@@ -155,11 +155,9 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
         tensor.grad = None
         if central is None:
             continue
-        # (a shared view has its variable's storage, so its device and dtype)
-        if view.private and (grad.device != central.device or grad.dtype != central.dtype):
-            grad = grad.to(central.device, central.dtype)
         received.append(central)
         grads.append(grad)
+    grads = _moved(received, grads)
     if not distinct and len(set(map(id, received))) < len(received):  # one variable twice
         return _fold_in_rounds(received, [[g] for g in grads], set())
     sums: list[torch.Tensor | None] = list(map(grad_of, received))
@@ -167,6 +165,21 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     for central, total in zip(received, sums):
         central.grad = total
     return received
+
+
+def _moved(centrals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient on its variable's device and in its dtype: those of a private copy on
+    another device (a GPU replica's) brought together (``_brought``)."""
+    if (
+        list(map(_device_of, grads)) == list(map(_device_of, centrals))
+        and list(map(_dtype_of, grads)) == list(map(_dtype_of, centrals))
+    ):
+        return grads
+    dense = list(map(not_, map(_is_sparse, grads)))
+    if not all(dense):  # sparse ones one by one
+        return [g.to(c.device, c.dtype) for g, c in zip(grads, centrals, strict=True)]
+    grads = _brought(centrals, grads)
+    return [g if g.dtype == c.dtype else g.to(c.dtype) for g, c in zip(grads, centrals)]
 
 
 def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
@@ -214,6 +227,8 @@ _alias_of = attrgetter("alias")
 _tensor_of = attrgetter("tensor")
 _record_of = attrgetter("record")
 _ref_of = attrgetter("ref")
+_shape_of = attrgetter("shape")
+_numel = torch.Tensor.numel
 
 
 def _fold_rounds(
@@ -443,18 +458,27 @@ def _apply_together(
 
 
 def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``values[i]`` on the device of ``centrals[i]``. Values of one dtype on one device, for
-    variables on one other device (a GPU replica's, for host variables), come in one copy:
-    a copy each would wait for the GPU each time."""
+    """``values[i]`` on the device of ``centrals[i]`` (all on one device). The values of one
+    dtype on one other device (a GPU replica's) come in one copy: a copy each would cost
+    its start each time, and from a GPU to the host a wait for the GPU each time."""
     devices = list(map(_device_of, values))
+    target = centrals[0].device if centrals else None
     if devices == list(map(_device_of, centrals)):
         return values
-    dtypes = set(map(_dtype_of, values))
-    if len(set(devices)) > 1 or len(set(map(_device_of, centrals))) > 1 or len(dtypes) > 1:
+    if len(set(map(_device_of, centrals))) > 1:
         return [value.to(central.device) for central, value in zip(centrals, values)]
-    flat = torch.cat([value.reshape(-1) for value in values]).to(centrals[0].device)
-    pieces = torch.split(flat, [value.numel() for value in values])
-    return [piece.view(value.shape) for piece, value in zip(pieces, values)]
+    kinds = list(zip(devices, map(_dtype_of, values)))
+    brought = list(values)
+    for device, dtype in dict.fromkeys(kinds):
+        if device == target:
+            continue
+        chosen = list(map(eq, kinds, repeat((device, dtype))))
+        mine = list(compress(values, chosen))
+        numels = list(map(_numel, mine))
+        flat = torch.cat(list(map(torch.reshape, mine, repeat((-1,))))).to(target)
+        pieces = iter(map(torch.Tensor.view, flat.split_with_sizes(numels), map(_shape_of, mine)))
+        brought = [next(pieces) if pick else value for value, pick in zip(brought, chosen)]
+    return brought
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:

@@ -153,12 +153,12 @@ def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
 def _copy_together(
     tensors: list[torch.Tensor], centrals: list[torch.Tensor], dtype: torch.dtype
 ) -> None:
-    """``_copy_to`` for each pair, host to one GPU, in one copy: the values (all of
-    ``dtype``) are gathered in a pinned buffer, which torch's host allocator keeps until the
-    copy has read it."""
+    """``_copy_to`` for each pair, from one device to one GPU, in one copy: the values (all
+    of ``dtype``) are gathered where they are. (On the host, in pageable memory: CUDA
+    stages such a copy before it returns, so the gathered values may be freed at once, and
+    the pinned memory held stays the gradient buckets'.)"""
     numels = list(map(_numel, centrals))
-    gathered = torch.empty(sum(numels), dtype=dtype, pin_memory=True)
-    torch.cat(list(map(torch.reshape, centrals, repeat((-1,)))), out=gathered)
+    gathered = torch.cat(list(map(torch.reshape, centrals, repeat((-1,)))))
     arrived = gathered.to(tensors[0].device, non_blocking=True)
     pieces = arrived.split_with_sizes(numels)
     torch._foreach_copy_(tensors, list(map(torch.Tensor.view, pieces, map(_shape_of, centrals))))
@@ -325,14 +325,14 @@ class ReplicaViews:
 
     def refresh(self, tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> None:
         """Copy each of ``centrals`` into its private copy in ``tensors`` without waiting, as
-        ``validate`` does for one (under ``no_grad``). From host memory to a GPU, the small
-        values travel together: a copy costs microseconds to start whatever its size, so
-        those of each dtype are gathered in one pinned buffer, copied at once and put in
-        place by one kernel."""
+        ``validate`` does for one (under ``no_grad``). From host memory or another GPU to a
+        GPU, the small values travel together: a copy costs microseconds to start whatever
+        its size, so those of each dtype are gathered in one buffer, copied at once and put
+        in place by one kernel."""
         if not centrals:
             return
         first = centrals[0]
-        if self.device.type == "cuda" and first.device.type == "cpu":
+        if self.device.type == "cuda" and first.device != self.device:
             small = list(map(le, map(_nbytes_of, centrals), repeat(_SMALL_COPY)))
             if small.count(True) > 1:
                 dtypes = list(map(_dtype_of, centrals))
