@@ -79,6 +79,26 @@ def test_everyday_patterns_on_two_gpus_train_like_one_device(
         torch.testing.assert_close(got[name], value, msg=name)
 
 
+def _write_between(model: nn.Module, _: Any) -> None:
+    with torch.no_grad():
+        model[1].running_mean.add_(1.0)
+        model[4].reset_running_stats()
+
+
+def _batch_norm_stack() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6),
+        nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 2),
+    )
+
+
+_BATCH_NORM_STACK = {
+    "make": _batch_norm_stack,
+    "optimizer_of": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    "after_step": _write_between,
+}
+
+
 def test_batch_norm_stacks_on_gpus_train_like_logical_devices(
     fake_gpu_placement: FakePlacement,
 ) -> None:
@@ -87,26 +107,21 @@ def test_batch_norm_stacks_on_gpus_train_like_logical_devices(
     step after step, as on two logical CPU devices, where the replicas use the buffers
     themselves (``direct_buffers.py``): every layer's, not only some, with writes to them
     between steps."""
-
-    def write_between(model: nn.Module, _: Any) -> None:
-        with torch.no_grad():
-            model[1].running_mean.add_(1.0)
-            model[4].reset_running_stats()
-
-    def make() -> nn.Module:
-        return nn.Sequential(
-            nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6),
-            nn.ReLU(), nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 2),
-        )
-
-    spec = {
-        "make": make, "optimizer_of": lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
-        "after_step": write_between,
-    }
+    spec = _BATCH_NORM_STACK
     logical = FakePlacement(None, ("cpu:0", "cpu:1"), "cpu")
     expected = train_on_gpus(logical, spec, steps=4)
     got = train_on_gpus(fake_gpu_placement, spec, steps=4)
     assert int(got["1.num_batches_tracked"]) == 4 and int(got["4.num_batches_tracked"]) == 0
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
+@pytest.mark.usefixtures("fake_gpus")
+def test_a_batch_norm_stack_on_one_gpu_with_host_variables_trains_like_plain_pytorch() -> None:
+    """One GPU replica, the variables in host memory: its buffers' writes come back in one
+    copy per dtype (``apply_writes``) and match plain PyTorch's, step after step."""
+    expected = train_on_one_device(_BATCH_NORM_STACK, steps=4)
+    got = train_on_gpus(FakePlacement(None, ("cuda:0",), "cpu"), _BATCH_NORM_STACK, steps=4)
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, msg=name)
 

@@ -389,6 +389,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
     for copies in on_read.values():
         _reduce_copies(copies, len(touched))
     batched: dict[tuple[Any, ...], list[tuple[torch.Tensor, list[View]]]] = {}
+    alone: list[tuple[torch.Tensor, torch.Tensor]] = []  # one replica: its values, as written
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -398,7 +399,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         if num_replicas > 1 and aggregation is VariableAggregation.NONE:
             continue  # the replica that wrote has already raised
         if num_replicas == 1:
-            central.copy_(views[0].tensor.detach())
+            alone.append((central, views[0].tensor.detach()))
             continue
         any_assigned = any(map(_assigned_of, views))
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -425,6 +426,9 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         )
     for (aggregation, writes, assigned, _), entries in batched.items():
         _apply_together(aggregation, writes, assigned, entries)
+    if alone:  # brought from a GPU in one copy per dtype
+        centrals, values = map(list, zip(*alone, strict=True))
+        torch._foreach_copy_(centrals, _brought(centrals, values))
 
 
 _BATCHED = (
