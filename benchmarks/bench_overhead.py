@@ -320,6 +320,13 @@ def _training_step(devices: list[str], storage: str, model: Callable[[], nn.Modu
     return step, len(list(module.parameters())) + len(list(module.buffers()))
 
 
+# The CUDA runtime calls of a step that the fake GPUs count and a real GPU pays for each
+# (its kernels are not comparable: the fake devices count every op on a fake tensor).
+_TRANSFERS = ("copy to device", "copy to host", "copy between devices")
+_EVENTS = ("Event.record", "Event.synchronize", "Stream.wait_event", "Stream.wait_stream",
+           "Stream.synchronize", "synchronize")
+
+
 def fake_gpu_counts() -> None:
     """``--fake-gpus``: centralstore's lines per step on the GPU path (module docstring)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
@@ -335,20 +342,31 @@ def fake_gpu_counts() -> None:
 
         return build
 
-    print(f"{'model':<32} {'placement':<34} {'variables':>9} {'lines':>7} {'per variable':>12}")
+    print(f"{'model':<32} {'placement':<44} {'variables':>9} {'lines':>7} {'per variable':>12} "
+          f"{'transfers':>9} {'events':>6}")
     top: collections.Counter[str] = collections.Counter()
-    with fakegpu.devices(2):
+    with fakegpu.devices(2) as gpus:
         for depth, norm in ((2, False), (20, False), (10, True)):
             name = f"{depth} x Linear(8, 8)" + (" + BatchNorm1d" if norm else "")
-            for devices, storage in ((["cuda:0", "cuda:1"], "cpu"), (["cuda:0"], "cuda:0")):
+            for devices, storage in (
+                (["cuda:0", "cuda:1"], "cpu"), (["cuda:0", "cuda:1"], "cuda:0"),
+                (["cuda:0"], "cpu"), (["cuda:0"], "cuda:0"),
+            ):
                 step, variables = _training_step(devices, storage, stack(depth, norm))
                 lines = count_package(step)
-                if depth == 20 and len(devices) == 2:
+                before = collections.Counter(gpus.calls)
+                step()
+                calls = collections.Counter()
+                for (what, _), n in (collections.Counter(gpus.calls) - before).items():
+                    calls[what] += n
+                if depth == 20 and storage == "cpu":
                     top = lines
                 total = sum(lines.values())
+                transfers = sum(calls[kind] for kind in _TRANSFERS)
+                events = sum(calls[kind] for kind in _EVENTS)
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on {storage}"
-                print(f"{name:<32} {placement:<34} {variables:>9} {total:>7} "
-                      f"{total / variables:>12.1f}")
+                print(f"{name:<32} {placement:<44} {variables:>9} {total:>7} "
+                      f"{total / variables:>12.1f} {transfers:>9} {events:>6}")
     print("\n20 x Linear(8, 8), two GPUs, variables on the CPU: functions by lines")
     for where, n in top.most_common(12):
         print(f"  {n:>6}  {where}")
