@@ -344,10 +344,31 @@ def test_fold_in_rounds_never_leaves_a_bucket_view_in_grad(layout: str) -> None:
     assert a.grad.data_ptr() != bucket.data_ptr()
 
 
+def _written(
+    kind: VariableAggregation, centrals: list[torch.Tensor], values: list[list[torch.Tensor]],
+    assigned: bool, aligned: bool,
+) -> list[list[View]]:
+    """Each replica's views of ``centrals`` holding its ``values``, written (assigned, or
+    moved by their version counter): in the same order for every replica (``aligned``,
+    ``folding._apply_aligned``'s case) or the last replica's reversed (the general one)."""
+    records = [Central(id(c), weakref.ref(c), kind, False) for c in centrals]
+    touched = []
+    for r, mine in enumerate(values):
+        views = [View(record, value, private=True) for record, value in zip(records, mine)]
+        for view in views:
+            view.assigned = assigned
+            view.start_version -= 0 if assigned else 1
+        if not aligned and r == len(values) - 1:
+            views.reverse()
+        touched.append(views)
+    return touched
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
 @pytest.mark.parametrize("aggregation", ["SUM", "MEAN"])
 @pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
 def test_writes_combined_together_match_each_variables_own_arithmetic(
-    aggregation: str, assigned: bool
+    aggregation: str, assigned: bool, aligned: bool
 ) -> None:
     """Three replicas' writes to two floating-point variables, combined for all variables at
     once (``_apply_together``): bit for bit what ``write_term``, ``sum_in_order`` and
@@ -366,11 +387,7 @@ def test_writes_combined_together_match_each_variables_own_arithmetic(
         ]
         expected.append(written_value(kind, start, sum_in_order(terms), 3, assigned))
     centrals = [start.clone() for start in starts]
-    entries = []
-    for v, central in enumerate(centrals):
-        record = Central(id(central), weakref.ref(central), kind, False)
-        entries.append((central, [View(record, values[r][v], private=True) for r in range(3)]))
-    folding._apply_together(kind, 3, assigned, entries)
+    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), 3)
     for central, value in zip(centrals, expected, strict=True):
         assert torch.equal(central, value)
     assert values[0][0].tolist() == [1e8, 1.0]  # a replica's own tensors are not written
@@ -404,10 +421,11 @@ def test_values_on_gpus_come_to_their_variables_in_one_copy_per_device_and_dtype
     assert _brought(centrals, centrals) is centrals  # already there: as they are
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
 @pytest.mark.parametrize("aggregation", ["SUM", "ONLY_FIRST_REPLICA"])
 @pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
 def test_integer_writes_combined_together_match_each_variables_own_arithmetic(
-    aggregation: str, assigned: bool
+    aggregation: str, assigned: bool, aligned: bool
 ) -> None:
     """Counters (``num_batches_tracked``) written by two replicas: combined with the other
     counters at once, the value each variable's own arithmetic gives (the first writer's
@@ -423,11 +441,6 @@ def test_integer_writes_combined_together_match_each_variables_own_arithmetic(
         ]
         expected.append(written_value(kind, start, sum_in_order(terms), writers, assigned))
     centrals = [start.clone() for start in starts]
-    entries = []
-    for v, central in enumerate(centrals):
-        record = Central(id(central), weakref.ref(central), kind, False)
-        views = [View(record, values[r][v], private=True) for r in range(writers)]
-        entries.append((central, views))
-    folding._apply_together(kind, writers, assigned, entries)
+    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), 2)
     for central, value in zip(centrals, expected, strict=True):
         assert central.dtype == torch.int64 and torch.equal(central, value)

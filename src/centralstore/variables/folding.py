@@ -229,6 +229,12 @@ _record_of = attrgetter("record")
 _ref_of = attrgetter("ref")
 _shape_of = attrgetter("shape")
 _numel = torch.Tensor.numel
+_key_of = attrgetter("record.key")
+_on_read_of = attrgetter("record.on_read")
+_aggregation_of = attrgetter("record.aggregation")
+_record_ref_of = attrgetter("record.ref")
+_is_floating_point = torch.Tensor.is_floating_point
+_detach = torch.Tensor.detach
 
 
 def _fold_rounds(
@@ -369,8 +375,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
     """Combine the replicas' writes into each central variable by its aggregation
     (``offset``: the global id of the first of these replicas). Each replica that wrote is
     one group of ``_aggregation.write_term``, in replica order."""
-    writers: dict[int, list[View]] = {}
-    on_read: dict[int, list[tuple[int, View]]] = {}
+    writes: list[tuple[int, list[View]]] = []  # each replica that wrote: what it wrote
     for replica, views in enumerate(touched):
         if not any(map(_private_of, views)):  # only a private copy can be written
             continue
@@ -381,7 +386,13 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         written = map(and_, map(_private_of, views), map(or_, map(_assigned_of, views), map(
             ne, map(_version_of, map(_tensor_of, views)), map(_start_version_of, views)
         )))  # view.written() of each, in C
-        for view in compress(views, written):
+        writes.append((replica, list(compress(views, written))))
+    if not writes or _apply_aligned([views for _, views in writes], num_replicas):
+        return
+    writers: dict[int, list[View]] = {}
+    on_read: dict[int, list[tuple[int, View]]] = {}
+    for replica, views in writes:
+        for view in views:
             if view.record.on_read:
                 on_read.setdefault(view.record.key, []).append((offset + replica, view))
             else:
@@ -424,37 +435,83 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         central.copy_(
             written_value(aggregation, central, sum_in_order(terms), len(views), any_assigned)
         )
-    for (aggregation, writes, assigned, _), entries in batched.items():
-        _apply_together(aggregation, writes, assigned, entries)
+    for (aggregation, writers_count, assigned, _), entries in batched.items():
+        centrals = [central for central, _ in entries]
+        values = [
+            [views[k].tensor.detach() for _, views in entries] for k in range(writers_count)
+        ]
+        _apply_together(aggregation, assigned, centrals, values)
     if alone:  # brought from a GPU in one copy per dtype
-        centrals, values = map(list, zip(*alone, strict=True))
-        torch._foreach_copy_(centrals, _brought(centrals, values))
+        centrals, moved = map(list, zip(*alone, strict=True))
+        torch._foreach_copy_(centrals, _brought(centrals, moved))
 
 
 _BATCHED = (
     VariableAggregation.SUM, VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA
 )
+_MEAN = VariableAggregation.MEAN
+_ONLY_FIRST = VariableAggregation.ONLY_FIRST_REPLICA
+
+
+def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
+    """``apply_writes`` in passes in C when every replica that wrote wrote the same
+    variables in the same order (each replica's batch norms, every step), none ON_READ or
+    dying, each one that ``_apply_together`` combines, or there is one replica; False,
+    with nothing applied, otherwise."""
+    first = writes[0]
+    keys = list(map(_key_of, first))
+    if any(list(map(_key_of, views)) != keys for views in writes[1:]) or any(
+        map(_on_read_of, first)
+    ):
+        return False
+    centrals = list(map(call, map(_record_ref_of, first)))
+    if not all(map(is_not, centrals, repeat(None))):
+        return False
+    if num_replicas == 1:  # its values, as written, brought in one copy per dtype
+        values = list(map(_detach, map(_tensor_of, first)))
+        torch._foreach_copy_(centrals, _brought(centrals, values))
+        return True
+    aggregations = list(map(_aggregation_of, first))
+    dtypes = list(map(_dtype_of, centrals))
+    if not all(map(all, zip(  # ``apply_writes``' test of what ``_apply_together`` combines
+        map(_BATCHED.__contains__, aggregations),
+        map(is_, map(type, centrals), repeat(torch.Tensor)),
+        map(is_not, dtypes, repeat(torch.bool)),
+        map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
+    ))):
+        return False
+    assigned = list(map(any, zip(*[list(map(_assigned_of, views)) for views in writes])))
+    counts = list(map((len(writes), 1).__getitem__, map(is_, aggregations, repeat(_ONLY_FIRST))))
+    groups = list(zip(aggregations, counts, assigned, dtypes))
+    for group in dict.fromkeys(groups):
+        chosen = list(map(eq, groups, repeat(group)))
+        aggregation, count, any_assigned, _ = group
+        _apply_together(aggregation, any_assigned, list(compress(centrals, chosen)), [
+            list(map(_detach, map(_tensor_of, compress(views, chosen))))
+            for views in writes[:count]
+        ])
+    return True
 
 
 def _apply_together(
-    aggregation: VariableAggregation, writes: int, assigned: bool,
-    entries: list[tuple[torch.Tensor, list[View]]],
+    aggregation: VariableAggregation, assigned: bool, centrals: list[torch.Tensor],
+    values: list[list[torch.Tensor]],
 ) -> None:
-    """The writes of ``writes`` replicas to variables of one dtype and aggregation (SUM,
-    MEAN of floating point, or ONLY_FIRST_REPLICA: the first writer's), the arithmetic of
-    ``write_term``, ``sum_in_order`` and ``written_value`` in a few ``_foreach`` kernels per
-    replica for all of them, each replica's values brought to the variables' device in one
-    copy. Without an assignment each variable moves by the sum of the replicas' moves in
-    replica order (over ``writes`` for MEAN); with one (``assigned``: a kernel's write,
-    batch norm's statistics on a GPU) it becomes the sum of their values (their mean)."""
-    centrals = [central for central, _ in entries]
+    """The writes of ``len(values)`` replicas (each replica's ``values``, in replica order)
+    to ``centrals``, of one dtype and aggregation (SUM, MEAN of floating point, or
+    ONLY_FIRST_REPLICA: the first writer's): the arithmetic of ``write_term``,
+    ``sum_in_order`` and ``written_value`` in a few ``_foreach`` kernels per replica for all
+    of them, each replica's values brought to the variables' device in one copy. Without
+    an assignment each variable moves by the sum of the replicas' moves in replica order
+    (over the writers for MEAN); with one (``assigned``: a kernel's write, batch norm's
+    statistics on a GPU) it becomes the sum of their values (their mean)."""
     total: Sequence[torch.Tensor] = ()
-    for k in range(writes):  # (out of place: a replica's values may be its own tensors)
-        values = _brought(centrals, [views[k].tensor.detach() for _, views in entries])
-        terms = values if assigned else torch._foreach_sub(values, centrals)
+    for replica_values in values:  # (out of place: a replica's values may be its own tensors)
+        brought = _brought(centrals, replica_values)
+        terms = brought if assigned else torch._foreach_sub(brought, centrals)
         total = torch._foreach_add(list(total), terms) if total else terms
     if aggregation is VariableAggregation.MEAN:
-        total = torch._foreach_div(list(total), writes)
+        total = torch._foreach_div(list(total), len(values))
     if assigned:
         torch._foreach_copy_(centrals, list(total))
     else:
