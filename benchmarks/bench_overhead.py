@@ -29,10 +29,14 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 ``--fake-gpus`` counts the GPU path on the test suite's fake CUDA devices (``tests/fakegpu``:
 CUDA semantics emulated on the CPU): centralstore's own lines per training step, all of them
 (its hooks and views included), for two replicas on ``cuda:0`` and ``cuda:1`` with the
-variables on the CPU, and one replica on the ``cuda:0`` that holds them, on stacks of linear
-layers and of linear and batch-norm layers. The fake devices' own Python is not counted;
-their tensors are a subclass, which a few of centralstore's checks send to a general path
-(the one-replica undo record clones its buffers), so a real GPU may execute slightly fewer.
+variables on the CPU or on ``cuda:0``, and one replica on ``cuda:0`` with the variables on the
+CPU or on its own GPU, on stacks of linear layers and of linear and batch-norm layers; and
+the step's CUDA transfers (copies to, from and between devices) and stream and event calls
+(records, waits, synchronizations), which a real GPU pays for one by one. The fake devices'
+own Python is not counted; their tensors are a subclass, which a few of centralstore's
+checks send to a general path (the one-replica undo record clones its buffers; buffer
+writes to variables on a GPU are combined variable by variable), so a real GPU may execute
+fewer.
 
 ``--phases`` times where a step's overhead falls instead (wall-clock microseconds, medians
 of ``--phase-steps`` steps, cs and plain PyTorch taking turns step by step): from
@@ -359,7 +363,7 @@ def fake_gpu_counts() -> None:
                 calls = collections.Counter()
                 for (what, _), n in (collections.Counter(gpus.calls) - before).items():
                     calls[what] += n
-                if depth == 20 and storage == "cpu":
+                if depth == 20 and len(devices) == 2 and storage == "cpu":
                     top = lines
                 total = sum(lines.values())
                 transfers = sum(calls[kind] for kind in _TRANSFERS)
