@@ -444,3 +444,18 @@ def test_integer_writes_combined_together_match_each_variables_own_arithmetic(
     folding.apply_writes(_written(kind, centrals, values, assigned, aligned), 2)
     for central, value in zip(centrals, expected, strict=True):
         assert central.dtype == torch.int64 and torch.equal(central, value)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
+def test_writes_to_a_sparse_buffer_combine_as_dense_ones_do(aligned: bool) -> None:
+    """Two replicas assigning a sparse SUM buffer: the sum of their values, on either path
+    (a sparse variable is combined on its own, not with the dense ones)."""
+    central = torch.zeros(3, 3).to_sparse()
+    dense = torch.zeros(2)
+    values = [[torch.eye(3).to_sparse(), torch.ones(2)],
+              [2 * torch.eye(3).to_sparse(), torch.ones(2)]]
+    folding.apply_writes(
+        _written(VariableAggregation.SUM, [central, dense], values, True, aligned), 2
+    )
+    assert torch.equal(central.to_dense(), 3 * torch.eye(3))
+    assert torch.equal(dense, torch.full((2,), 2.0))

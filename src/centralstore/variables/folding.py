@@ -230,6 +230,7 @@ _ref_of = attrgetter("ref")
 _shape_of = attrgetter("shape")
 _numel = torch.Tensor.numel
 _key_of = attrgetter("record.key")
+_layout_of = attrgetter("layout")
 _on_read_of = attrgetter("record.on_read")
 _aggregation_of = attrgetter("record.aggregation")
 _record_ref_of = attrgetter("record.ref")
@@ -417,7 +418,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             views = views[:1]
         if (
             aggregation in _BATCHED and type(central) is torch.Tensor
-            and central.dtype is not torch.bool
+            and central.layout is torch.strided and central.dtype is not torch.bool
             and (central.is_floating_point() or aggregation is not VariableAggregation.MEAN)
         ):  # the usual writes, batch norm's statistics and counters: with the others like
             # them (an integer MEAN rounds its quotient: below, by ``copy_``)
@@ -476,6 +477,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
     if not all(map(all, zip(  # ``apply_writes``' test of what ``_apply_together`` combines
         map(_BATCHED.__contains__, aggregations),
         map(is_, map(type, centrals), repeat(torch.Tensor)),
+        map(is_, map(_layout_of, centrals), repeat(torch.strided)),
         map(is_not, dtypes, repeat(torch.bool)),
         map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
     ))):

@@ -133,6 +133,7 @@ _on_read_of = attrgetter("record.on_read")
 _aggregation_of = attrgetter("record.aggregation")
 _ref_of = attrgetter("record.ref")
 _device_of = attrgetter("device")
+_layout_of = attrgetter("layout")
 _unseen_of = attrgetter("unseen")
 
 
@@ -459,8 +460,8 @@ def _refresh_weight_list(module: torch.nn.Module) -> None:
 
 def _changed(tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> list[bool]:
     """Whether each view differs from its central value: pair by pair where both are on the
-    CPU; otherwise all of a device's at once, their central values brought in one copy,
-    with one wait for the device."""
+    CPU (or one is sparse); otherwise all of a device's at once, their central values
+    brought in one copy, with one wait for the device."""
     with DisableTorchFunctionSubclass():  # the central value, not the replica's view of it
         devices = list(map(_device_of, tensors))
         found: dict[torch.device, Iterator[bool]] = {}
@@ -469,9 +470,15 @@ def _changed(tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> list[
             mine, theirs = list(compress(tensors, chosen)), list(compress(centrals, chosen))
             if device.type == "cpu" and all(map(_is_cpu, map(_device_of, theirs))):
                 found[device] = map(not_, map(torch.equal, mine, theirs))
+            elif not all(map(is_, map(_layout_of, mine + theirs), repeat(torch.strided))):
+                found[device] = map(_differ, mine, theirs)  # sparse ones pair by pair
             else:
                 found[device] = iter(_changed_on(device, mine, theirs))
         return list(map(next, map(found.__getitem__, devices)))
+
+
+def _differ(tensor: torch.Tensor, central: torch.Tensor) -> bool:
+    return bool((tensor != central.to(tensor.device)).any())
 
 
 def _changed_on(

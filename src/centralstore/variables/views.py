@@ -31,7 +31,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from itertools import compress, repeat
-from operator import and_, attrgetter, eq, le, not_
+from operator import and_, attrgetter, eq, is_, le, not_
 from typing import Any, Protocol
 
 import torch
@@ -140,6 +140,7 @@ class View:
 # (``ReplicaViews.refresh``): gathering it on the host costs less than starting its own copy.
 _SMALL_COPY = 64 * 1024
 _nbytes_of = attrgetter("nbytes")
+_layout_of = attrgetter("layout")
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 _numel = torch.Tensor.numel
@@ -332,7 +333,10 @@ class ReplicaViews:
         if not centrals:
             return
         first = centrals[0]
-        if self.device.type == "cuda" and first.device != self.device:
+        if (
+            self.device.type == "cuda" and first.device != self.device
+            and all(map(is_, map(_layout_of, centrals), repeat(torch.strided)))  # not sparse
+        ):
             small = list(map(le, map(_nbytes_of, centrals), repeat(_SMALL_COPY)))
             if small.count(True) > 1:
                 dtypes = list(map(_dtype_of, centrals))
