@@ -254,3 +254,9 @@ def test_small_values_refresh_a_gpu_replica_from_another_gpu_in_one_copy(fake_gp
     for tensor, central in zip(tensors, centrals, strict=True):
         assert tensor.device == torch.device("cuda:0")
         assert torch.equal(tensor.cpu(), central.cpu())
+    mixed = [torch.randn(3), torch.randn(2, device="cuda:1"), torch.randn(4)]  # one each
+    copies = [torch.zeros_like(c, device="cuda:0") for c in mixed]
+    with torch.no_grad():
+        replica.refresh(copies, mixed)
+    for tensor, central in zip(copies, mixed, strict=True):
+        assert torch.equal(tensor.cpu(), central.cpu())

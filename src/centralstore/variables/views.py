@@ -141,6 +141,7 @@ class View:
 _SMALL_COPY = 64 * 1024
 _nbytes_of = attrgetter("nbytes")
 _layout_of = attrgetter("layout")
+_device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 _numel = torch.Tensor.numel
@@ -335,6 +336,7 @@ class ReplicaViews:
         first = centrals[0]
         if (
             self.device.type == "cuda" and first.device != self.device
+            and all(map(eq, map(_device_of, centrals), repeat(first.device)))
             and all(map(is_, map(_layout_of, centrals), repeat(torch.strided)))  # not sparse
         ):
             small = list(map(le, map(_nbytes_of, centrals), repeat(_SMALL_COPY)))
