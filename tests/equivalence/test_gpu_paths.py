@@ -116,6 +116,69 @@ def test_batch_norm_stacks_on_gpus_train_like_logical_devices(
         torch.testing.assert_close(got[name], value, msg=name)
 
 
+def _convolutions_in_steps(
+    devices: tuple[str, ...], storage: str, scenario: str
+) -> dict[str, torch.Tensor]:
+    """Three steps of a channels-last convolution and batch-norm network on ``devices``,
+    with, in each, the ``scenario``: a sync point in the middle of the run (``merge_call``
+    after a forward), a run that fails on its second replica before the step, or an
+    evaluation run after it."""
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device=storage)
+
+    def make() -> nn.Module:
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3),
+            nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2),
+        ).to(memory_format=torch.channels_last)
+
+    torch.manual_seed(0)
+    initial = make().state_dict()
+    with strategy.scope():
+        model = make()
+        model.load_state_dict(initial)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    xs = to_replicas(x, devices)
+
+    def step(xb: torch.Tensor) -> None:
+        if scenario == "merge_call":
+            model(xb)  # batch norm writes its statistics, then a sync point
+            context().merge_call(lambda _: None)
+        model(xb).sum().backward()
+
+    def fails(xb: torch.Tensor) -> None:
+        model(xb).sum().backward()
+        if context().replica_id_in_sync_group == 1:
+            raise RuntimeError("the second replica fails")
+
+    for _ in range(3):
+        if scenario == "failed_run":
+            with pytest.raises(RuntimeError, match="second replica"):
+                strategy.run(fails, args=(xs,))
+        strategy.run(step, args=(xs,))
+        optimizer.step()
+        optimizer.zero_grad()
+        if scenario == "evaluation":
+            model.eval()
+            strategy.run(lambda xb: model(xb).sum(), args=(xs,))
+            model.train()
+    return host_state(model)
+
+
+@pytest.mark.parametrize("scenario", ["merge_call", "failed_run", "evaluation"])
+def test_batch_norm_in_every_kind_of_run_on_gpus_matches_logical_devices(
+    scenario: str, fake_gpu_placement: FakePlacement
+) -> None:
+    """Batch norm's statistics and counters on GPU replicas, across a sync point inside a
+    run, a discarded run and an evaluation run, are those of two logical CPU devices."""
+    expected = _convolutions_in_steps(("cpu:0", "cpu:1"), "cpu", scenario)
+    got = _convolutions_in_steps(
+        fake_gpu_placement.compute_devices, fake_gpu_placement.parameter_device, scenario
+    )
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
 @pytest.mark.usefixtures("fake_gpus")
 def test_a_batch_norm_stack_on_one_gpu_with_host_variables_trains_like_plain_pytorch() -> None:
     """One GPU replica, the variables in host memory: its buffers' writes come back in one

@@ -490,8 +490,13 @@ def _changed_on(
     now = torch.cat(list(map(torch.reshape, tensors, repeat((-1,)))))
     before = torch.cat(list(map(torch.reshape, centrals, repeat((-1,)))))
     differs = (now != before.to(device, non_blocking=True)).cpu().long()  # the wait
-    which = torch.repeat_interleave(torch.arange(len(tensors)), torch.tensor(numels))
-    counts = torch.zeros(len(tensors), dtype=torch.int64).index_add_(0, which, differs)
+    host = differs.device  # (not the default device, which replica code may have set)
+    which = torch.repeat_interleave(
+        torch.arange(len(tensors), device=host), torch.tensor(numels, device=host)
+    )
+    counts = torch.zeros(len(tensors), dtype=torch.int64, device=host).index_add_(
+        0, which, differs
+    )
     return list(map(bool, counts.tolist()))
 
 
