@@ -179,6 +179,72 @@ def test_batch_norm_in_every_kind_of_run_on_gpus_matches_logical_devices(
         torch.testing.assert_close(got[name], value, msg=name)
 
 
+class _Buffers(nn.Module):
+    """Buffers of every kind a refresh meets: small and large (over 64 KiB, copied alone)
+    batch-norm statistics, a boolean mask, a counter its forward writes in place."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.a, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+        self.proj, self.big, self.out = nn.Linear(6, 16500), nn.BatchNorm1d(16500), nn.Linear(
+            16500, 2
+        )
+        self.register_buffer("mask", torch.tensor([1, 0, 1, 1, 0, 1]).bool(), persistent=False)
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.out(self.big(self.proj(self.bn(self.a(x) * self.mask))))
+
+
+def _buffers_in_steps(
+    devices: tuple[str, ...], storage: str, dtype: torch.dtype, between: str
+) -> dict[str, torch.Tensor]:
+    """Three steps of ``_Buffers``, a buffer changed ``between`` them: assigned anew (in the
+    scope), its storage replaced through ``.data``, or loaded with ``load_state_dict``."""
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device=storage)
+    torch.manual_seed(0)
+    initial = _Buffers(dtype).state_dict()
+    with strategy.scope():
+        model = _Buffers(dtype)
+        model.load_state_dict(initial)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for _ in range(3):
+        strategy.run(lambda xb: model(xb).float().sum().backward(), args=(to_replicas(x, devices),))
+        optimizer.step()
+        optimizer.zero_grad()
+        if between == "assigned":
+            with strategy.scope():
+                model.bn.running_mean = torch.full((6,), 0.5, dtype=dtype).to(storage)
+        elif between == "data":
+            model.bn.running_var.data = torch.full((6,), 2.0, dtype=dtype).to(storage)
+        else:
+            state = model.state_dict()
+            state["bn.running_mean"] = state["bn.running_mean"] + 1
+            model.load_state_dict(state)
+    return host_state(model) | {"mask": model.mask.cpu(), "count": model.count.cpu()}
+
+
+@pytest.mark.parametrize(("dtype", "between"), [
+    (torch.float32, "assigned"), (torch.float32, "data"), (torch.float32, "loaded"),
+    (torch.bfloat16, "loaded"),
+])
+def test_buffers_of_every_kind_on_gpus_match_logical_devices(
+    dtype: torch.dtype, between: str, fake_gpu_placement: FakePlacement
+) -> None:
+    """Small buffers refreshed together, large ones alone, masks, counters, in two dtypes,
+    each changed between steps in the three ways a user changes one: the same values on GPU
+    replicas as on two logical CPU devices."""
+    expected = _buffers_in_steps(("cpu:0", "cpu:1"), "cpu", dtype, between)
+    got = _buffers_in_steps(
+        fake_gpu_placement.compute_devices, fake_gpu_placement.parameter_device, dtype, between
+    )
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+
+
 @pytest.mark.usefixtures("fake_gpus")
 def test_a_batch_norm_stack_on_one_gpu_with_host_variables_trains_like_plain_pytorch() -> None:
     """One GPU replica, the variables in host memory: its buffers' writes come back in one
