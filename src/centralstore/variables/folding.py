@@ -179,6 +179,8 @@ def _moved(centrals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torc
     if not all(dense):  # sparse ones one by one
         return [g.to(c.device, c.dtype) for g, c in zip(grads, centrals, strict=True)]
     grads = _brought(centrals, grads)
+    if list(map(_dtype_of, grads)) == list(map(_dtype_of, centrals)):
+        return grads
     return [g if g.dtype == c.dtype else g.to(c.dtype) for g, c in zip(grads, centrals)]
 
 

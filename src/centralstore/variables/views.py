@@ -136,8 +136,8 @@ class View:
         return self.private and (self.assigned or self.tensor._version != self.start_version)
 
 
-# A host-to-GPU copy of at most this many bytes goes with the others of its dtype
-# (``ReplicaViews.refresh``): gathering it on the host costs less than starting its own copy.
+# A copy to a GPU of at most this many bytes goes with the others of its dtype
+# (``ReplicaViews.refresh``): gathering it where it is costs less than starting its own copy.
 _SMALL_COPY = 64 * 1024
 _nbytes_of = attrgetter("nbytes")
 _layout_of = attrgetter("layout")
@@ -152,11 +152,9 @@ def _copy_to(tensor: torch.Tensor, central: torch.Tensor) -> torch.Tensor:
     return tensor.copy_(central, non_blocking=True)
 
 
-def _copy_together(
-    tensors: list[torch.Tensor], centrals: list[torch.Tensor], dtype: torch.dtype
-) -> None:
+def _copy_together(tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> None:
     """``_copy_to`` for each pair, from one device to one GPU, in one copy: the values (all
-    of ``dtype``) are gathered where they are. (On the host, in pageable memory: CUDA
+    of one dtype) are gathered where they are. (On the host, in pageable memory: CUDA
     stages such a copy before it returns, so the gathered values may be freed at once, and
     the pinned memory held stays the gradient buckets'.)"""
     numels = list(map(_numel, centrals))
@@ -344,8 +342,8 @@ class ReplicaViews:
                 dtypes = list(map(_dtype_of, centrals))
                 for dtype in dict.fromkeys(compress(dtypes, small)):
                     chosen = list(map(and_, small, map(eq, dtypes, repeat(dtype))))
-                    _copy_together(list(compress(tensors, chosen)),
-                                   list(compress(centrals, chosen)), dtype)
+                    mine = list(compress(tensors, chosen))
+                    _copy_together(mine, list(compress(centrals, chosen)))
                 large = list(map(not_, small))
                 tensors, centrals = list(compress(tensors, large)), list(compress(centrals, large))
         deque(map(_copy_to, tensors, centrals), maxlen=0)
