@@ -245,6 +245,68 @@ def test_buffers_of_every_kind_on_gpus_match_logical_devices(
         torch.testing.assert_close(got[name], value, msg=name)
 
 
+def _frozen_backbone_steps(
+    devices: tuple[str, ...], storage: str, fused: bool
+) -> tuple[dict[str, torch.Tensor], cs.CentralStorageStrategy, nn.Module]:
+    """Fine-tuning the head of a frozen backbone, every parameter given to the optimizer,
+    with the backbone changed between steps: written in place, then stepped by the
+    optimizer through a ``.grad`` given to a frozen weight (a fused kernel moves no version
+    counter)."""
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device=storage)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 2))
+
+    torch.manual_seed(0)
+    initial = make().state_dict()
+    with strategy.scope():
+        model = make()
+        model.load_state_dict(initial)
+        model[0].requires_grad_(False)
+        model[2].requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=fused)
+    xs, ys = to_replicas(X, devices), to_replicas(Y, devices)
+    for step in range(4):
+        strategy.run(mse_step(model), args=(xs, ys))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+        elif step == 2:
+            model[2].weight.grad = torch.ones_like(model[2].weight)
+            optimizer.step()
+            optimizer.zero_grad()
+    return host_state(model), strategy, model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_frozen_backbone_on_gpus_is_copied_only_when_it_changes(
+    fused: bool, fake_gpu_placement: FakePlacement
+) -> None:
+    """GPU replicas copy a frozen parameter again only when it changed (its version counter,
+    or the optimizer's stamp when it stepped one with a ``.grad``), not at every run, and
+    train as two logical CPU devices do."""
+    expected, _, _ = _frozen_backbone_steps(("cpu:0", "cpu:1"), "cpu", fused)
+    got, strategy, model = _frozen_backbone_steps(
+        fake_gpu_placement.compute_devices, fake_gpu_placement.parameter_device, fused
+    )
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, msg=name)
+    frozen = [model[0].weight, model[0].bias, model[2].weight, model[2].bias]
+    copies = [
+        view.tensor for replica in strategy._store.replicas
+        for view in map(replica.views.get, map(id, frozen)) if view is not None and view.private
+    ]
+    assert copies  # the GPU replicas' own copies of the frozen parameters
+    versions = [copy._version for copy in copies]
+    xs, ys = to_replicas(X, fake_gpu_placement.compute_devices), to_replicas(
+        Y, fake_gpu_placement.compute_devices
+    )
+    strategy.run(mse_step(model), args=(xs, ys))
+    assert [copy._version for copy in copies] == versions  # not copied again
+
+
 @pytest.mark.usefixtures("fake_gpus")
 def test_a_batch_norm_stack_on_one_gpu_with_host_variables_trains_like_plain_pytorch() -> None:
     """One GPU replica, the variables in host memory: its buffers' writes come back in one

@@ -163,6 +163,19 @@ class _AllFilled(NamedTuple):
 _Entry = tuple[dict[str, Any], str, torch.Tensor, View, torch.Tensor, int]
 
 
+def _stale(views: list[View], centrals: list[torch.Tensor], records: list[Central]) -> list[bool]:
+    """``ReplicaViews.validate``'s test of whether each private copy needs a refresh, in
+    passes in C: its variable is trained (changed at every step, also through ``.data``),
+    or its version counter or optimizer stamp moved, or the copy was written."""
+    return list(map(any, zip(
+        map(_requires_grad_of, centrals),
+        map(ne, map(_version_of, centrals), map(_central_version_of, views)),
+        map(ne, map(_stamp_of, records), map(_stamp_of, views)),
+        map(_assigned_of, views),
+        map(ne, map(_version_of, map(_tensor_of, views)), map(_start_version_of, views)),
+    )))
+
+
 class Filled:
     """The slots one replica has filled with its views, until ``empty``."""
 
@@ -190,10 +203,10 @@ class Filled:
         """Fill every slot in passes in C, if each module still holds its parameter and this
         replica's view of each, not yet current this epoch, needs nothing from
         ``ReplicaViews.validate`` but the stamps that make it current and, for a private copy
-        (a GPU replica's, of a variable elsewhere), a refresh from its trained variable: the
-        views all share their parameters' storage, or are all private copies of parameters
-        that require grad, whose storage stayed. False, with nothing changed, otherwise:
-        ``_fill`` takes them one by one."""
+        (a GPU replica's, of a variable elsewhere), a refresh where ``validate`` would make
+        one (a trained variable, or a frozen one that changed): the views all share their
+        parameters' storage, or are all private copies whose variables' storage stayed.
+        False, with nothing changed, otherwise: ``_fill`` takes them one by one."""
         replica = self.views
         modules = list(map(call, slots.refs))
         if not all(map(is_not, modules, repeat(None))):
@@ -223,13 +236,17 @@ class Filled:
         ):
             return False
         if copies:
-            if (  # trained (refreshed at every step) and not moved (no pinning again)
-                not all(map(_requires_grad_of, centrals))
-                or list(map(_central_ptr_of, views)) != pointers
-            ):
+            if list(map(_central_ptr_of, views)) != pointers:  # moved: pinned again
                 return False
-            with torch.no_grad():  # what ``validate`` does for each, and one event after all
-                replica.refresh(tensors, centrals)
+            stale = _stale(views, centrals, slots.records)
+            if any(stale):  # what ``validate`` does for each, and one event after all
+                with torch.no_grad():
+                    if all(stale):
+                        replica.refresh(tensors, centrals)
+                    else:  # some frozen and unchanged
+                        replica.refresh(
+                            list(compress(tensors, stale)), list(compress(centrals, stale))
+                        )
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
         # what ``validate`` and ``_current`` stamp on a view
@@ -275,14 +292,7 @@ class Filled:
         ):
             return False
         versions = list(map(_version_of, centrals))
-        stale = list(map(  # ``validate``'s test: the buffer or its copy may have changed
-            any, zip(
-                map(ne, versions, map(_central_version_of, views)),
-                map(ne, map(_stamp_of, slots.records), map(_stamp_of, views)),
-                map(_assigned_of, views),
-                map(ne, map(_version_of, tensors), map(_start_version_of, views)),
-            )
-        ))
+        stale = _stale(views, centrals, slots.records)
         if any(stale):
             with torch.no_grad():
                 replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 import weakref
-from itertools import chain, filterfalse
-from operator import itemgetter
+from itertools import chain, compress, filterfalse, repeat
+from operator import is_not, itemgetter
 from typing import Any, Protocol, cast
 
 import torch
@@ -21,7 +21,7 @@ from torch.optim.optimizer import (
 )
 
 from .. import _context
-from .._autograd import requires_grad_of
+from .._autograd import grad_of, requires_grad_of
 
 
 class Store(Protocol):
@@ -93,8 +93,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     """The step may have changed its parameters without moving their version counters (fused
     kernels): the stores' views of them refresh before their next use. Views of a variable
     that requires grad refresh at every run anyway (and one whose ``requires_grad`` changes
-    is made anew), so only the frozen ones need the stamp; usually there are none."""
+    is made anew), so only the frozen ones need the stamp, and of those only the ones with a
+    ``.grad``: torch's optimizers skip a parameter without one (a frozen backbone given to
+    the optimizer with the rest is not copied to the GPUs again at every step)."""
     frozen = list(filterfalse(requires_grad_of, _parameters(optimizer)))
+    if frozen:
+        frozen = list(compress(frozen, map(is_not, map(grad_of, frozen), repeat(None))))
     if frozen:
         for ref in _stores:
             store = ref()
