@@ -336,40 +336,44 @@ def fake_gpu_counts() -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
     import fakegpu
 
-    def stack(depth: int, norm: bool) -> Callable[[], nn.Module]:
+    def stack(depth: int, norm: bool, frozen: int = 0) -> Callable[[], nn.Module]:
         def build() -> nn.Module:
             layers: list[nn.Module] = [nn.Linear(4, 8)]
             for _ in range(depth):
                 layers += [nn.Linear(8, 8)] + ([nn.BatchNorm1d(8)] if norm else [])
                 layers.append(nn.ReLU())
+            for layer in [m for m in layers if isinstance(m, nn.Linear)][:frozen]:
+                layer.requires_grad_(False)
             return nn.Sequential(*layers, nn.Linear(8, 2))
 
         return build
 
-    print(f"{'model':<32} {'placement':<44} {'variables':>9} {'lines':>7} {'per variable':>12} "
+    print(f"{'model':<36} {'placement':<44} {'variables':>9} {'lines':>7} {'per variable':>12} "
           f"{'transfers':>9} {'events':>6}")
     top: collections.Counter[str] = collections.Counter()
     with fakegpu.devices(2) as gpus:
-        for depth, norm in ((2, False), (20, False), (10, True)):
-            name = f"{depth} x Linear(8, 8)" + (" + BatchNorm1d" if norm else "")
+        for depth, norm, frozen in ((2, False, 0), (20, False, 0), (20, False, 16), (10, True, 0)):
+            name = f"{depth} x Linear(8, 8)" + (" + BatchNorm1d" if norm else "") + (
+                f", first {frozen} frozen" if frozen else ""
+            )
             for devices, storage in (
                 (["cuda:0", "cuda:1"], "cpu"), (["cuda:0", "cuda:1"], "cuda:0"),
                 (["cuda:0"], "cpu"), (["cuda:0"], "cuda:0"),
             ):
-                step, variables = _training_step(devices, storage, stack(depth, norm))
+                step, variables = _training_step(devices, storage, stack(depth, norm, frozen))
                 lines = count_package(step)
                 before = collections.Counter(gpus.calls)
                 step()
                 calls = collections.Counter()
                 for (what, _), n in (collections.Counter(gpus.calls) - before).items():
                     calls[what] += n
-                if depth == 20 and len(devices) == 2 and storage == "cpu":
+                if depth == 20 and not frozen and len(devices) == 2 and storage == "cpu":
                     top = lines
                 total = sum(lines.values())
                 transfers = sum(calls[kind] for kind in _TRANSFERS)
                 events = sum(calls[kind] for kind in _EVENTS)
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on {storage}"
-                print(f"{name:<32} {placement:<44} {variables:>9} {total:>7} "
+                print(f"{name:<36} {placement:<44} {variables:>9} {total:>7} "
                       f"{total / variables:>12.1f} {transfers:>9} {events:>6}")
     print("\n20 x Linear(8, 8), two GPUs, variables on the CPU: functions by lines")
     for where, n in top.most_common(12):

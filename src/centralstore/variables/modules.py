@@ -238,15 +238,13 @@ class Filled:
         if copies:
             if list(map(_central_ptr_of, views)) != pointers:  # moved: pinned again
                 return False
-            stale = _stale(views, centrals, slots.records)
-            if any(stale):  # what ``validate`` does for each, and one event after all
+            # what ``validate`` does for each, and one event after all
+            if all(map(_requires_grad_of, centrals)):  # trained: changed at every step
                 with torch.no_grad():
-                    if all(stale):
-                        replica.refresh(tensors, centrals)
-                    else:  # some frozen and unchanged
-                        replica.refresh(
-                            list(compress(tensors, stale)), list(compress(centrals, stale))
-                        )
+                    replica.refresh(tensors, centrals)
+            elif any(stale := _stale(views, centrals, slots.records)):  # some frozen
+                with torch.no_grad():
+                    replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
         # what ``validate`` and ``_current`` stamp on a view
