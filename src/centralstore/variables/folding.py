@@ -137,11 +137,8 @@ def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tens
     """Add the views' gradients to their central ``.grad`` (in place where it exists: one
     ``_foreach_add_`` per round of gradients); returns the central variables that received
     some. ``distinct``: the views are of different variables (one replica's)."""
-    if (
-        distinct and not any(map(_pending_of, views))
-        and all(map(is_, map(_alias_of, views), repeat(None)))
-    ):
-        return _fold_one_each(views)
+    if not any(map(_pending_of, views)) and all(map(is_, map(_alias_of, views), repeat(None))):
+        return _fold_one_each(views, distinct)
     received: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
     for n, view in enumerate(views):
@@ -184,10 +181,11 @@ def _moved(centrals: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torc
     return [g if g.dtype == c.dtype else g.to(c.dtype) for g, c in zip(grads, centrals)]
 
 
-def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
-    """``fold_gradients`` of one replica's views that hold one gradient each at most (none
-    in flight from a GPU, no routed copy): every step of a replica without GPU copies, in
-    passes in C."""
+def _fold_one_each(views: list[View], distinct: bool) -> list[torch.Tensor]:
+    """``fold_gradients`` of views that hold one gradient each at most (none in flight from
+    a GPU, no routed copy), in passes in C: every step of a replica without GPU copies, and
+    of GPU replicas whose variables are on a GPU (one view of each variable per replica,
+    folded in rounds)."""
     tensors = list(map(_tensor_of, views))
     grads = list(map(grad_of, tensors))
     have = list(map(is_not, grads, repeat(None)))
@@ -206,10 +204,9 @@ def _fold_one_each(views: list[View]) -> list[torch.Tensor]:
             list(compress(grads, alive)),
         )
     if any(map(_private_of, views)):  # a copy's gradient to its variable's device and dtype
-        grads = [
-            g if g.device == c.device and g.dtype == c.dtype else g.to(c.device, c.dtype)
-            for g, c in zip(grads, centrals, strict=True)
-        ]
+        grads = _moved(centrals, grads)
+    if not distinct and len(set(map(id, centrals))) < len(centrals):  # several replicas'
+        return _fold_in_rounds(centrals, list(zip(grads)), set())
     sums: list[torch.Tensor | None] = list(map(grad_of, centrals))
     add_in_order(sums, grads)
     set_grads(centrals, sums)
@@ -541,8 +538,8 @@ def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[t
         mine = list(compress(values, chosen))
         numels = list(map(_numel, mine))
         flat = torch.cat(list(map(torch.reshape, mine, repeat((-1,))))).to(target)
-        pieces = iter(map(torch.Tensor.view, flat.split_with_sizes(numels), map(_shape_of, mine)))
-        brought = [next(pieces) if pick else value for value, pick in zip(brought, chosen)]
+        pieces = map(torch.Tensor.view, flat.split_with_sizes(numels), map(_shape_of, mine))
+        deque(map(brought.__setitem__, compress(count(), chosen), pieces), maxlen=0)
     return brought
 
 
