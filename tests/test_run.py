@@ -587,3 +587,40 @@ def test_a_reraised_exception_gets_one_note_per_replica() -> None:
         with pytest.raises(KeyError):
             strategy.run(step)
     assert error.__notes__ == ["(raised in replica 0 on device cpu:0)"]
+
+
+@pytest.mark.parametrize("devices", [("cpu:0", "cpu:1"), ("cuda:0", "cuda:1")],
+                         ids=["logical", "fake-gpus"])
+def test_a_sync_point_between_forward_and_backward_is_named_in_the_error(
+    devices: tuple[str, ...], request: pytest.FixtureRequest
+) -> None:
+    """A merge_call between a forward and its backward writes what the backward saved (batch
+    norm's statistics; on GPUs, the replicas' copies of the parameters): autograd's error
+    gets a note naming the sync point and the fix. The same error from the replica's own
+    in-place write, in a run without merge_call, gets none."""
+    if devices[0].startswith("cuda"):
+        request.getfixturevalue("fake_gpus")
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cpu")
+    with strategy.scope():
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    xs = cs.PerReplica([torch.randn(4, 3).to(d) for d in devices])
+
+    def merged(x: torch.Tensor) -> None:
+        loss = model(x).sum()
+        context().merge_call(lambda _: None)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        strategy.run(merged, args=(xs,))
+    assert any("merge_call before the forward" in n for n in raised.value.__notes__)
+
+    def own_write(x: torch.Tensor) -> None:
+        y = model[0](x).exp()  # exp's backward needs its result
+        loss = y.sum()
+        y.add_(1)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as raised:
+        strategy.run(own_write, args=(xs,))
+    assert not any("merge_call" in n for n in raised.value.__notes__)
+    strategy.run(lambda x: model(x).sum().backward(), args=(xs,))  # and the next run works

@@ -92,6 +92,7 @@ class Strategy(abc.ABC):
         )
         self._store = VariableStore(self._placement, self._workers)
         self._first_use = FirstUse(self._store.owned)
+        self._merges = 0  # sync points made by merge_call, to explain an error after one
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
         )
@@ -197,6 +198,7 @@ class Strategy(abc.ABC):
             else:
                 inputs = [(args, kwargs)] * local
         store = self._store
+        merges = self._merges
         store.claim("strategy.run()")
         try:
             self._workers.begin_run(store)
@@ -229,6 +231,8 @@ class Strategy(abc.ABC):
             )
             if note not in getattr(error, "__notes__", ()):
                 error.add_note(note)
+                if self._merges != merges and _SAVED_TENSOR_WRITTEN in str(error):
+                    error.add_note(_AFTER_MERGE)
             raise error
         if run.uses_views and any(map(is_not, state.outputs, repeat(None))):
             store.watch([t for t in _tree.leaves(state.outputs) if isinstance(t, torch.Tensor)])
@@ -307,6 +311,7 @@ class Strategy(abc.ABC):
         """``merge_fn(self, *args, **kwargs)`` once, in cross-replica context, after a sync
         point (``merge_call``)."""
         _context.push(_context.Entry(self, None, self._store))
+        self._merges += 1
         try:  # on the parameter device, as in scope(): optimizer state lands beside the weights
             store = self._store
             with torch.device(self._placement.parameter_storage), store.cross_replica():
@@ -503,6 +508,17 @@ class Strategy(abc.ABC):
         [0, 1, 2]
         """
         return Dataset.from_tensor_slices(numpy_input)
+
+
+# What autograd says when a tensor saved for backward was written since, and what to do when
+# a sync point inside the run is what wrote it.
+_SAVED_TENSOR_WRITTEN = "modified by an inplace operation"
+_AFTER_MERGE = (
+    "This run made a sync point (merge_call). If it came between a forward and its backward, "
+    "it wrote variables that the backward needs as the forward saw them: the replicas' writes "
+    "to buffers (batch norm's running statistics) and the replicas' own copies of the "
+    "parameters. Call merge_call before the forward or after backward()."
+)
 
 
 class _Baton:
