@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain, compress, repeat
 from operator import attrgetter, call, eq, is_, is_not, ne, not_, setitem
 from typing import Any, NamedTuple
@@ -208,19 +208,10 @@ class Filled:
         parameters' storage, or are all private copies whose variables' storage stayed.
         False, with nothing changed, otherwise: ``_fill`` takes them one by one."""
         replica = self.views
-        modules = list(map(call, slots.refs))
-        if not all(map(is_not, modules, repeat(None))):
+        found = self._found(slots, _parameters_of)
+        if found is None:
             return False
-        tables: list[dict[str, Any]] = list(map(_parameters_of, modules))
-        try:
-            centrals: list[Any] = list(map(dict.get, tables, slots.names))
-        except TypeError:  # a module whose table is not a dict
-            return False
-        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
-            return False
-        views: list[Any] = list(map(replica.views.get, slots.keys))
-        if not all(map(is_not, views, repeat(None))):
-            return False
+        tables, centrals, views = found
         private = list(map(_private_of, views))
         copies = any(private)
         if copies and not all(private):
@@ -247,16 +238,8 @@ class Filled:
                     replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
-        # what ``validate`` and ``_current`` stamp on a view
         _set_all(views, "central_ptr", pointers)
-        _set_all(views, "stamp", map(_stamp_of, slots.records))
-        _set_all(views, "central_version", map(_version_of, centrals))
-        versions = list(map(_version_of, tensors))
-        _set_all(views, "start_version", versions)
-        _set_all(views, "assigned", repeat(False))
-        _set_all(views, "epoch", repeat(replica.epoch))
-        replica.touched.extend(views)
-        deque(map(setitem, tables, slots.names, tensors), maxlen=0)
+        versions = self._put(slots, tables, centrals, views, tensors)
         self._all = _AllFilled(tables, slots.names, centrals, views, tensors, versions)
         return True
 
@@ -267,19 +250,10 @@ class Filled:
         and stamp: same shape, dtype and storage, no gradient. False, with nothing changed,
         otherwise: ``_fill`` takes them one by one."""
         replica = self.views
-        modules = list(map(call, slots.refs))
-        if not all(map(is_not, modules, repeat(None))):
+        found = self._found(slots, _buffers_of)
+        if found is None:
             return False
-        tables: list[dict[str, Any]] = list(map(_buffers_of, modules))
-        try:
-            centrals: list[Any] = list(map(dict.get, tables, slots.names))
-        except TypeError:  # a module whose table is not a dict
-            return False
-        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
-            return False
-        views: list[Any] = list(map(replica.views.get, slots.keys))
-        if not all(map(is_not, views, repeat(None))):
-            return False
+        tables, centrals, views = found
         tensors = list(map(_tensor_of, views))
         if (
             list(map(_epoch_of, views)).count(replica.epoch)
@@ -289,21 +263,51 @@ class Filled:
             or list(map(_central_ptr_of, views)) != list(map(_data_ptr, centrals))
         ):
             return False
-        versions = list(map(_version_of, centrals))
         stale = _stale(views, centrals, slots.records)
         if any(stale):
             with torch.no_grad():
                 replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
+        started = self._put(slots, tables, centrals, views, tensors)
+        self._entries.extend(zip(tables, slots.names, centrals, views, tensors, started))
+        return True
+
+    def _found(
+        self, slots: Slots, table_of: Callable[[Any], dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], list[Any], list[Any]] | None:
+        """The slots' tables, the central variables in them and this replica's views of
+        those, if every module lives, still holds its variable in the slot and has a view
+        made: ``_fill_all``'s and ``_fill_buffers``' first checks, in C. None otherwise."""
+        modules = list(map(call, slots.refs))
+        if not all(map(is_not, modules, repeat(None))):
+            return None
+        tables: list[dict[str, Any]] = list(map(table_of, modules))
+        try:
+            centrals: list[Any] = list(map(dict.get, tables, slots.names))
+        except TypeError:  # a module whose table is not a dict
+            return None
+        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
+            return None
+        views: list[Any] = list(map(self.views.views.get, slots.keys))
+        if not all(map(is_not, views, repeat(None))):
+            return None
+        return tables, centrals, views
+
+    def _put(
+        self, slots: Slots, tables: list[dict[str, Any]], centrals: list[torch.Tensor],
+        views: list[View], tensors: list[torch.Tensor],
+    ) -> list[int]:
+        """Stamp the views current, as ``validate`` and ``_current`` do, and put them in the
+        slots; returns their versions now, from which their writes are told."""
+        replica = self.views
         _set_all(views, "stamp", map(_stamp_of, slots.records))
-        _set_all(views, "central_version", versions)
-        started = list(map(_version_of, tensors))
-        _set_all(views, "start_version", started)
+        _set_all(views, "central_version", map(_version_of, centrals))
+        versions = list(map(_version_of, tensors))
+        _set_all(views, "start_version", versions)
         _set_all(views, "assigned", repeat(False))
         _set_all(views, "epoch", repeat(replica.epoch))
         replica.touched.extend(views)
         deque(map(setitem, tables, slots.names, tensors), maxlen=0)
-        self._entries.extend(zip(tables, slots.names, centrals, views, tensors, started))
-        return True
+        return versions
 
     def _fill(self, slots: list[Slot]) -> None:
         replica = self.views
