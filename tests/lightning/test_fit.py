@@ -8,6 +8,8 @@ global batch of 5 splits 3/2 at R = 2 and 2/2/1 at R = 3; the last batch (1 row 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("lightning")
@@ -199,3 +201,32 @@ def test_model_built_in_the_strategys_scope() -> None:
     assert metrics(run)["train_loss_epoch"] == pytest.approx(
         metrics(one_run)["train_loss_epoch"], abs=TOLERANCE
     )
+
+
+class _WithOffset(MLP):
+    """An MLP plus an offset that is not a module parameter: a tensor made in
+    ``configure_model`` (inside the strategy's scope, so a central variable) and handed to
+    the optimizer beside the parameters."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "offsets"):
+            self.offsets = [torch.zeros(1, dtype=torch.float64, requires_grad=True)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.offsets[0]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD([*self.parameters(), *self.offsets], lr=self.lr, momentum=0.9)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_trained_tensor_outside_the_module_keeps_its_gradient(replicas: int) -> None:
+    # Lightning zeroes the optimizer's gradients between training_step and backward: the
+    # offset's gradient from the replicas must survive that, as one device's does.
+    torch.manual_seed(0)
+    one, _ = fit(0, _WithOffset(), val=False)
+    torch.manual_seed(0)
+    many, _ = fit(replicas, _WithOffset(), val=False)
+    assert float(one.offsets[0].detach().abs()) > 1e-3  # it trained
+    assert float((one.offsets[0] - many.offsets[0]).detach().abs()) < TOLERANCE
+    assert max_difference(one, many) < TOLERANCE

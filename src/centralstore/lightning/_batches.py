@@ -100,6 +100,8 @@ def _tensor(value: Any, device: torch.device) -> torch.Tensor:
 
 def detached(output: Any) -> Any:
     """``output`` with every tensor detached (what leaves a replica)."""
+    if isinstance(output, torch.Tensor):  # the usual loss, without a walk of its tree
+        return output.detach()
     return _tree.map_leaves(
         lambda leaf: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf, output
     )

@@ -36,18 +36,34 @@ _MAX = ("max", torch.max, torch.amax)
 _MIN = ("min", torch.min, torch.amin)
 
 
+class LogSignature:
+    """The signature of a ``log`` method without ``self``, and the keywords its usual call,
+    ``log(name, value, ...)``, may pass (worked out once: a recorder is made per step)."""
+
+    def __init__(self, log: Callable[..., Any]) -> None:
+        parameters = list(inspect.signature(log).parameters.values())[1:]
+        self.signature = inspect.Signature(parameters)
+        keywords = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        self.options = frozenset(p.name for p in parameters if p.kind in keywords) - {
+            "name", "value"
+        }
+
+
 class LogRecorder:
     """The ``self.log`` calls of each replica of one step."""
 
-    def __init__(self, num_replicas: int, signature: inspect.Signature) -> None:
+    def __init__(self, num_replicas: int, signature: LogSignature) -> None:
         self.calls: list[list[tuple[str, Any, dict[str, Any]]]] = [[] for _ in range(num_replicas)]
         self._lock = threading.Lock()
-        self._signature = signature  # of LightningModule.log, without self
+        self._signature = signature
 
     def log(self, *args: Any, **kwargs: Any) -> None:
         """Stands for ``LightningModule.log`` while the replicas run."""
-        bound = self._signature.bind(*args, **kwargs).arguments
-        name, value = bound.pop("name"), bound.pop("value")
+        if len(args) == 2 and self._signature.options.issuperset(kwargs):
+            (name, value), bound = args, kwargs  # what binding gives, without its ~60 lines
+        else:
+            bound = self._signature.signature.bind(*args, **kwargs).arguments
+            name, value = bound.pop("name"), bound.pop("value")
         context = get_replica_context()
         replica = 0 if context is None else context.replica_id_in_sync_group
         with self._lock:

@@ -9,8 +9,9 @@ accumulation window, then ``strategy.backward`` on the step's loss, then clippin
   ``training_step`` on each inside the internal strategy's ``run``; each replica scales its
   loss by its slice's share of the batch (n / g, for a loss that is a mean over the batch)
   and by 1 / ``accumulate_grad_batches``, and runs its backward there. When ``run`` returns,
-  the central parameters' ``.grad`` hold the replicas' summed gradients: one device's on the
-  whole batch. Those are set aside, and ``.grad`` gets back what it held before, so that the
+  the central variables' ``.grad`` hold the replicas' summed gradients: one device's on the
+  whole batch. Those are set aside (the module's parameters and any other tensor made in the
+  scope that requires grad), and ``.grad`` gets back what it held before, so that the
   ``zero_grad`` Lightning calls next (after the step, before the backward) clears only what
   one device's would.
 * ``backward`` runs the backward hooks (``on_before_backward``, ``on_after_backward``) as
@@ -22,26 +23,27 @@ accumulation window, then ``strategy.backward`` on the step's loss, then clippin
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator, Sequence
+from itertools import compress, repeat
 from typing import Any, Literal
 
 import torch
 
+from .._autograd import grad_of, requires_grad_of, set_grads, some
 from .._devices import DeviceLike, storage_device
 from ..strategies.central_storage import CentralStorageStrategy as _CentralStorage
 from ..strategies.context import get_replica_context
+from ..variables.folding import add_in_order
+from ..variables.store import VariableStore, current_store
 from . import _batches
 from ._load import load
-from ._logs import LogRecorder
+from ._logs import LogRecorder, LogSignature
 
 pl = load()
 from lightning.pytorch.strategies import Strategy as _LightningStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 
-_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log).replace(
-    parameters=list(inspect.signature(pl.LightningModule.log).parameters.values())[1:]
-)
+_LOG_SIGNATURE = LogSignature(pl.LightningModule.log)
 
 
 class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
@@ -93,6 +95,8 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 f'or "sum" (a sum over the batch). Received: loss_reduction={loss_reduction!r}'
             )
         self._strategy = _CentralStorage(compute_devices, parameter_device)
+        with self._strategy.scope():
+            self._store: VariableStore = current_store()  # its central variables
         self._loss_reduction = loss_reduction
         self._root_device = storage_device(self._strategy.parameter_device)
         self._parallel_devices: list[torch.device] | None = None
@@ -244,16 +248,19 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 module.backward(share)
             return _batches.detached(output)
 
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        before = [p.grad for p in parameters]
-        for p in parameters:
-            p.grad = None
+        # Every central variable that can receive a gradient: the module's parameters and
+        # any other tensor made in the internal strategy's scope (read in C passes: walking
+        # the module's tree costs tens of lines per submodule at every step).
+        variables = self._store.live()
+        parameters = list(compress(variables, map(requires_grad_of, variables)))
+        before = list(map(grad_of, parameters))
+        if some(before):
+            set_grads(parameters, repeat(None))
         try:
             outputs, sizes = self._replicated(replica, args)
         finally:
-            summed = [p.grad for p in parameters]
-            for p, grad in zip(parameters, before):
-                p.grad = grad
+            summed = list(map(grad_of, parameters))
+            set_grads(parameters, before)
         self._pending = None
         combined = self._combine_training(outputs, sizes)
         if _loss_of(combined) is not None:
@@ -372,14 +379,9 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         parameters, gradients = pending
-        with torch.no_grad():
-            for p, grad in zip(parameters, gradients):
-                if grad is None:
-                    continue
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
+        sums = list(map(grad_of, parameters))
+        add_in_order(sums, gradients)  # in place where a .grad exists, as a backward adds
+        set_grads(parameters, sums)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
