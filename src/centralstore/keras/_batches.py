@@ -15,6 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
+
 from ..input.split import split_sizes
 from ._backend import load
 
@@ -22,17 +25,34 @@ keras = load()
 
 # Reductions for which weighting each replica's loss by n / g reproduces the batch's loss.
 MEAN_REDUCTIONS = frozenset({"sum_over_batch_size", "mean"})
+_ARRAYS = (torch.Tensor, np.ndarray)
+
+
+def _flat(batch: Any) -> list[Any] | None:
+    """The leaves of the usual batch, an array or a plain tuple of arrays and ``None``s
+    (``(x, y, sample_weight)``), without a walk of Keras' tree (about 60 lines a walk, a few
+    walks a step); None for any other structure."""
+    if isinstance(batch, _ARRAYS):
+        return [batch]
+    if type(batch) is tuple and all(leaf is None or isinstance(leaf, _ARRAYS) for leaf in batch):
+        return list(batch)
+    return None
 
 
 def rows(batch: Any) -> int:
     """The number of examples in ``batch``: the first dimension of its first array leaf."""
-    leaves = [leaf for leaf in keras.tree.flatten(batch) if leaf is not None]
-    if not leaves:
+    flat = _flat(batch)
+    return _rows(keras.tree.flatten(batch) if flat is None else flat, batch)
+
+
+def _rows(leaves: list[Any], batch: Any) -> int:
+    present = [leaf for leaf in leaves if leaf is not None]
+    if not present:
         raise ValueError(
             "A batch for fit, evaluate or predict needs at least one array, but this one "
             f"holds none. Received: {batch!r}"
         )
-    return int(leaves[0].shape[0])
+    return int(present[0].shape[0])
 
 
 def split(batch: Any, num_replicas: int) -> list[Any]:
@@ -43,22 +63,29 @@ def split(batch: Any, num_replicas: int) -> list[Any]:
     >>> [s[0].tolist() for s in slices], slices[2][1]
     ([[0, 1], [2, 3], [4]], None)
     """
-    size = rows(batch)
-    for leaf in keras.tree.flatten(batch):
+    flat = _flat(batch)
+    leaves = keras.tree.flatten(batch) if flat is None else flat
+    size = _rows(leaves, batch)
+    for leaf in leaves:
         if leaf is not None and int(leaf.shape[0]) != size:
             raise ValueError(
                 "Every array of a batch must hold the same number of examples (its first "
                 f"dimension), so that each replica's slice pairs them up, but one holds "
                 f"{size} and another {int(leaf.shape[0])}. Received: shapes "
-                f"{[tuple(x.shape) for x in keras.tree.flatten(batch) if x is not None]}"
+                f"{[tuple(x.shape) for x in leaves if x is not None]}"
             )
     slices = []
     start = 0
     for count in split_sizes(size, num_replicas):
         stop = start + count
-        slices.append(keras.tree.map_structure(
-            lambda leaf, a=start, b=stop: None if leaf is None else leaf[a:b], batch
-        ))
+        if flat is None:
+            slices.append(keras.tree.map_structure(
+                lambda leaf, a=start, b=stop: None if leaf is None else leaf[a:b], batch
+            ))
+        elif isinstance(batch, tuple):
+            slices.append(tuple(None if leaf is None else leaf[start:stop] for leaf in batch))
+        else:
+            slices.append(batch[start:stop])
         start = stop
     return slices
 
