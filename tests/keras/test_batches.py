@@ -46,7 +46,7 @@ def test_one_array_and_nested_structures() -> None:
 
 
 def test_mismatched_rows_and_no_array_raise() -> None:
-    with pytest.raises(ValueError, match="same number of examples.*5 and another 4"):
+    with pytest.raises(ValueError, match=r"same number of examples.*5 and another 4"):
         split((torch.zeros(5), torch.zeros(4)), 2)
     with pytest.raises(ValueError, match="same number of examples"):
         split([torch.zeros(5), torch.zeros(4)], 2)
