@@ -224,3 +224,40 @@ def test_two_workers_fit_like_one_device(tmp_path: Path) -> None:
         step, difference = (tmp_path / f"worker{rank}.txt").read_text().split()
         assert step == "TrainStep"
         assert float(difference) < TOLERANCE
+
+
+class _OwnMetrics(keras.Sequential):  # type: ignore[misc]
+    """compute_metrics overridden as Keras' docstring shows: the compiled metrics, then a
+    metric of its own, updated there."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.largest = keras.metrics.Mean(name="largest")
+        self.calls = 0
+
+    def compute_metrics(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> Any:
+        self.calls += 1
+        results = super().compute_metrics(x, y, y_pred, sample_weight)
+        self.largest.update_state(keras.ops.max(y_pred, axis=-1))
+        return {**results, "largest": self.largest.result()}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_compute_metrics_runs_where_overridden(replicas: int) -> None:
+    # Keras' own compute_metrics only updates the metrics in a replica (the step reads them
+    # once, after the replicas); an override runs as written, on every replica with examples.
+    strategy = strategy_of(replicas)
+
+    def build() -> keras.Model:
+        return _OwnMetrics(sequential().layers)
+
+    reference, model = twins(strategy, build)
+    x, y = data()
+    reference.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)  # Keras builds the metrics
+    model.fit(x[:16], y[:16], batch_size=16, epochs=1, verbose=0)  # (a symbolic call) at first
+    reference.calls = model.calls = 0
+    expected, history = fit_both(reference, model, x, y, batch_size=16, epochs=2, shuffle=False)
+    assert "largest" in history
+    assert_equivalent(reference, model, expected, history)
+    assert reference.calls == 8  # 4 batches (16, 16, 16 and 2 examples), twice
+    assert model.calls == 8 * replicas  # the batch of 2 gives both replicas one

@@ -104,6 +104,10 @@ class TrainStep(Step):
         trainable = model.trainable_weights[:]
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        # Keras' own compute_metrics updates the metrics and then reads every one of them,
+        # which the step does once, after the replicas: a replica only updates them. (An
+        # override runs as written.)
+        own_metrics = type(model).compute_metrics is not _trainer.TorchTrainer.compute_metrics
 
         def replica(batch: Any) -> None:
             x, y, sample_weight = unpack_x_y_sample_weight(batch)
@@ -121,7 +125,10 @@ class TrainStep(Step):
                     if model.optimizer is not None:
                         share = model.optimizer.scale_loss(share)
                     share.backward()
-                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                if own_metrics:
+                    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+                elif model._compile_metrics is not None:
+                    model._compile_metrics.update_state(y, y_pred, sample_weight)
 
         model.zero_grad()
         self.strategy.run(replica, args=(per_replica,))
