@@ -194,8 +194,8 @@ def _lightning(config: str, steps: _Steps, count: int) -> None:
 def _transformers(config: str, steps: _Steps, count: int) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
-    from bench_models import _gpt2
     import transformers
+    from bench_models import _gpt2
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     import centralstore as cs
