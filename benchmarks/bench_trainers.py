@@ -15,7 +15,8 @@ Configurations (each trainer's own way to do the same work, where it has one):
   cs R=1      centralstore's integration, one replica on cpu:0, a batch of 4
   plain x2    the trainer accumulating two batches of 4 per step: the same work as R = 2
               (Lightning's accumulate_grad_batches, Hugging Face's gradient_accumulation_steps;
-              Keras has none, so its row is one pass over a batch of 8, less work than R = 2)
+              Keras has none: its row is Keras' own train step written out over two halves
+              of a batch of 8, the losses weighted, one update)
   cs R=2      two replicas on cpu:0 and cpu:1, a global batch of 8
 Models: the demo's CNN as a LightningModule and in Keras (the same layers), GPT-2 tiny
 (bench_models' configuration) in Hugging Face's Trainer; AdamW (Adam in Keras), one intra-op
@@ -234,13 +235,35 @@ def _keras(config: str, steps: _Steps, count: int) -> None:
     os.environ["KERAS_BACKEND"] = "torch"
     import keras
     import numpy as np
+    import torch
 
     class Ended(keras.callbacks.Callback):  # type: ignore[misc]
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             steps.ended()
 
+    class Halves(keras.Sequential):  # type: ignore[misc]
+        """Keras' own train step (its torch trainer's) over the batch's two halves, each
+        half's loss weighted by its share, one optimizer update: two replicas' work."""
+
+        def train_step(self, data: Any) -> Any:
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            self.zero_grad()
+            size = x.shape[0]
+            half = (size + 1) // 2
+            for start, stop in ((0, half), (half, size)):
+                xs, ys = x[start:stop], y[start:stop]
+                y_pred = self(xs, training=True)
+                loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, training=True)
+                self._loss_tracker.update_state(loss, sample_weight=stop - start)
+                self.optimizer.scale_loss(loss * ((stop - start) / size)).backward()
+                self._compile_metrics.update_state(ys, y_pred)
+            trainable = self.trainable_weights[:]
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in trainable], trainable)
+            return self.get_metrics_result()
+
     def build() -> Any:  # the demo's CNN in Keras layers
-        model = keras.Sequential([
+        model = (Halves if config == "plain x2" else keras.Sequential)([
             keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
             keras.layers.Conv2D(32, 3, activation="relu"), keras.layers.Flatten(),
             keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10),
