@@ -230,3 +230,23 @@ def test_a_trained_tensor_outside_the_module_keeps_its_gradient(replicas: int) -
     assert float(one.offsets[0].detach().abs()) > 1e-3  # it trained
     assert float((one.offsets[0] - many.offsets[0]).detach().abs()) < TOLERANCE
     assert max_difference(one, many) < TOLERANCE
+
+
+def test_the_strategy_can_be_made_inside_another_strategys_scope() -> None:
+    # Its constructor enters no scope (its internal strategy's scope is entered at setup).
+    import lightning.pytorch as pl
+    from lightning_models import MLP, loader
+
+    import centralstore as cs
+
+    with cs.CentralStorageStrategy(["cpu:0", "cpu:1"]).scope():
+        made = cs.lightning.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    run = pl.Trainer(
+        strategy=made, accelerator="cpu", devices=1, max_epochs=1, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+    )
+    torch.manual_seed(0)
+    model = MLP()
+    run.fit(model, loader())
+    one, _ = fit(0, val=False, max_epochs=1, shuffle=False)
+    assert max_difference(one, model) < TOLERANCE

@@ -95,8 +95,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 f'or "sum" (a sum over the batch). Received: loss_reduction={loss_reduction!r}'
             )
         self._strategy = _CentralStorage(compute_devices, parameter_device)
-        with self._strategy.scope():
-            self._store: VariableStore = current_store()  # its central variables
+        self._store: VariableStore | None = None  # its central variables: see _trained
         self._loss_reduction = loss_reduction
         self._root_device = storage_device(self._strategy.parameter_device)
         self._parallel_devices: list[torch.device] | None = None
@@ -215,6 +214,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         with self._strategy.scope():
             holder = torch.nn.Module()
             holder.add_module("module", model)  # registers every parameter and buffer
+            self._store = current_store()
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
@@ -248,11 +248,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 module.backward(share)
             return _batches.detached(output)
 
-        # Every central variable that can receive a gradient: the module's parameters and
-        # any other tensor made in the internal strategy's scope (read in C passes: walking
-        # the module's tree costs tens of lines per submodule at every step).
-        variables = self._store.live()
-        parameters = list(compress(variables, map(requires_grad_of, variables)))
+        parameters = self._trained()
         before = list(map(grad_of, parameters))
         if some(before):
             set_grads(parameters, repeat(None))
@@ -266,6 +262,16 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         if _loss_of(combined) is not None:
             self._pending = (parameters, summed)
         return combined
+
+    def _trained(self) -> list[torch.Tensor]:
+        """Every central variable that can receive a gradient: the module's parameters and
+        any other tensor made in the internal strategy's scope, read in C passes (walking
+        the module's tree would cost tens of lines per submodule at every step)."""
+        if self._store is None:  # set up without model_to_device: its scope has the store
+            with self._strategy.scope():
+                self._store = current_store()
+        variables = self._store.live()
+        return list(compress(variables, map(requires_grad_of, variables)))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's ``validation_step`` once per replica; outputs and logs combined."""
