@@ -111,8 +111,8 @@ class _Steps:
             elif len(self.times) == COUNTED_STEP + 1:
                 sys.settrace(None)
         if self._baton is not None:
-            if len(self.times) % 50 == 0:  # the collector held during the race (docstring)
-                gc.collect()
+            if len(self.times) % 50 == 0:  # the collector is off in a race (_race): it
+                gc.collect()  # runs here, between steps, untimed
             self._baton.pass_on(self._index)
             self._baton.wait(self._index)
         self._start = time.thread_time()

@@ -214,7 +214,6 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         with self._strategy.scope():
             holder = torch.nn.Module()
             holder.add_module("module", model)  # registers every parameter and buffer
-            self._store = current_store()
 
     @contextlib.contextmanager
     def model_sharded_context(self) -> Iterator[None]:
@@ -267,7 +266,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
         """Every central variable that can receive a gradient: the module's parameters and
         any other tensor made in the internal strategy's scope, read in C passes (walking
         the module's tree would cost tens of lines per submodule at every step)."""
-        if self._store is None:  # set up without model_to_device: its scope has the store
+        if self._store is None:  # taken once, here: the constructor enters no scope
             with self._strategy.scope():
                 self._store = current_store()
         variables = self._store.live()
