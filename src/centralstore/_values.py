@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
+from operator import is_
 from typing import Any, Generic, NoReturn, TypeVar, overload
 
 import torch
@@ -114,7 +116,7 @@ def regroup(outputs: Sequence[Any]) -> Any:
     PerReplica that mixes them, and the ``None`` would fail later, far from its cause).
     """
     first = outputs[0]
-    if all(out is first for out in outputs):
+    if all(map(is_, outputs, repeat(first))):  # the same object from all (None): in C
         return first
     leaves0, spec0 = _tree.flatten(first)
     columns = [leaves0]

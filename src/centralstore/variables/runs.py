@@ -292,9 +292,8 @@ class DirectRun(Run):
             ))
         return cls(store, plan, tensors, buffers)
 
-    def leave(self, replica: int, finished: bool) -> None:
-        if finished:
-            _finish_shared(self._store, self._shared, replica)
+    def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
+        return _Finishing(self, replica)  # entering costs nothing: no views, no class lent
 
     def suspend(self, replica: int) -> None:
         self._kept[replica] = keep_replaced(self._slots)
@@ -317,6 +316,26 @@ class DirectRun(Run):
 
     def rollback(self) -> None:
         self._shared.rollback()
+
+
+class _Finishing:
+    """``DirectRun.replica``: nothing to enter; a replica that returns has its writes checked
+    and leaves its gradients and its shared buffers' values for the sync point (read from
+    the run as it is then: a merge inside the replica starts its ``DirectReplicas`` afresh)."""
+
+    __slots__ = ("_replica", "_run")
+
+    def __init__(self, run: DirectRun, replica: int) -> None:
+        self._run = run
+        self._replica = replica
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if kind is None:
+            run = self._run
+            _finish_shared(run._store, run._shared, self._replica)
 
 
 def _raise_written(store: Store, written: torch.Tensor, replica: int) -> None:

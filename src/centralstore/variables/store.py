@@ -360,6 +360,17 @@ class VariableStore:
         if any(map(_unseen_of, self.replicas)):
             record_unseen(self.replicas)
 
+    def settled(self) -> bool:
+        """Whether a sync point would find nothing to fold, so that an optimizer step may
+        skip it: no run in progress, no gradients of a backward after ``run``, no replica
+        work or metric copies left, and no GPU replicas, whose copies may still read the
+        variables. (The usual step: ``run``'s own sync point folded everything.)"""
+        return (
+            self.run is EMPTY and not self.pending and not self._on_gpus
+            and not self.fold_hooks and not any(map(_touched_of, self.replicas))
+            and not any(map(_unseen_of, self.replicas))
+        )
+
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
         strategy calls its workers' sync itself at the end of ``run`` and in ``merge_call``."""
