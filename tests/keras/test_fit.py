@@ -261,3 +261,39 @@ def test_compute_metrics_runs_where_overridden(replicas: int) -> None:
     assert_equivalent(reference, model, expected, history)
     assert reference.calls == 8  # 4 batches (16, 16, 16 and 2 examples), twice
     assert model.calls == 8 * replicas  # the batch of 2 gives both replicas one
+    reference.calls = model.calls = 0
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert "largest" in evaluated
+    assert max_difference(
+        evaluated, reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    ) < TOLERANCE
+    assert (reference.calls, model.calls) == (4, 4 * replicas)
+
+
+class _CountedReads(keras.Sequential):  # type: ignore[misc]
+    """Counts the reads of every metric's result (Keras' own compute_metrics makes one)."""
+
+    reads = 0
+
+    def get_metrics_result(self) -> Any:
+        self.reads += 1
+        return super().get_metrics_result()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_metrics_are_read_once_per_step_after_the_replicas(replicas: int) -> None:
+    # Inside a replica each read would go through its views of the metric variables, and be
+    # thrown away: fit's and evaluate's steps update the metrics there and read them once.
+    strategy = strategy_of(replicas)
+    reference, model = twins(strategy, lambda: _CountedReads(sequential().layers))
+    x, y = data()
+    fit_both(reference, model, x[:16], y[:16], batch_size=16, epochs=1)  # builds the metrics
+    reference.reads = model.reads = 0
+    expected, history = fit_both(reference, model, x, y, batch_size=16, epochs=2, shuffle=False)
+    assert_equivalent(reference, model, expected, history)
+    assert model.reads == reference.reads == 10  # once per batch (4, twice) and per epoch
+    reference.reads = model.reads = 0
+    evaluated = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    expected_evaluation = reference.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert max_difference(evaluated, expected_evaluation) < TOLERANCE
+    assert model.reads == reference.reads

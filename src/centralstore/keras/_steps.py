@@ -104,10 +104,7 @@ class TrainStep(Step):
         trainable = model.trainable_weights[:]
         if not trainable:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
-        # Keras' own compute_metrics updates the metrics and then reads every one of them,
-        # which the step does once, after the replicas: a replica only updates them. (An
-        # override runs as written.)
-        own_metrics = type(model).compute_metrics is not _trainer.TorchTrainer.compute_metrics
+        own_metrics = _own_compute_metrics(model)
 
         def replica(batch: Any) -> None:
             x, y, sample_weight = unpack_x_y_sample_weight(batch)
@@ -115,20 +112,13 @@ class TrainStep(Step):
             if count == 0:
                 return
             with state.applied():
-                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-                loss = model._compute_loss(
-                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-                )
-                model._loss_tracker.update_state(loss, sample_weight=count)
+                y_pred, loss = _forward(model, x, y, sample_weight, count, training=True)
                 if trainable:
                     share = loss * (count / size)  # the replicas' shares add up to the batch's
                     if model.optimizer is not None:
                         share = model.optimizer.scale_loss(share)
                     share.backward()
-                if own_metrics:
-                    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-                elif model._compile_metrics is not None:
-                    model._compile_metrics.update_state(y, y_pred, sample_weight)
+                _update_metrics(model, own_metrics, x, y, y_pred, sample_weight)
 
         model.zero_grad()
         self.strategy.run(replica, args=(per_replica,))
@@ -137,6 +127,37 @@ class TrainStep(Step):
             with torch.no_grad():
                 model.optimizer.apply(gradients, trainable)
         return model.get_metrics_result()
+
+
+def _own_compute_metrics(model: Any) -> bool:
+    """Whether the model overrides ``compute_metrics`` (which then runs as written)."""
+    return type(model).compute_metrics is not _trainer.TorchTrainer.compute_metrics
+
+
+def _forward(
+    model: Any, x: Any, y: Any, sample_weight: Any, count: int, training: bool
+) -> tuple[Any, Any]:
+    """Keras' own train and test steps on one replica's slice of ``count`` examples, up to
+    the loss: the predictions and the loss, which the loss tracker has counted."""
+    y_pred = model(x, training=training) if model._call_has_training_arg else model(x)
+    loss = model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
+    model._loss_tracker.update_state(loss, sample_weight=count)
+    return y_pred, loss
+
+
+def _update_metrics(
+    model: Any, own_metrics: bool, x: Any, y: Any, y_pred: Any, sample_weight: Any
+) -> None:
+    """A replica's part of Keras' ``compute_metrics``: the compiled metrics' updates. Keras'
+    own also reads every metric, which the step does once, after the replicas (inside them
+    each read would go through the replica's views of the metric variables, and be thrown
+    away). An override (``own_metrics``) runs as written."""
+    if own_metrics:
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    elif model._compile_metrics is not None:
+        model._compile_metrics.update_state(y, y_pred, sample_weight)
 
 
 def _replica_id() -> int:
@@ -272,8 +293,10 @@ class CustomTrainStep(Step):
 
 @final
 class TestStep(Step):
-    """``model.test_function``: ``model.test_step`` on each replica's slice (a model's own
-    ``test_step`` too: its logs are merged as a custom train step's)."""
+    """``model.test_function``: forward, loss and the metrics' updates per replica, as Keras'
+    ``test_step`` does, and the metrics read once after the replicas. A model's own
+    ``test_step`` runs per replica instead, and its logs are merged as a custom train
+    step's."""
 
     __test__ = False  # not a pytest test class
 
@@ -281,6 +304,24 @@ class TestStep(Step):
         model = self.model
         per_replica, _ = self.replicated(data)
         state = _KerasState()
+        if type(model).test_step is not _trainer.TorchTrainer.test_step:
+            return self._custom(per_replica, state)
+        own_metrics = _own_compute_metrics(model)
+
+        def replica(batch: Any) -> None:
+            x, y, sample_weight = unpack_x_y_sample_weight(batch)
+            count = rows(x)
+            if count == 0:
+                return
+            with state.applied(), torch.no_grad():
+                y_pred, _ = _forward(model, x, y, sample_weight, count, training=False)
+                _update_metrics(model, own_metrics, x, y, y_pred, sample_weight)
+
+        self.strategy.run(replica, args=(per_replica,))
+        return model.get_metrics_result()
+
+    def _custom(self, per_replica: Any, state: _KerasState) -> Any:
+        model = self.model
         logs: list[Any] = [None] * self.strategy.num_replicas_in_sync
 
         def replica(batch: Any) -> None:
@@ -290,8 +331,6 @@ class TestStep(Step):
                 logs[_replica_id()] = model.test_step(batch)
 
         self.strategy.run(replica, args=(per_replica,))
-        if type(model).test_step is _trainer.TorchTrainer.test_step:
-            return model.get_metrics_result()
         return _merge_logs(model, logs)
 
 
