@@ -13,10 +13,16 @@ def strategy_of(replicas: int, direct: bool = True) -> cs.CentralStorageStrategy
     device do, instead of using the parameters directly (``variables/direct.py``)."""
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     if not direct:
-        store = strategy._store
-        store.on_parameters = (False,) * replicas
-        store._plan = None
+        see_views(strategy)
     return strategy
+
+
+def see_views(strategy: cs.CentralStorageStrategy) -> None:
+    """Make ``strategy``'s replicas see views of every parameter (``strategy_of``'s
+    ``direct=False``), for a strategy made elsewhere (by an integration's tests)."""
+    store = strategy._store
+    store.on_parameters = (False,) * len(store.on_parameters)
+    store._plan = None
 
 
 def context() -> cs.ReplicaContext:

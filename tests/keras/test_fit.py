@@ -32,10 +32,11 @@ def assert_equivalent(reference: Any, model: Any, expected: Any, history: Any) -
     assert max_difference(model.get_weights(), reference.get_weights()) < TOLERANCE
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize(("replicas", "views"), [(2, False), (3, False), (2, True)])
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
-def test_fit_evaluate_predict_equal_one_device(kind: str, replicas: int) -> None:
-    strategy = strategy_of(replicas)
+def test_fit_evaluate_predict_equal_one_device(kind: str, replicas: int, views: bool) -> None:
+    # views: the replicas see views of the parameters, as GPU replicas do
+    strategy = strategy_of(replicas, direct=not views)
     reference, model = twins(strategy, BUILDERS[kind])
     x, y = data()
     validation = data(20, seed=1)

@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from replicas import see_views
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,14 +92,20 @@ def loader(rows: int = 21, batch_size: int = 5, shuffle: bool = False) -> DataLo
     return DataLoader(data(rows), batch_size=batch_size, shuffle=shuffle, generator=generator)
 
 
-def strategy(replicas: int) -> Any:
-    """None for one device (Lightning's own), else the strategy on ``replicas`` CPU devices."""
+def strategy(replicas: int, views: bool = False) -> Any:
+    """None for one device (Lightning's own), else the strategy on ``replicas`` CPU devices
+    (``views``: its replicas see views of the parameters, as GPU replicas do)."""
     if replicas == 0:
         return "auto"
-    return cs.lightning.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    made = cs.lightning.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    if views:
+        see_views(made._strategy)
+    return made
 
 
-def trainer(replicas: int, tmp_path: Path | None = None, **kwargs: Any) -> pl.Trainer:
+def trainer(
+    replicas: int, tmp_path: Path | None = None, views: bool = False, **kwargs: Any
+) -> pl.Trainer:
     options: dict[str, Any] = {
         "accelerator": "cpu", "devices": 1, "max_epochs": 2, "logger": False,
         "enable_progress_bar": False, "enable_checkpointing": False,
@@ -107,17 +114,17 @@ def trainer(replicas: int, tmp_path: Path | None = None, **kwargs: Any) -> pl.Tr
     if tmp_path is not None:
         options["default_root_dir"] = tmp_path
     options.update(kwargs)
-    return pl.Trainer(strategy=strategy(replicas), **options)
+    return pl.Trainer(strategy=strategy(replicas, views), **options)
 
 
 def fit(replicas: int, model: pl.LightningModule | None = None, tmp_path: Path | None = None,
         rows: int = 21, batch_size: int = 5, val: bool = True, shuffle: bool = True,
-        **kwargs: Any
+        views: bool = False, **kwargs: Any
         ) -> tuple[pl.LightningModule, pl.Trainer]:
     """``model`` (seeded MLP by default) trained by ``trainer(replicas, ...)``."""
     torch.manual_seed(0)
     model = MLP() if model is None else model
-    run = trainer(replicas, tmp_path, **kwargs)
+    run = trainer(replicas, tmp_path, views, **kwargs)
     run.fit(model, loader(rows, batch_size, shuffle=shuffle),
             loader(rows, batch_size) if val else None)
     return model, run

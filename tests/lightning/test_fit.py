@@ -20,10 +20,11 @@ from lightning_models import MLP, fit, max_difference, metrics
 TOLERANCE = 1e-5  # float64 runs agree to ~1e-15; this is the bound the tests require
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_fit_equals_one_device(replicas: int) -> None:
+@pytest.mark.parametrize(("replicas", "views"), [(2, False), (3, False), (2, True)])
+def test_fit_equals_one_device(replicas: int, views: bool) -> None:
+    # views: the replicas see views of the parameters, as GPU replicas do
     one, one_run = fit(0)
-    many, many_run = fit(replicas)
+    many, many_run = fit(replicas, views=views)
     assert max_difference(one, many) < TOLERANCE
     assert metrics(many_run).keys() == metrics(one_run).keys() >= {
         "train_loss_step", "train_loss_epoch", "val_loss"

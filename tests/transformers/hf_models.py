@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
+from replicas import strategy_of
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -110,12 +111,13 @@ def one_device(
 
 def replicated(
     build: Callable[[], torch.nn.Module], directory: Path, replicas: int, batch: int,
-    **kwargs: Any,
+    views: bool = False, **kwargs: Any,
 ) -> cs.transformers.Trainer:
     """``cs.transformers.Trainer`` on ``replicas`` logical CPU devices, ``batch`` rows per
-    replica, the model built inside the strategy's scope."""
+    replica, the model built inside the strategy's scope (``views``: its replicas see views
+    of the parameters, as GPU replicas do)."""
     overrides = kwargs.pop("overrides", {})
-    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    strategy = strategy_of(replicas, direct=not views)
     with strategy.scope():
         model = build()
     return cs.transformers.Trainer(

@@ -48,14 +48,14 @@ def compare(one: transformers.Trainer, many: cs.transformers.Trainer, data: Any)
     assert (first.label_ids == second.label_ids).all()
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_gpt2_matches_one_device(replicas: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("replicas", "views"), [(2, False), (3, False), (2, True)])
+def test_gpt2_matches_one_device(replicas: int, views: bool, tmp_path: Path) -> None:
     # 14 examples, global batches of 2R: the last step's batch is short (R = 3: 6, 6, 2, so
     # a replica gets no row), as is the last evaluation batch. Token-level loss divided by
     # num_items_in_batch: the slices hold different numbers of target tokens.
     data = lm_data()
     one = one_device(gpt2, tmp_path / "one", 2 * replicas, train_dataset=data)
-    many = replicated(gpt2, tmp_path / "many", replicas, 2, train_dataset=data)
+    many = replicated(gpt2, tmp_path / "many", replicas, 2, views, train_dataset=data)
     compare(one, many, data)
     assert many.args.n_gpu <= 1 and many.model is many.model_wrapped
 
