@@ -173,3 +173,47 @@ def test_a_layer_made_inside_run_is_refused_by_its_parameter() -> None:
     with pytest.raises(ValueError, match=r"registered a new parameter 'weight' of shape \(1, 2\) "
                        r"in Linear inside run"):
         strategy.run(lambda: nn.Linear(2, 1))
+
+
+@each_path
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_compiled_function_creating_a_tensor_constant_trains_like_eager(
+    path: str, backend: str
+) -> None:
+    # The compiler builds its graph modules inside the replica, each constant a buffer
+    # (inductor's at compile time, aot_eager's also called at run time): not variables.
+    def train(compiled: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        strategy = strategy_on(path)
+        with strategy.scope():
+            model = nn.Linear(3, 3)
+
+        def loss(x: torch.Tensor) -> torch.Tensor:
+            return (model(x) * torch.tensor([1.0, 2.0, 3.0])).sum()
+
+        forward = torch.compile(loss, backend=backend) if compiled else loss
+        x = cs.PerReplica([torch.ones(2, 3), torch.full((2, 3), 2.0)])
+        for _ in range(2):
+            run_on(path, strategy, lambda xs: forward(xs).backward(), args=(x,))
+        return [model.weight.grad.clone(), model.bias.grad.clone()]
+
+    for got, want in zip(train(compiled=True), train(compiled=False), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+class Shift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.offset
+
+
+def test_a_traced_module_built_outside_the_scope_is_still_refused_by_its_buffers() -> None:
+    strategy = strategy_of(2)
+    traced = torch.fx.symbolic_trace(Shift())  # its buffer is the module's: not a constant
+    assert isinstance(traced, torch.fx.GraphModule)
+    with pytest.raises(ValueError, match=r"Shift module called in replica 0 holds the buffer "
+                       r"'offset'"):
+        strategy.run(traced, args=(torch.ones(2, 3),))

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.fx import GraphModule
 from torch.nn.modules import module as _module
 
 from .. import _context
@@ -54,6 +55,8 @@ _watched: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDicti
 
 
 def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
+    if isinstance(module, GraphModule):
+        return  # a traced program, assembled from existing tensors (torch.compile's, in run)
     if isinstance(value, torch.Tensor) or value is None:
         _refuse_in_replica(module, name, value)
     if value is None or module in _watched:
@@ -156,12 +159,18 @@ def check(
     is neither a record nor in a slot of one."""
     original = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
     for owner in original.modules() if isinstance(original, torch.nn.Module) else (module,):
+        traced = isinstance(owner, GraphModule)
         for kind, table in (("parameter", owner._parameters), ("buffer", owner._buffers)):
             for name, tensor in table.items():
                 if tensor is not None and id(tensor) not in records and (
                     (id(owner), name) not in slots
-                ):
+                ) and not (traced and name.startswith(_CONSTANT)):
                     _refuse(owner, kind, name, tensor, entry)
+
+
+# How torch.fx names the tensors a traced program creates (``torch.tensor([1.0, 2.0])`` in a
+# compiled function): buffers of its GraphModule, which hold no state.
+_CONSTANT = "_tensor_constant"
 
 
 def _refuse(
