@@ -20,7 +20,8 @@ Configurations (each trainer's own way to do the same work, where it has one):
   cs R=2      two replicas on cpu:0 and cpu:1, a global batch of 8
 Models: the demo's CNN as a LightningModule and in Keras (the same layers), GPT-2 tiny
 (bench_models' configuration) in Hugging Face's Trainer; AdamW (Adam in Keras), one intra-op
-thread.
+thread. ``keras-eval`` is Keras' ``evaluate`` of the same model, a step per test batch (its
+``plain x2`` is Keras' own test step over the two halves).
 
 ``--time`` runs a trainer's four configurations in one process, each training on a thread
 of its own, taking turns step by step: a baton passes from one to the next at every step's
@@ -28,7 +29,7 @@ end, so only one computes at a time and the machine's drift hits all alike (sepa
 processes, one after another, read ratios of 0.6 to 1.5 for the same code here). Each step
 is timed by its thread's CPU clock; the first ``--warmup`` steps are left out.
 
-    python benchmarks/bench_trainers.py [--trainers lightning transformers keras]
+    python benchmarks/bench_trainers.py [--trainers lightning transformers keras keras-eval]
         [--time] [--steps 300] [--warmup 50]
 """
 
@@ -232,25 +233,53 @@ def _transformers(config: str, steps: _Steps, count: int) -> None:
 
 
 def _keras(config: str, steps: _Steps, count: int) -> None:
-    os.environ["KERAS_BACKEND"] = "torch"
+    """Keras' ``fit``: the demo CNN trained for ``count`` steps."""
+    model, x, y, batch = _keras_setup(config, count)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[_keras_ended(steps)],
+              shuffle=False)
+
+
+def _keras_evaluate(config: str, steps: _Steps, count: int) -> None:
+    """Keras' ``evaluate``: the demo CNN over ``count`` batches (a step is a test step)."""
+    model, x, y, batch = _keras_setup(config, count)
+    model.evaluate(x, y, batch_size=batch, verbose=0, callbacks=[_keras_ended(steps)])
+
+
+def _keras_ended(steps: _Steps) -> Any:
     import keras
-    import numpy as np
-    import torch
 
     class Ended(keras.callbacks.Callback):  # type: ignore[misc]
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             steps.ended()
 
+        def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+            steps.ended()
+
+    return Ended()
+
+
+def _keras_setup(config: str, count: int) -> tuple[Any, Any, Any, int]:
+    """The demo CNN in Keras layers, compiled (built in the strategy's scope for ``cs``), the
+    data of ``count`` batches, and the batch size."""
+    os.environ["KERAS_BACKEND"] = "torch"
+    import keras
+    import numpy as np
+    import torch
+
+    def halves(size: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        half = (size + 1) // 2
+        return (0, half), (half, size)
+
     class Halves(keras.Sequential):  # type: ignore[misc]
-        """Keras' own train step (its torch trainer's) over the batch's two halves, each
-        half's loss weighted by its share, one optimizer update: two replicas' work."""
+        """Keras' own train and test steps (its torch trainer's) over the batch's two
+        halves, each half's loss weighted by its share, one optimizer update: two replicas'
+        work."""
 
         def train_step(self, data: Any) -> Any:
             x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
             self.zero_grad()
             size = x.shape[0]
-            half = (size + 1) // 2
-            for start, stop in ((0, half), (half, size)):
+            for start, stop in halves(size):
                 xs, ys = x[start:stop], y[start:stop]
                 y_pred = self(xs, training=True)
                 loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, training=True)
@@ -260,6 +289,16 @@ def _keras(config: str, steps: _Steps, count: int) -> None:
             trainable = self.trainable_weights[:]
             with torch.no_grad():
                 self.optimizer.apply([v.value.grad for v in trainable], trainable)
+            return self.get_metrics_result()
+
+        def test_step(self, data: Any) -> Any:
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            for start, stop in halves(x.shape[0]):
+                xs, ys = x[start:stop], y[start:stop]
+                y_pred = self(xs, training=False)
+                loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, training=False)
+                self._loss_tracker.update_state(loss, sample_weight=stop - start)
+                self._compile_metrics.update_state(ys, y_pred)
             return self.get_metrics_result()
 
     def build() -> Any:  # the demo's CNN in Keras layers
@@ -282,13 +321,14 @@ def _keras(config: str, steps: _Steps, count: int) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batch * count, 8, 8, 1)).astype("float32")
     y = rng.integers(0, 10, batch * count)
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[Ended()], shuffle=False)
+    return model, x, y, batch
 
 
 TRAINERS: dict[str, tuple[str, Callable[[str, _Steps, int], None]]] = {
     "lightning": ("the demo CNN", _lightning),
     "transformers": ("GPT-2 tiny", _transformers),
     "keras": ("the demo CNN", _keras),
+    "keras-eval": ("the demo CNN", _keras_evaluate),
 }
 
 
