@@ -8,7 +8,8 @@ batches, ``strategy.run`` of a step whose loss is divided by the global batch (o
 token count), one ``optimizer.step()`` per batch. The last global batch is short, so at R = 3
 a replica gets no row. Measured max weight gaps: GPT-2 1.1e-13 (R = 2) and 5.6e-14 (R = 3),
 BERT 3.7e-14 and 4.1e-14, ViT 1.6e-13 and 1.9e-13; the CNN with BatchNorm 0.0 against its
-per-slice reference (0.04 against full-batch BatchNorm). 1e-10 is asserted.
+per-slice reference (0.04 against full-batch BatchNorm). 1e-10 is asserted. GPT-2's loss is
+also compiled (``torch.compile``, first called inside ``run``) at R = 2.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def train_plain(model: nn.Module, loader: DataLoader[Any], tokens: bool) -> None
 
 
 def train_replicated(
-    build: Callable[[], nn.Module], loader: DataLoader[Any], replicas: int, tokens: bool
+    build: Callable[[], nn.Module], loader: DataLoader[Any], replicas: int, tokens: bool,
+    backend: str | None = None,
 ) -> nn.Module:
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     torch.manual_seed(0)
@@ -194,6 +196,9 @@ def train_replicated(
         optimizer = optimizer_for(model)
     assert all(strategy.extended.variable_created_in_scope(p) for p in model.parameters())
     model.train()
+    loss_of = token_loss if tokens else example_loss
+    if backend is not None:  # first called, and so compiled, inside run
+        loss_of = torch.compile(loss_of, backend=backend)
 
     def step(batch: dict[str, torch.Tensor], size: int) -> torch.Tensor:
         context = cs.get_replica_context()
@@ -204,7 +209,7 @@ def train_replicated(
             divisor = size
         if len(batch["labels"]) == 0:  # a short last batch leaves this replica no row
             return torch.zeros((), dtype=torch.float64)
-        loss = (token_loss if tokens else example_loss)(model, batch, divisor)
+        loss = loss_of(model, batch, divisor)
         loss.backward()
         return loss.detach()
 
@@ -222,12 +227,12 @@ def gap(a: nn.Module, b: nn.Module) -> float:
 
 
 def check(build: Callable[[], nn.Module], loader: DataLoader[Any], replicas: int,
-          tokens: bool = False) -> None:
+          tokens: bool = False, backend: str | None = None) -> None:
     torch.manual_seed(0)
     plain = build()
     trained = copy.deepcopy(plain)
     train_plain(trained, loader, tokens)
-    model = train_replicated(build, loader, replicas, tokens)
+    model = train_replicated(build, loader, replicas, tokens, backend)
     assert gap(plain, trained) > 1e-3  # it trained
     assert gap(model, trained) < TOLERANCE
 
@@ -239,6 +244,12 @@ N, BATCH = 14, 6
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_gpt2(replicas: int) -> None:
     check(gpt2, token_batches(N, BATCH), replicas, tokens=True)
+
+
+def test_gpt2_compiled_inside_run() -> None:
+    # torch.compile's graph modules are built in the replica that first calls the loss; its
+    # constants are their buffers (aot_eager: the joint graph, without inductor's codegen)
+    check(gpt2, token_batches(N, BATCH), 2, tokens=True, backend="aot_eager")
 
 
 @pytest.mark.parametrize("replicas", [2, 3])
