@@ -149,6 +149,11 @@ def watch_registrations() -> None:
             _watching = True
 
 
+# How torch.fx names the tensors a traced program creates (``torch.tensor([1.0, 2.0])`` in a
+# compiled function): buffers of its GraphModule, which hold no state.
+_CONSTANT = "_tensor_constant"
+
+
 def check(
     module: torch.nn.Module,
     records: dict[int, Any],
@@ -166,11 +171,6 @@ def check(
                     (id(owner), name) not in slots
                 ) and not (traced and name.startswith(_CONSTANT)):
                     _refuse(owner, kind, name, tensor, entry)
-
-
-# How torch.fx names the tensors a traced program creates (``torch.tensor([1.0, 2.0])`` in a
-# compiled function): buffers of its GraphModule, which hold no state.
-_CONSTANT = "_tensor_constant"
 
 
 def _refuse(
