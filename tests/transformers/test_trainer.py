@@ -211,3 +211,37 @@ def test_missing_transformers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install 'centralstore\[transformers\]'"):
         _backend.load()
+
+
+@pytest.mark.parametrize("how", ["torch_compile", "compiled model"])
+def test_a_model_compiled_whole_is_refused_with_the_way_that_works(
+    how: str, tmp_path: Path
+) -> None:
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = gpt2()
+    overrides = {"torch_compile": True} if how == "torch_compile" else {}
+    given = torch.compile(model) if how == "compiled model" else model
+    with pytest.raises(ValueError, match=r"cannot train a model compiled whole.*"
+                       r"model\.transformer = torch\.compile\(model\.transformer\)"):
+        cs.transformers.Trainer(
+            model=given, args=arguments(tmp_path, 2, **overrides), train_dataset=lm_data(),
+            strategy=strategy,
+        )
+
+
+def test_a_model_whose_body_is_compiled_matches_one_device(tmp_path: Path) -> None:
+    # The way the refusal above gives: the loss, which receives num_items_in_batch, eager.
+    def compiled_body() -> torch.nn.Module:
+        model = gpt2()
+        model.transformer = torch.compile(model.transformer, backend="aot_eager")
+        return model
+
+    data = lm_data()
+    one = one_device(gpt2, tmp_path / "one", 4, train_dataset=data)
+    many = replicated(compiled_body, tmp_path / "many", 2, 2, train_dataset=data)
+    one.train()
+    many.train()
+    many.model.transformer = many.model.transformer._orig_mod  # the state dict's own names
+    assert weight_gap(one.model, many.model) < WEIGHTS
+    assert logged(many, "loss") == pytest.approx(logged(one, "loss"), rel=LOGGED)

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 
 from ..strategies.base import Strategy
 from ..strategies.context import get_replica_context
@@ -130,6 +131,15 @@ class Trainer(_Trainer):  # type: ignore[misc]
                 "replicas and cannot combine that with "
                 + ", ".join(used)
                 + ". Turn it off, or use transformers.Trainer without a strategy."
+            )
+        if self.args.torch_compile or isinstance(self.model, OptimizedModule):
+            raise ValueError(
+                "centralstore.transformers.Trainer cannot train a model compiled whole "
+                "(torch_compile=True, or torch.compile(model)): each replica's loss receives "
+                "num_items_in_batch as a tensor subclass that notes whether the loss divides "
+                "by it, which a compiled forward cannot take. Compile the model's body and "
+                "keep its loss eager instead, before creating the Trainer: for GPT-2, "
+                "model.transformer = torch.compile(model.transformer) (model.bert for BERT)."
             )
 
     # ---- where the model lives -----------------------------------------------------------
