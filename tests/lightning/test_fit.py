@@ -251,3 +251,15 @@ def test_the_strategy_can_be_made_inside_another_strategys_scope() -> None:
     run.fit(model, loader())
     one, _ = fit(0, val=False, max_epochs=1, shuffle=False)
     assert max_difference(one, model) < TOLERANCE
+
+
+def test_a_compiled_submodule_trains_like_one_device() -> None:
+    # Lightning refuses a compiled LightningModule for other strategies than its own three;
+    # its submodules may be compiled (torch.compile first runs inside the replicas).
+    one, _ = fit(0)
+    torch.manual_seed(0)
+    model = MLP()
+    model.net = torch.compile(model.net, backend="aot_eager")
+    many, _ = fit(2, model)
+    many.net = many.net._orig_mod  # the state dict's own names
+    assert max_difference(one, many) < TOLERANCE
