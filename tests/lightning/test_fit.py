@@ -234,9 +234,10 @@ def test_a_trained_tensor_outside_the_module_keeps_its_gradient(replicas: int) -
 
 
 def test_the_strategy_can_be_made_inside_another_strategys_scope() -> None:
-    # Its constructor enters no scope (its internal strategy's scope is entered at setup).
+    # Its constructor enters no scope (its internal strategy's scope is entered at the first
+    # training step, to read its central variables).
     import lightning.pytorch as pl
-    from lightning_models import MLP, loader
+    from lightning_models import loader
 
     import centralstore as cs
 
@@ -253,13 +254,15 @@ def test_the_strategy_can_be_made_inside_another_strategys_scope() -> None:
     assert max_difference(one, model) < TOLERANCE
 
 
-def test_a_compiled_submodule_trains_like_one_device() -> None:
+@pytest.mark.parametrize("views", [False, True])
+def test_a_compiled_submodule_trains_like_one_device(views: bool) -> None:
     # Lightning refuses a compiled LightningModule for other strategies than its own three;
-    # its submodules may be compiled (torch.compile first runs inside the replicas).
+    # its submodules may be compiled (torch.compile first runs inside the replicas). views:
+    # the replicas see views of the parameters, as GPU replicas do.
     one, _ = fit(0)
     torch.manual_seed(0)
     model = MLP()
     model.net = torch.compile(model.net, backend="aot_eager")
-    many, _ = fit(2, model)
+    many, _ = fit(2, model, views=views)
     many.net = many.net._orig_mod  # the state dict's own names
     assert max_difference(one, many) < TOLERANCE

@@ -232,6 +232,8 @@ def test_a_model_compiled_whole_is_refused_with_the_way_that_works(
 
 def test_a_model_whose_body_is_compiled_matches_one_device(tmp_path: Path) -> None:
     # The way the refusal above gives: the loss, which receives num_items_in_batch, eager.
+    # On the views path, as GPU replicas take it (the direct path's compile tests are
+    # tests/variables/test_unscoped.py's and tests/equivalence/test_real_models.py's).
     def compiled_body() -> torch.nn.Module:
         model = gpt2()
         model.transformer = torch.compile(model.transformer, backend="aot_eager")
@@ -239,7 +241,7 @@ def test_a_model_whose_body_is_compiled_matches_one_device(tmp_path: Path) -> No
 
     data = lm_data()
     one = one_device(gpt2, tmp_path / "one", 4, train_dataset=data)
-    many = replicated(compiled_body, tmp_path / "many", 2, 2, train_dataset=data)
+    many = replicated(compiled_body, tmp_path / "many", 2, 2, True, train_dataset=data)
     one.train()
     many.train()
     many.model.transformer = many.model.transformer._orig_mod  # the state dict's own names
