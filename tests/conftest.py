@@ -8,6 +8,8 @@ With ``CENTRALSTORE_FAKE_GPUS=N`` in the environment, the tests marked ``cuda``
 (tests/test_cuda.py) run on N fake GPUs: ``torch.cuda`` reports them while test modules are
 imported (so that their ``skipif`` marks see them), and each such test runs inside
 ``fakegpu.devices(N)``, checked at teardown as ``fake_gpus`` is. Other tests pay nothing.
+
+Every test ends with ``torch.compile``'s caches emptied (``_dynamo_forgets``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Generator, Iterator
 
 import fakegpu
 import pytest
+import torch
 from paths import FakePlacement
 
 FAKE_GPUS_ENV = "CENTRALSTORE_FAKE_GPUS"
@@ -91,3 +94,14 @@ def _fake_gpus_for_cuda_tests(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     for _ in _checked(count):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_forgets() -> Iterator[None]:
+    """What a test compiled does not reach the tests after it in the same process: dynamo
+    counts recompilations per code object (``nn.Sequential.forward`` is one for every
+    test), and past its limit runs the code eagerly, which ``fullgraph=True`` refuses with
+    "found no compiled frames". (It did for a guide's compiled step after the trainers'
+    compile tests.) Resetting caches that hold nothing takes about 30 us."""
+    yield
+    torch._dynamo.reset()
