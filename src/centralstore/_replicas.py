@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -104,6 +104,8 @@ class RunState:
     path takes no lock; the condition and the baton's fields are set up when the threads
     start (``_begin_threads``), so that a run without a rendezvous never builds them. From
     then on the replica holding the baton (``_turn``) is the only one running replica code.
+    A run of one replica never starts threads (its rendezvous meets at once): its caller
+    runs the replica itself and gives no ``body``.
     """
 
     __slots__ = (
@@ -113,7 +115,7 @@ class RunState:
     )
 
     def __init__(
-        self, num_replicas: int, pool: ThreadPool, body: Body, switch: Switch | None = None,
+        self, num_replicas: int, pool: ThreadPool, body: Body | None, switch: Switch | None = None,
     ) -> None:
         self.num_replicas = num_replicas
         self.outputs: list[Any] = [None] * num_replicas
@@ -293,7 +295,7 @@ class RunState:
         try:
             self._await_turn(replica)  # nothing can interrupt a replica thread
             if not self._aborted:
-                self._body(self, replica)
+                cast(Body, self._body)(self, replica)  # None only for one replica: no threads
         except BaseException as error:  # the body records its own errors; never lose one
             self.failed(replica, error)
         finally:

@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from operator import is_not
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -204,14 +204,16 @@ class Strategy(abc.ABC):
             self._workers.begin_run(store)
             outer = store.run  # a run inside merge_call: the run it is nested in
             run = store.open_run()
-            randomness = self._randomness
-            streams = None if randomness is None else randomness.begin()
-            # what replica threads re-establish (one replica never leaves the calling thread)
-            environment = _replicas.Environment(self._distinct_gpus) if local > 1 else None
-            body = functools.partial(self._run_replica, run, streams, fn, inputs, environment)
             self._first_use.start(store)
             try:
-                state = _replicas.execute(local, self._pool, body, _Baton(run, streams))
+                if local == 1:  # on the calling thread, with no one to wait for in a rendezvous
+                    state = _replicas.RunState(1, self._pool, None, run)
+                    try:
+                        self._run_replica(run, None, fn, inputs, None, state, 0)
+                    finally:
+                        state.closed = True
+                else:
+                    state = self._execute(run, fn, inputs)
             except BaseException as interrupt:  # on the calling thread, between replicas
                 self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
@@ -260,6 +262,20 @@ class Strategy(abc.ABC):
         and its default replica context is replica 0 of no run."""
         context = ReplicaContext(self, self._placement, self._workers, self._merge, 0)
         return _context.Entry(self, context, self._store)
+
+    def _execute(
+        self, run: Run, fn: Callable[..., Any], inputs: Sequence[tuple[Sequence[Any], Any]]
+    ) -> _replicas.RunState:
+        """The replicas of a run of several, one after another until one waits in a
+        rendezvous, then each on a thread of its own (``_replicas.execute``)."""
+        randomness = cast(ReplicaRandomness, self._randomness)
+        streams = randomness.begin()
+        # what replica threads re-establish
+        environment = _replicas.Environment(self._distinct_gpus)
+        body = functools.partial(self._run_replica, run, streams, fn, inputs, environment)
+        return _replicas.execute(
+            self._placement.local_replicas, self._pool, body, _Baton(run, streams)
+        )
 
     def _run_replica(
         self,
