@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 from operator import is_not
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,9 +87,8 @@ class Strategy(abc.ABC):
             for device in self._placement.storage_devices
         )
         self._distinct_gpus = tuple(dict.fromkeys(d for d in self._gpus if d is not None))
-        self._randomness = (
-            ReplicaRandomness(self._placement) if self._placement.local_replicas > 1 else None
-        )
+        # the streams of runs of several replicas (one replica draws from the global ones)
+        self._randomness = ReplicaRandomness(self._placement)
         self._store = VariableStore(self._placement, self._workers)
         self._first_use = FirstUse(self._store.owned)
         self._merges = 0  # sync points made by merge_call, to explain an error after one
@@ -212,8 +211,13 @@ class Strategy(abc.ABC):
                         self._run_replica(run, None, fn, inputs, None, state, 0)
                     finally:
                         state.closed = True
-                else:
-                    state = self._execute(run, fn, inputs)
+                else:  # one after another until a rendezvous, then each on a thread
+                    streams = self._randomness.begin()
+                    environment = _replicas.Environment(self._distinct_gpus)  # for threads
+                    body = functools.partial(
+                        self._run_replica, run, streams, fn, inputs, environment
+                    )
+                    state = _replicas.execute(local, self._pool, body, _Baton(run, streams))
             except BaseException as interrupt:  # on the calling thread, between replicas
                 self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
@@ -262,20 +266,6 @@ class Strategy(abc.ABC):
         and its default replica context is replica 0 of no run."""
         context = ReplicaContext(self, self._placement, self._workers, self._merge, 0)
         return _context.Entry(self, context, self._store)
-
-    def _execute(
-        self, run: Run, fn: Callable[..., Any], inputs: Sequence[tuple[Sequence[Any], Any]]
-    ) -> _replicas.RunState:
-        """The replicas of a run of several, one after another until one waits in a
-        rendezvous, then each on a thread of its own (``_replicas.execute``)."""
-        randomness = cast(ReplicaRandomness, self._randomness)
-        streams = randomness.begin()
-        # what replica threads re-establish
-        environment = _replicas.Environment(self._distinct_gpus)
-        body = functools.partial(self._run_replica, run, streams, fn, inputs, environment)
-        return _replicas.execute(
-            self._placement.local_replicas, self._pool, body, _Baton(run, streams)
-        )
 
     def _run_replica(
         self,
