@@ -12,6 +12,7 @@ each at P examples per replica, eager and with the forward and loss ``torch.comp
 (static shapes, a code object per configuration, as in ``bench_train.py``). Configurations,
 all with AdamW and the loss scaled by the global batch:
   plain    one device, a batch of P              (the baseline of cs R=1)
+  plain again  a second instance of plain      (its ratio to plain is the run's noise)
   cs R=1   CentralStorageStrategy on cpu:0, a batch of P
   whole    one device, one pass over 2P          (the floor's reference)
   halves   one device, two passes of P that accumulate gradients (the same work as two
@@ -22,12 +23,20 @@ and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, 
 ``halves / whole`` is what smaller batches cost by themselves: the part of the demo's gap to
 one device that is not centralstore.
 
-The configurations take turns step by step, each step timed alone, in an order reversed every
-round; the table gives each configuration's median over its ``--rounds`` x ``--steps`` steps.
-(Timing each configuration's steps in a block of its own, as an earlier version did, let the
-shared machine's drift between blocks move a ratio by 5-10% from run to run.) The
-warm-up tail column is the median of each configuration's first 50 steps after it is built
-(the first, compiling one, included; the configurations take turns there too) over its
+The configurations take turns step by step, each step timed alone, in an order drawn afresh
+for every step; each round builds every eager configuration anew (models, optimizers,
+strategies, in a drawn order) and times it after a few warm-up steps. A configuration's
+ratio is the median over the rounds of its round's median over its baseline's. (Timing each
+configuration's steps in a block of its own, as a first version did, let the shared
+machine's drift between blocks move a ratio by 5-10% from run to run; keeping one instance
+of each configuration for the whole run, in a fixed order reversed every round, as the
+next did, read identical code in the cs rows at 0.976 to 1.039 of itself in four runs:
+where an instance's memory lies, and which configuration runs before it, move a step by
+that much. With fresh instances and drawn orders the same check read 0.995 to 1.020.) ``plain
+again`` states each run's noise. A compiled configuration is built once (building it anew
+would compile again). The warm-up tail column is the median of each configuration's first
+50 steps after it is first built (the first, compiling one, included; the configurations
+take turns there too) over its
 steady median, and ``tail / its`` that tail over the tail of the configuration it is
 compared with: the machine and torch warm up plain PyTorch as well (allocator, caches), so
 a tail that centralstore adds shows as ``tail / its`` above 1. The machine is shared, so only
@@ -37,7 +46,7 @@ long (200 ms instead of 20) and vary by as much from round to round. Times are t
 CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
 more runnable threads than cores, wall-clock time measures the neighbours.
 
-    python benchmarks/bench_models.py [--rounds 5] [--steps 20] [--sizes 4]
+    python benchmarks/bench_models.py [--rounds 10] [--steps 10] [--sizes 4]
         [--compiled-sizes 4] [--models gpt2 bert vit cnn bn] [--compiled-models gpt2]
         [--threads 1] [--clock cpu]
 
@@ -49,6 +58,8 @@ the runtime (each compilation takes tens of seconds).
 from __future__ import annotations
 
 import argparse
+import gc
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -66,6 +77,7 @@ SEQUENCE = 16
 VOCAB = 512
 FIRST = 50  # steps of the warm-up tail
 MICRO_BATCHES = 4
+WARM = 5  # steps of a rebuilt configuration before it is timed
 
 Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # per-example losses
 
@@ -143,7 +155,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = 
     "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),
     "bn": (_batch_norm_cnn, _classes((3, 8, 8)), _cnn_loss),
 }
-CONFIGS = ("plain", "cs R=1", "whole", "halves", "cs R=2")
+CONFIGS = ("plain", "plain again", "cs R=1", "whole", "halves", "cs R=2")
 COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's
 ACCUMULATED = ("halves x4", "cs R=2 x4")
 
@@ -228,25 +240,53 @@ def _time(step: Callable[[], None], steps: int) -> float:
 def measure(
     model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
     rounds: int, steps: int,
-) -> dict[str, tuple[float, float]]:
-    """config -> (steady median ms per step, the first 50 steps' median over it)."""
-    made = {config: make_step(model_name, config, per_replica, compile_) for config in configs}
+) -> dict[str, tuple[float, float, list[float]]]:
+    """config -> (steady median ms per step, the first 50 steps' median over it, each
+    round's median ms per step)."""
+    rng = random.Random(0)
+
+    def build() -> dict[str, Callable[[], None]]:
+        order = list(configs)
+        rng.shuffle(order)  # allocation order too: no configuration always comes first
+        return {config: make_step(model_name, config, per_replica, compile_) for config in order}
+
+    made = build()
     early: dict[str, list[float]] = {config: [] for config in configs}
     for i in range(FIRST):  # taking turns too, so that every configuration's tail meets the
         for config in configs if i % 2 == 0 else tuple(reversed(configs)):  # same machine
             early[config].append(_time(made[config], 1))
     first = {config: statistics.median(v) for config, v in early.items()}
     samples: dict[str, list[float]] = {config: [] for config in configs}
+    per_round: dict[str, list[float]] = {config: [] for config in configs}
     for round_ in range(rounds):
-        order = configs if round_ % 2 == 0 else tuple(reversed(configs))
-        for _ in range(steps):  # step by step: a drift in the machine's load hits all alike
+        if round_ and not compile_:  # fresh instances (a compiled one would compile again)
+            made = build()
+            for config in made:
+                _time(made[config], WARM)
+        gc.collect()
+        times: dict[str, list[float]] = {config: [] for config in configs}
+        for _ in range(steps):  # step by step, in an order drawn afresh each time
+            order = list(configs)
+            rng.shuffle(order)
             for config in order:
-                samples[config].append(_time(made[config], 1))
-    steady = {config: statistics.median(v) for config, v in samples.items()}
-    return {config: (steady[config], first[config] / steady[config]) for config in configs}
+                times[config].append(_time(made[config], 1))
+        for config, v in times.items():
+            samples[config] += v
+            per_round[config].append(statistics.median(v))
+    return {
+        config: (statistics.median(v), first[config] / statistics.median(v), per_round[config])
+        for config, v in samples.items()
+    }
+
+
+def _ratio(times: list[float], baseline: list[float]) -> float:
+    """The median over the rounds of each round's ratio (a round's configurations share
+    its instances' luck and the machine's state)."""
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))
 
 
 RATIOS = {  # the ratio's row, its baseline, its target
+    "plain again": ("plain", None),  # a second instance of the same code: the run's noise
     "cs R=1": ("plain", 1.02),
     "cs R=2": ("halves", 1.03),
     "halves": ("whole", None),
@@ -256,8 +296,8 @@ RATIOS = {  # the ratio's row, its baseline, its target
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--sizes", type=int, nargs="*", default=[4],
                         help="examples per replica, eager")
     parser.add_argument("--compiled-sizes", type=int, nargs="*", default=[4],
@@ -292,11 +332,11 @@ def main() -> None:
             model_name, configs, size, mode == "compiled", options.rounds, options.steps
         )
         for config in configs:
-            ms, tail = results[config]
+            ms, tail, rounds_ms = results[config]
             against, target = RATIOS.get(config, (None, None))
             if against not in results:  # the compiled groups have no eager floor's row
                 against, target = None, None
-            ratio = f"{ms / results[against][0]:7.3f}" if against else f"{'':7}"
+            ratio = f"{_ratio(rounds_ms, results[against][2]):7.3f}" if against else f"{'':7}"
             relative = f"{tail / results[against][1]:10.3f}" if against else f"{'':10}"
             goal = f"<={target:.2f}" if target else ""
             print(f"{model_name:<6} {mode:<8} {size:>2} {config:<10} {ms:8.2f} {ratio} "
