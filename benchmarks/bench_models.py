@@ -58,8 +58,6 @@ the runtime (each compilation takes tens of seconds).
 from __future__ import annotations
 
 import argparse
-import gc
-import random
 import statistics
 import time
 from collections.abc import Callable
@@ -67,7 +65,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_train import fix_mmap_threshold
+from bench_train import fix_mmap_threshold, median_of_all, ratio, take_turns
 from torch import nn
 
 import centralstore as cs
@@ -77,7 +75,6 @@ SEQUENCE = 16
 VOCAB = 512
 FIRST = 50  # steps of the warm-up tail
 MICRO_BATCHES = 4
-WARM = 5  # steps of a rebuilt configuration before it is timed
 
 Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # per-example losses
 
@@ -237,52 +234,31 @@ def _time(step: Callable[[], None], steps: int) -> float:
     return (_clock() - start) / steps * 1e3
 
 
+def _time_one(step: Callable[[], None]) -> float:
+    return _time(step, 1)
+
+
 def measure(
     model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
     rounds: int, steps: int,
-) -> dict[str, tuple[float, float, list[float]]]:
+) -> dict[str, tuple[float, float, list[list[float]]]]:
     """config -> (steady median ms per step, the first 50 steps' median over it, each
-    round's median ms per step)."""
-    rng = random.Random(0)
+    round's step times)."""
 
-    def build() -> dict[str, Callable[[], None]]:
-        order = list(configs)
-        rng.shuffle(order)  # allocation order too: no configuration always comes first
-        return {config: make_step(model_name, config, per_replica, compile_) for config in order}
+    def make(config: str) -> Callable[[], None]:
+        return make_step(model_name, config, per_replica, compile_)
 
-    made = build()
+    made = {config: make(config) for config in configs}
     early: dict[str, list[float]] = {config: [] for config in configs}
     for i in range(FIRST):  # taking turns too, so that every configuration's tail meets the
         for config in configs if i % 2 == 0 else tuple(reversed(configs)):  # same machine
             early[config].append(_time(made[config], 1))
     first = {config: statistics.median(v) for config, v in early.items()}
-    samples: dict[str, list[float]] = {config: [] for config in configs}
-    per_round: dict[str, list[float]] = {config: [] for config in configs}
-    for round_ in range(rounds):
-        if round_ and not compile_:  # fresh instances (a compiled one would compile again)
-            made = build()
-            for config in made:
-                _time(made[config], WARM)
-        gc.collect()
-        times: dict[str, list[float]] = {config: [] for config in configs}
-        for _ in range(steps):  # step by step, in an order drawn afresh each time
-            order = list(configs)
-            rng.shuffle(order)
-            for config in order:
-                times[config].append(_time(made[config], 1))
-        for config, v in times.items():
-            samples[config] += v
-            per_round[config].append(statistics.median(v))
+    times = take_turns(make, configs, rounds, steps, _time_one, made, rebuild=not compile_)
     return {
-        config: (statistics.median(v), first[config] / statistics.median(v), per_round[config])
-        for config, v in samples.items()
+        config: (median_of_all(v), first[config] / median_of_all(v), v)
+        for config, v in times.items()
     }
-
-
-def _ratio(times: list[float], baseline: list[float]) -> float:
-    """The median over the rounds of each round's ratio (a round's configurations share
-    its instances' luck and the machine's state)."""
-    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))
 
 
 RATIOS = {  # the ratio's row, its baseline, its target
@@ -332,14 +308,14 @@ def main() -> None:
             model_name, configs, size, mode == "compiled", options.rounds, options.steps
         )
         for config in configs:
-            ms, tail, rounds_ms = results[config]
+            ms, tail, times = results[config]
             against, target = RATIOS.get(config, (None, None))
             if against not in results:  # the compiled groups have no eager floor's row
                 against, target = None, None
-            ratio = f"{_ratio(rounds_ms, results[against][2]):7.3f}" if against else f"{'':7}"
+            shown = f"{ratio(times, results[against][2]):7.3f}" if against else f"{'':7}"
             relative = f"{tail / results[against][1]:10.3f}" if against else f"{'':10}"
             goal = f"<={target:.2f}" if target else ""
-            print(f"{model_name:<6} {mode:<8} {size:>2} {config:<10} {ms:8.2f} {ratio} "
+            print(f"{model_name:<6} {mode:<8} {size:>2} {config:<10} {ms:8.2f} {shown} "
                   f"{against or '':<10} {goal:>6} {tail:6.3f} {relative}", flush=True)
 
 

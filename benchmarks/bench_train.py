@@ -9,13 +9,18 @@ Compares, in one run and interleaved step by step (this machine is shared and no
 on an MLP, a CNN with BatchNorm and a small transformer (framework cost decides its time),
 and on the transformer again with its forward and loss ``torch.compile``d in every
 configuration ("transformer-compiled": the counterpart of a ``@tf.function`` step).
-The configurations take turns step by step, each step timed alone, in an order reversed every
-round, and the table gives each one's median step: every step follows another configuration's
-(whose model and activations left the caches cold), so each pays for the switch alike. (An
-earlier version timed blocks of 20 steps per configuration and took the median of the blocks'
-means: the machine's changes of speed between blocks, and one slow step in a block, moved the
-small transformer's R=2 / halves from 0.90 to 1.17 over three runs of the same code, where
-the medians of the steps read 0.93 to 1.03.)
+``plain again`` is a second instance of plain: its ratio states the run's noise.
+The configurations take turns step by step, each step timed alone, in an order drawn afresh
+for every step (``take_turns``); every round builds the eager configurations anew and warms
+them, and a ratio is the median over the rounds of each round's ratio of medians; ms/step is
+the median of all steps. Every step follows another configuration's (whose model and
+activations left the caches cold), so each pays for the switch alike. (An earlier version
+timed blocks of 20 steps per configuration and took the median of the blocks' means: the
+machine's changes of speed between blocks, and one slow step in a block, moved the small
+transformer's R=2 / halves from 0.90 to 1.17 over three runs of the same code, where the
+medians of the steps read 0.93 to 1.03. The next kept one instance per configuration for the
+whole run, in an order reversed every round, which ``bench_models.py`` found biased by the
+instance.) The compiled transformer's configurations are built once.
 Peak memory is measured per configuration in a fresh subprocess: the highest resident set
 size sampled every millisecond during 5 training steps, above what the process held after
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
@@ -28,20 +33,23 @@ decided whether the CNN's 25 MB activations cost page faults: its plain step too
 alone and 83 to 102 ms in a process that also ran the others. A fixed threshold gives every
 configuration the same allocator.
 
-    python benchmarks/bench_train.py [--steps 20] [--rounds 7] [--models mlp cnn ...]
+    python benchmarks/bench_train.py [--steps 10] [--rounds 10] [--models mlp cnn ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
+import gc
 import os
+import random
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -116,10 +124,10 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
     half = batch // 2
     x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     loss_fn = nn.functional.cross_entropy
-    if config in ("plain", "halves"):
+    if config in ("plain", "plain again", "halves"):
         model = build()
         optimizer = make_optimizer(optimizer_kind, model)
-        parts = [(x, y)] if config == "plain" else [(x[:half], y[:half]), (x[half:], y[half:])]
+        parts = [(x, y)] if config != "halves" else [(x[:half], y[:half]), (x[half:], y[half:])]
         plain_loss = compiled_if(
             model_name, config, lambda xs, ys: loss_fn(model(xs), ys, reduction="sum") / batch
         )
@@ -158,7 +166,11 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
     return cs_step
 
 
-CONFIGS = ("plain", "halves", "cs R=1", "cs R=2")
+CONFIGS = ("plain", "plain again", "halves", "cs R=1", "cs R=2")
+
+
+def _step_of(model_name: str, config: str) -> Callable[[], None]:
+    return make_step(config, model_name)
 
 
 def time_steps(step: Callable[[], None], steps: int) -> float:
@@ -172,6 +184,65 @@ def time_step(step: Callable[[], None]) -> float:
     start = time.perf_counter()
     step()
     return (time.perf_counter() - start) * 1e3
+
+
+WARM = 5  # steps of a rebuilt configuration before it is timed
+
+
+def take_turns(
+    make: Callable[[str], Callable[[], None]],
+    configs: Sequence[str],
+    rounds: int,
+    steps: int,
+    timer: Callable[[Callable[[], None]], float],
+    made: dict[str, Callable[[], None]] | None = None,
+    rebuild: bool = True,
+) -> dict[str, list[list[float]]]:
+    """Each configuration's step times, round by round: in every round the configurations
+    take turns step by step, in an order drawn afresh for every step, and every round but
+    the first (which times ``made``, when given) builds them anew with ``make``, in a drawn
+    order, and warms each for a few steps. An instance's luck (where its tensors lie) would
+    otherwise stay with its configuration for the whole run: kept, with a fixed order
+    reversed every round, it read identical code at 0.976 to 1.039 of itself
+    (``bench_models.py``). ``rebuild`` False keeps the first instances (compiled ones, which
+    a new instance would compile again)."""
+    rng = random.Random(0)
+
+    def build() -> dict[str, Callable[[], None]]:
+        order = list(configs)
+        rng.shuffle(order)
+        built = {config: make(config) for config in order}
+        for step in built.values():
+            time_steps(step, WARM)
+        return built
+
+    current = build() if made is None else made
+    times: dict[str, list[list[float]]] = {config: [] for config in configs}
+    for round_ in range(rounds):
+        if round_ and rebuild:
+            current = build()
+        gc.collect()
+        this_round: dict[str, list[float]] = {config: [] for config in configs}
+        for _ in range(steps):
+            order = list(configs)
+            rng.shuffle(order)
+            for config in order:
+                this_round[config].append(timer(current[config]))
+        for config, samples in this_round.items():
+            times[config].append(samples)
+    return times
+
+
+def ratio(times: list[list[float]], baseline: list[list[float]]) -> float:
+    """The median over the rounds of each round's median over its baseline's (a round's
+    configurations share the machine's state and the round's instances)."""
+    return statistics.median(
+        statistics.median(t) / statistics.median(b) for t, b in zip(times, baseline, strict=True)
+    )
+
+
+def median_of_all(times: list[list[float]]) -> float:
+    return statistics.median(t for samples in times for t in samples)
 
 
 def peak_rss_mb(config: str, model_name: str, steps: int) -> float:
@@ -218,8 +289,8 @@ def fix_mmap_threshold(limit: int = 256 * 2**20) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--default-malloc", action="store_true",
@@ -229,24 +300,21 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"batch {BATCH} (transformers: 32), {options.steps} steps x {options.rounds} rounds, "
           f"medians, mmap threshold {'fixed' if fixed else 'dynamic'}\n")
-    header = f"{'config':<8} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}"
-    print(f"{'model':<11} {header}")
+    header = f"{'config':<11} {'ms/step':>8} {'/plain':>7} {'/halves':>8} {'+peak MB':>8}"
+    print(f"{'model':<20} {header}")
     for model_name in options.models:
-        steps = {config: make_step(config, model_name) for config in CONFIGS}
-        for step in steps.values():  # warm up
-            time_steps(step, 3)
-        samples: dict[str, list[float]] = {config: [] for config in CONFIGS}
-        for round_ in range(options.rounds):  # the order is reversed every round
-            order = CONFIGS if round_ % 2 == 0 else CONFIGS[::-1]
-            for _ in range(options.steps):
-                for config in order:
-                    samples[config].append(time_step(steps[config]))
-        medians = {config: statistics.median(v) for config, v in samples.items()}
+        times = take_turns(
+            functools.partial(_step_of, model_name), CONFIGS, options.rounds,
+            options.steps, time_step, rebuild=not model_name.endswith("-compiled"),
+        )
         for config in CONFIGS:
-            memory = "" if options.no_memory else f"{peak_rss_mb(config, model_name, 5):8.0f}"
-            print(f"{model_name:<11} {config:<8} {medians[config]:8.2f} "
-                  f"{medians[config] / medians['plain']:7.3f} "
-                  f"{medians[config] / medians['halves']:8.3f} {memory}")
+            memory = (
+                "" if options.no_memory or config == "plain again"
+                else f"{peak_rss_mb(config, model_name, 5):8.0f}"
+            )
+            print(f"{model_name:<20} {config:<11} {median_of_all(times[config]):8.2f} "
+                  f"{ratio(times[config], times['plain']):7.3f} "
+                  f"{ratio(times[config], times['halves']):8.3f} {memory}", flush=True)
 
 
 if __name__ == "__main__":
