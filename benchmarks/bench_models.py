@@ -24,8 +24,9 @@ and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, 
 one device that is not centralstore.
 
 The configurations take turns step by step, each step timed alone, in an order drawn afresh
-for every step; each round builds every eager configuration anew (models, optimizers,
-strategies, in a drawn order) and times it after a few warm-up steps. A configuration's
+for every step; each round after the first (which times the instances of the warm-up tail)
+builds every eager configuration anew (models, optimizers, strategies, in a drawn order) and
+times it after a few warm-up steps (``bench_train.take_turns``). A configuration's
 ratio is the median over the rounds of its round's median over its baseline's. (Timing each
 configuration's steps in a block of its own, as a first version did, let the shared
 machine's drift between blocks move a ratio by 5-10% from run to run; keeping one instance
