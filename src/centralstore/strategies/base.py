@@ -528,21 +528,20 @@ _AFTER_MERGE = (
 
 
 class _Baton:
-    """What changes hands when a replica waits in a rendezvous (``_replicas.Switch``): its
-    variables' state and its random streams."""
+    """What changes hands when a replica of a run of several waits in a rendezvous
+    (``_replicas.Switch``): its variables' state and its random streams. (One replica's
+    switch is its run alone.)"""
 
     __slots__ = ("_run", "_streams")
 
-    def __init__(self, run: Run, streams: Streams | None) -> None:
+    def __init__(self, run: Run, streams: Streams) -> None:
         self._run = run
         self._streams = streams
 
     def suspend(self, replica: int) -> None:
         self._run.suspend(replica)
-        if self._streams is not None:
-            self._streams.suspend(replica)
+        self._streams.suspend(replica)
 
     def resume(self, replica: int) -> None:
-        if self._streams is not None:
-            self._streams.enter(replica)
+        self._streams.enter(replica)
         self._run.resume(replica)
