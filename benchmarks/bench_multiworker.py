@@ -5,10 +5,12 @@ Three tables:
               in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
               SGD) and on bench_train.py's small transformer (global batch 32, Adam): W = 2
               workers of R = 1 and of R = 2 local replicas (DDP always runs one model per
-              process on the worker's half of the batch). The two alternate step by step
-              (which goes first alternates too, so both see the same load on a shared
-              machine); each round times ``--steps`` steps of each; the table gives the
-              median over ``--rounds`` rounds of the mean step, and the ratio of the medians.
+              process on the worker's half of the batch), and a second DDP model in the same
+              processes ("DDP again": its ratio to DDP states the run's noise). They take
+              turns step by step in an order drawn for every step (the same on every
+              worker), so all see the same load on a shared machine; each round times
+              ``--steps`` steps of each; the table gives the median over ``--rounds`` rounds
+              of the mean step, and the median over the rounds of each round's ratio.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -27,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -162,32 +166,45 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
         strategy.run(replica_step, args=inputs)
         optimizer.step()
 
-    torch.manual_seed(1)
-    ddp = nn.parallel.DistributedDataParallel(build())
-    ddp_optimizer = make_optimizer(ddp.parameters())
     share = batch // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
-    def ddp_step() -> None:
-        ddp_optimizer.zero_grad()
-        nn.functional.cross_entropy(ddp(xs), ys).backward()  # type: ignore[no-untyped-call]
-        ddp_optimizer.step()
+    def ddp_step_of() -> Callable[[], None]:
+        torch.manual_seed(1)
+        ddp = nn.parallel.DistributedDataParallel(build())
+        ddp_optimizer = make_optimizer(ddp.parameters())
 
+        def ddp_step() -> None:
+            ddp_optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(xs), ys).backward()  # type: ignore[no-untyped-call]
+            ddp_optimizer.step()
+
+        return ddp_step
+
+    # "again": a second DDP model in the same processes; its ratio to DDP is the run's noise
+    steps_of = {"cs": cs_step, "ddp": ddp_step_of(), "again": ddp_step_of()}
     for _ in range(2):
-        cs_step()
-        ddp_step()
-    order = [("cs", cs_step), ("ddp", ddp_step)]
-    means: dict[str, list[float]] = {"cs": [], "ddp": []}
+        for step in steps_of.values():
+            step()
+    draw = random.Random(0)  # the same seed on every worker: they step in the same order
+    means: dict[str, list[float]] = {name: [] for name in steps_of}
     for _ in range(rounds):
-        times: dict[str, list[float]] = {"cs": [], "ddp": []}
-        for i in range(steps):  # step by step, each after the other's, so both see one load
-            for name, step in order if i % 2 == 0 else order[::-1]:
+        times: dict[str, list[float]] = {name: [] for name in steps_of}
+        for _ in range(steps):  # step by step, in a drawn order, so all see one load
+            order = list(steps_of)
+            draw.shuffle(order)
+            for name in order:
                 start = time.perf_counter()
-                step()
+                steps_of[name]()
                 times[name].append(1000 * (time.perf_counter() - start))
         for name, values in times.items():
             means[name].append(statistics.fmean(values))
-    return {name: statistics.median(values) for name, values in means.items()}
+    result = {name: statistics.median(values) for name, values in means.items()}
+    for name in ("cs", "again"):  # the median over the rounds of each round's ratio
+        result[f"{name} / ddp"] = statistics.median(
+            a / b for a, b in zip(means[name], means["ddp"], strict=True)
+        )
+    return result
 
 
 def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
@@ -238,16 +255,17 @@ def main() -> None:
     cores = os.cpu_count() or 1
     threads = max(cores // 2, 1)
     print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
-          f"alternating: median of {args.rounds} rounds of {args.steps} steps\n")
+          f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
     print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
-          f"{'cs / DDP':>9}")
+          f"{'cs / DDP':>9} {'DDP again / DDP':>16}")
     for model_name in _DDP_MODELS:
         for local in (1, 2):
             row = _launch(
                 2, ["ddp", model_name, str(local), str(args.steps), str(args.rounds)], threads
             )
             print(f"{model_name:<12} {f'W=2 x R={local}':<14} {row['cs']:>11.2f} "
-                  f"{row['ddp']:>12.2f} {row['cs'] / row['ddp']:>8.3f}x")
+                  f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x",
+                  flush=True)
     print()
     parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
     print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
