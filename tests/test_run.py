@@ -460,15 +460,17 @@ def test_replicas_that_meet_in_different_collectives_raise() -> None:
         strategy.run(step)
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "views"])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_a_collective_after_run_returned_raises(replicas: int) -> None:
+def test_a_collective_after_run_returned_raises(replicas: int, direct: bool) -> None:
     """(One replica runs on the calling thread without the dispatcher's loop: its run
-    state is closed all the same.)"""
-    strategy = strategy_of(replicas)
+    state is closed all the same, whether the replicas use the weight or views of it.)"""
+    strategy = strategy_of(replicas, direct=direct)
+    with strategy.scope():
+        layer = torch.nn.Linear(1, 1)
 
     def step() -> Any:
-        w = torch.ones(1, requires_grad=True)
-        return context().all_reduce("SUM", w * 1)
+        return context().all_reduce("SUM", layer(torch.ones(1)))
 
     out = strategy.experimental_local_results(strategy.run(step))
     with pytest.raises(RuntimeError, match="run has already returned"):
