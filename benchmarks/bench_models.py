@@ -59,6 +59,7 @@ the runtime (each compilation takes tens of seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -235,10 +236,6 @@ def _time(step: Callable[[], None], steps: int) -> float:
     return (_clock() - start) / steps * 1e3
 
 
-def _time_one(step: Callable[[], None]) -> float:
-    return _time(step, 1)
-
-
 def measure(
     model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
     rounds: int, steps: int,
@@ -255,7 +252,8 @@ def measure(
         for config in configs if i % 2 == 0 else tuple(reversed(configs)):  # same machine
             early[config].append(_time(made[config], 1))
     first = {config: statistics.median(v) for config, v in early.items()}
-    times = take_turns(make, configs, rounds, steps, _time_one, made, rebuild=not compile_)
+    timer = functools.partial(_time, steps=1)
+    times = take_turns(make, configs, rounds, steps, timer, made, rebuild=not compile_)
     return {
         config: (median_of_all(v), first[config] / median_of_all(v), v)
         for config, v in times.items()

@@ -169,9 +169,6 @@ def make_step(config: str, model_name: str) -> Callable[[], None]:
 CONFIGS = ("plain", "plain again", "halves", "cs R=1", "cs R=2")
 
 
-def _step_of(model_name: str, config: str) -> Callable[[], None]:
-    return make_step(config, model_name)
-
 
 def time_steps(step: Callable[[], None], steps: int) -> float:
     start = time.perf_counter()
@@ -304,7 +301,7 @@ def main() -> None:
     print(f"{'model':<20} {header}")
     for model_name in options.models:
         times = take_turns(
-            functools.partial(_step_of, model_name), CONFIGS, options.rounds,
+            functools.partial(make_step, model_name=model_name), CONFIGS, options.rounds,
             options.steps, time_step, rebuild=not model_name.endswith("-compiled"),
         )
         for config in CONFIGS:
