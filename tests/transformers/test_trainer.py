@@ -95,28 +95,15 @@ def test_a_compute_loss_func_dividing_by_num_items_in_batch(tmp_path: Path) -> N
     compare(one, many, data)
 
 
-def _bert_case(replicas: int, tmp_path: Path, pad_token_id: int | None) -> None:
-    data = classification_data()
-
-    def build() -> torch.nn.Module:
-        return bert(pad_token_id)
-
-    kwargs: dict[str, Any] = {"train_dataset": data, "compute_metrics": accuracy}
-    one = one_device(build, tmp_path / "one", 2 * replicas, **kwargs)
-    many = replicated(build, tmp_path / "many", replicas, 2, **kwargs)
-    compare(one, many, data)
-
-
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_bert_without_padding_idx_matches_one_device(replicas: int, tmp_path: Path) -> None:
-    # pad_token_id=None: no nn.Embedding(padding_idx=...), which the core cannot build in a
-    # scope yet. A mean loss that ignores num_items_in_batch, one label -100.
-    _bert_case(replicas, tmp_path, None)
-
-
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_bert_matches_one_device(replicas: int, tmp_path: Path) -> None:
-    _bert_case(replicas, tmp_path, 0)
+    # A mean loss that ignores num_items_in_batch, one label -100; the word embeddings have
+    # padding_idx=0 (BertConfig's default pad_token_id).
+    data = classification_data()
+    kwargs: dict[str, Any] = {"train_dataset": data, "compute_metrics": accuracy}
+    one = one_device(bert, tmp_path / "one", 2 * replicas, **kwargs)
+    many = replicated(bert, tmp_path / "many", replicas, 2, **kwargs)
+    compare(one, many, data)
 
 
 def test_save_and_resume_give_one_device_checkpoints(tmp_path: Path) -> None:
