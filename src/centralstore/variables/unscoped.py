@@ -37,10 +37,12 @@ ValueError: The BatchNorm1d module called in replica 0 holds the parameter 'weig
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.fx import GraphModule
@@ -50,6 +52,11 @@ from .. import _context
 
 _lock = threading.Lock()
 _watching = False
+# torch warns at each call of a compiled module while any global module hook exists. During a
+# first run that hook is FirstUse's, which checks a compiled module as it checks any other:
+# the warning (hooks that fire "an extra time") would send the user looking for hooks of theirs.
+_HOOKS_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+_HOOKS_FILTER = ("ignore", re.compile(_HOOKS_WARNING, re.I), UserWarning, None, 0)
 # modules that registered a tensor outside every scope, and their forward pre-hook
 _watched: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -268,6 +275,7 @@ class FirstUse:
             seen.add(module)
 
         self._handle = _module.register_module_forward_pre_hook(before_call)
+        warnings.filterwarnings("ignore", _HOOKS_WARNING, UserWarning)  # == _HOOKS_FILTER
 
     def stop(self, passed: bool) -> None:
         """The replicas are done (``passed``: none raised)."""
@@ -276,3 +284,5 @@ class FirstUse:
             self._handle.remove()
             self._handle = None
             self._passed = passed
+            with contextlib.suppress(ValueError):  # a filter list the user replaced meanwhile
+                cast(list[Any], warnings.filters).remove(_HOOKS_FILTER)  # a list, typed Sequence
