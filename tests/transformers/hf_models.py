@@ -126,7 +126,9 @@ def replicated(
 
 
 def weight_gap(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
+    """The largest difference between the two models' weights (a model compiled whole: its
+    module's)."""
+    sa, sb = (getattr(m, "_orig_mod", m).state_dict() for m in (a, b))
     assert sa.keys() == sb.keys()
     return max(float((sa[k].double() - sb[k].double()).abs().max()) for k in sa)
 

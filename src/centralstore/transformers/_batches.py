@@ -41,6 +41,14 @@ def rows(batch: Any) -> int:
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
+    if isinstance(batch, Mapping) and not batch:
+        raise ValueError(
+            "The Trainer's batch is empty: it removed every column that the model's forward "
+            "does not name (remove_unused_columns=True). A model compiled with "
+            "torch.compile(model) hides those names; pass TrainingArguments("
+            "torch_compile=True) with the model itself, or remove_unused_columns=False and "
+            "label_names=[...]. Received: {}"
+        )
     raise ValueError(
         "A Trainer batch under a strategy needs at least one tensor with a batch dimension, "
         f"so that it can be split over the replicas. Received: {_describe(batch)}"

@@ -102,6 +102,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
         self.strategy = strategy
         self._eval_batch_scaled = False
         self._model_checked = False
+        self._divides: bool | None = None  # whether the losses divide by the count handed
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         args = _one_process_arguments(args)
@@ -131,15 +132,6 @@ class Trainer(_Trainer):  # type: ignore[misc]
                 "replicas and cannot combine that with "
                 + ", ".join(used)
                 + ". Turn it off, or use transformers.Trainer without a strategy."
-            )
-        if self.args.torch_compile or isinstance(self.model, OptimizedModule):
-            raise ValueError(
-                "centralstore.transformers.Trainer cannot train a model compiled whole "
-                "(torch_compile=True, or torch.compile(model)): each replica's loss receives "
-                "num_items_in_batch as a tensor subclass that notes whether the loss divides "
-                "by it, which a compiled forward cannot take. Compile the model's body and "
-                "keep its loss eager instead, before creating the Trainer: for GPT-2, "
-                "model.transformer = torch.compile(model.transformer) (model.bert for BERT)."
             )
 
     # ---- where the model lives -----------------------------------------------------------
@@ -176,6 +168,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
         # The model may have changed since __init__ (a head replaced, model_init called
         # again by train()): the first step checks it again.
         self._model_checked = False
+        self._divides = None
         return super().train(*args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -236,16 +229,17 @@ class Trainer(_Trainer):  # type: ignore[misc]
             ) or self.compute_loss_func is not None
         accumulation = self.current_gradient_accumulation_steps
         losses: list[torch.Tensor | None] = [None] * self._replicas
+        computing, tracked = self._counting(model, num_items_in_batch)
 
         def replica(batch: Any) -> None:
             mine = _this_replica(shares, batch)
             if mine is None:
                 return
             index, device, batch = mine
-            count = _handed_count(num_items_in_batch, device)
+            count = _handed_count(num_items_in_batch, device, tracked)
             with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, batch, num_items_in_batch=count)
-            weight = _weight(count, shares, index)
+                loss = self.compute_loss(computing, batch, num_items_in_batch=count)
+            weight = self._weight(count, shares, index)
             if weight == 0.0:
                 losses[index] = torch.zeros_like(loss.detach())
                 return
@@ -257,6 +251,28 @@ class Trainer(_Trainer):  # type: ignore[misc]
 
         self.strategy.run(replica, args=(self._per_replica(slices),))
         return _sum(losses, self.args.device)
+
+    def _counting(self, model: nn.Module, count: Any) -> tuple[nn.Module, bool]:
+        """The module that computes this step's losses, and whether they receive the count
+        (``num_items_in_batch``) as an ``ItemCount``, which tells whether they divide by it.
+        A model compiled whole cannot take that tensor subclass: its losses run uncompiled
+        until one step has shown it (``_divides``), then compiled, with the count as one
+        device hands it."""
+        if not isinstance(model, OptimizedModule):
+            return model, True
+        if self._divides is None and _is_count(count):
+            return model._orig_mod, True
+        return model, False
+
+    def _weight(self, count: Any, shares: Shares, index: int) -> float:
+        """Replica ``index``'s loss weight: 1 if its loss divides by the global count it was
+        handed, else its share of the batch (``_batches.Shares``)."""
+        if isinstance(count, ItemCount):
+            self._divides = count.used
+            return 1.0 if count.used else shares.fallback[index]
+        if count is None or (self._divides is False and _is_count(count)):
+            return shares.fallback[index]
+        return 1.0  # shown by an earlier step, or an integer count, which cannot tell
 
     def _count_items(self, batch: Any) -> Any:
         """A batch's items (labels other than -100) as the Trainer counts them, or None."""
@@ -303,6 +319,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
         shares = Shares.plan(slices, num_items_in_batch, self._count_items)
         losses: list[torch.Tensor | None] = [None] * self._replicas
         outputs: list[Any] = [None] * self._replicas
+        computing, tracked = self._counting(model, num_items_in_batch)
 
         def replica(batch: Any) -> None:
             mine = _this_replica(shares, batch)
@@ -311,15 +328,15 @@ class Trainer(_Trainer):  # type: ignore[misc]
             index, device, batch = mine
             with torch.no_grad(), self.compute_loss_context_manager():
                 if with_loss:
-                    count = _handed_count(num_items_in_batch, device)
+                    count = _handed_count(num_items_in_batch, device, tracked)
                     loss, output = self.compute_loss(
-                        model, batch, return_outputs=True, num_items_in_batch=count
+                        computing, batch, return_outputs=True, num_items_in_batch=count
                     )
-                    weight = _weight(count, shares, index)
+                    weight = self._weight(count, shares, index)
                     loss = loss.detach().mean()
                     losses[index] = torch.zeros_like(loss) if weight == 0.0 else loss * weight
                 else:
-                    output = model(**batch)
+                    output = computing(**batch)
             if isinstance(output, dict):
                 logits = tuple(v for k, v in output.items() if k not in skipped)
             else:
@@ -382,21 +399,17 @@ def _this_replica(shares: Shares, batch: Any) -> tuple[int, torch.device, Any] |
     return index, context.device, to_device(batch, context.device)
 
 
-def _handed_count(count: Any, device: torch.device) -> Any:
-    """The global ``num_items_in_batch`` as one replica's loss receives it."""
-    if isinstance(count, torch.Tensor) and count.dim() == 0:
-        return ItemCount.of(count, _HOST if device.type == "cpu" else device)
+def _is_count(count: Any) -> bool:
+    return isinstance(count, torch.Tensor) and count.dim() == 0
+
+
+def _handed_count(count: Any, device: torch.device, tracked: bool) -> Any:
+    """The global ``num_items_in_batch`` as one replica's loss receives it (``tracked``: as
+    an ``ItemCount``)."""
+    if _is_count(count):
+        place = _HOST if device.type == "cpu" else device
+        return ItemCount.of(count, place) if tracked else count.to(place)
     return count
-
-
-def _weight(count: Any, shares: Shares, index: int) -> float:
-    """Replica ``index``'s loss weight: 1 if its loss used the global count it was handed
-    (or an integer count, which cannot tell), else its share of the batch."""
-    if isinstance(count, ItemCount):
-        return 1.0 if count.used else shares.fallback[index]
-    if count is not None:
-        return 1.0
-    return shares.fallback[index]
 
 
 def _sum(values: Sequence[torch.Tensor | None], device: torch.device) -> torch.Tensor:
