@@ -19,7 +19,8 @@ Configurations (each trainer's own way to do the same work, where it has one):
               of a batch of 8, the losses weighted, one update)
   cs R=2      two replicas on cpu:0 and cpu:1, a global batch of 8
 Models: the demo's CNN as a LightningModule and in Keras (the same layers), GPT-2 tiny
-(bench_models' configuration) in Hugging Face's Trainer; AdamW (Adam in Keras), one intra-op
+(bench_models' configuration) in Hugging Face's Trainer, eager and, as
+``transformers-compiled``, with ``torch_compile=True``; AdamW (Adam in Keras), one intra-op
 thread. ``keras-eval`` is Keras' ``evaluate`` of the same model, a step per test batch (its
 ``plain x2`` is Keras' own test step over the two halves).
 
@@ -29,7 +30,8 @@ end, so only one computes at a time and the machine's drift hits all alike (sepa
 processes, one after another, read ratios of 0.6 to 1.5 for the same code here). Each step
 is timed by its thread's CPU clock; the first ``--warmup`` steps are left out.
 
-    python benchmarks/bench_trainers.py [--trainers lightning transformers keras keras-eval]
+    python benchmarks/bench_trainers.py [--trainers lightning transformers
+        transformers-compiled keras keras-eval]
         [--time] [--steps 300] [--warmup 50]
 """
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gc
 import json
 import os
@@ -193,7 +196,9 @@ def _lightning(config: str, steps: _Steps, count: int) -> None:
     pl.Trainer(**options).fit(CNN(), DataLoader(TensorDataset(x, y), batch_size=batch))
 
 
-def _transformers(config: str, steps: _Steps, count: int) -> None:
+def _transformers(config: str, steps: _Steps, count: int, compiled: bool = False) -> None:
+    """Hugging Face's Trainer on GPT-2 tiny (``compiled``: ``torch_compile=True``, the model
+    compiled whole by inductor)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import torch
     import transformers
@@ -214,7 +219,7 @@ def _transformers(config: str, steps: _Steps, count: int) -> None:
         "/tmp/bench_trainers", per_device_train_batch_size=PER_REPLICA, max_steps=count,
         report_to=[], disable_tqdm=True, dataloader_pin_memory=False, save_strategy="no",
         logging_steps=10**9, use_cpu=True,
-        gradient_accumulation_steps=2 if config == "plain x2" else 1,
+        gradient_accumulation_steps=2 if config == "plain x2" else 1, torch_compile=compiled,
     )
     torch.manual_seed(0)
     if config.startswith("cs"):
@@ -327,6 +332,7 @@ def _keras_setup(config: str, count: int) -> tuple[Any, Any, Any, int]:
 TRAINERS: dict[str, tuple[str, Callable[[str, _Steps, int], None]]] = {
     "lightning": ("the demo CNN", _lightning),
     "transformers": ("GPT-2 tiny", _transformers),
+    "transformers-compiled": ("GPT-2 compiled", functools.partial(_transformers, compiled=True)),
     "keras": ("the demo CNN", _keras),
     "keras-eval": ("the demo CNN", _keras_evaluate),
 }
@@ -398,7 +404,8 @@ def main() -> None:
         return
     if options.warmup >= options.steps:
         parser.error(f"--warmup ({options.warmup}) must be less than --steps ({options.steps})")
-    print(f"{'trainer':<13} {'model':<13} {'config':<9} {'lines':>6} {'cs':>5} {'- base':>7}"
+    wide = max(len("trainer"), *map(len, options.trainers))
+    print(f"{'trainer':<{wide}} {'model':<14} {'config':<9} {'lines':>6} {'cs':>5} {'- base':>7}"
           + (f" {'ms':>7} {'ratio':>6}" if options.time else ""))
     for trainer in options.trainers:
         counts = {config: _count(trainer, config) for config in CONFIGS}
@@ -407,7 +414,7 @@ def main() -> None:
             lines, own = counts[config]["lines"], counts[config]["cs"]
             base = BASELINES.get(config)
             more = f"{lines - counts[base]['lines']:>+7}" if base else ""
-            row = (f"{trainer:<13} {TRAINERS[trainer][0]:<13} {config:<9} {lines:>6} {own:>5} "
+            row = (f"{trainer:<{wide}} {TRAINERS[trainer][0]:<14} {config:<9} {lines:>6} {own:>5} "
                    f"{more:>7}")
             if times:
                 row += f" {times[config]:>7.2f}"
