@@ -206,7 +206,8 @@ def test_a_model_compiled_whole_matches_one_device(
 ) -> None:
     # GPT-2's token loss divides by num_items_in_batch, BERT's mean loss does not: the first
     # step's uncompiled losses tell which, and the later steps' compiled losses are weighted
-    # by it. Either weight for both would fail one of them.
+    # by it. Either weight for both would fail one of them. GPT-2 on the direct path, BERT
+    # on the views path (GPU replicas').
     build, data = (gpt2, lm_data()) if model == "gpt2" else (bert, classification_data())
 
     def compiled() -> torch.nn.Module:
@@ -220,7 +221,7 @@ def test_a_model_compiled_whole_matches_one_device(
     else:  # a compiled module hides its forward's arguments, by which the Trainer finds
         # the columns to keep and the labels (transformers.Trainer needs the same overrides)
         overrides = {"remove_unused_columns": False, "label_names": ["labels"]}
-        many = replicated(compiled, tmp_path / "many", 2, 2, overrides=overrides, **kwargs)
+        many = replicated(compiled, tmp_path / "many", 2, 2, True, overrides=overrides, **kwargs)
     compare(one, many, data)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
 

@@ -202,17 +202,18 @@ def test_a_compiled_function_creating_a_tensor_constant_trains_like_eager(
         torch.testing.assert_close(got, want)
 
 
-def test_a_compiled_module_in_the_first_run_warns_of_no_global_hooks() -> None:
+@each_path
+def test_a_compiled_module_in_the_first_run_warns_of_no_global_hooks(path: str) -> None:
     # The first run's check is a global forward pre-hook, torch warns at each call of a
     # compiled module while one exists: that warning is not the user's to see.
-    strategy = strategy_of(2)
+    strategy = strategy_on(path)
     with strategy.scope():
         model = torch.compile(nn.Linear(3, 1), backend="eager")
     x = cs.PerReplica([torch.ones(2, 3), torch.ones(2, 3)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         filters = list(warnings.filters)
-        strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+        run_on(path, strategy, lambda xs: model(xs).sum().backward(), args=(x,))
         assert warnings.filters == filters  # the run's own filter went with its hook
     assert [str(w.message) for w in caught] == []
 

@@ -266,7 +266,8 @@ class Trainer(_Trainer):  # type: ignore[misc]
 
     def _weight(self, count: Any, shares: Shares, index: int) -> float:
         """Replica ``index``'s loss weight: 1 if its loss divides by the global count it was
-        handed, else its share of the batch (``_batches.Shares``)."""
+        handed, else its share of the batch (``_batches.Shares``). What an ``ItemCount``
+        shows is kept in ``_divides``, for the steps of a model compiled whole."""
         if isinstance(count, ItemCount):
             self._divides = count.used
             return 1.0 if count.used else shares.fallback[index]
