@@ -201,6 +201,37 @@ def test_training_through_buckets_is_bit_for_bit_the_cpu_twins(
     _assert_same(gpu, cpu)
 
 
+class _Transposed(nn.Module):
+    """A linear layer whose weight is stored transposed: its gradients, which follow the
+    parameter's strides, arrive non-contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(30, 8).t())
+        self.bias = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t() + self.bias
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 24, 100], ids=["16MiB", "100B"])
+@uses_gpus
+def test_non_contiguous_gradients_land_in_the_buckets_as_on_the_cpu_twin(
+    monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+) -> None:
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 30), _Transposed(), nn.Linear(8, 8))
+
+    gpu, cpu = _on_gpus(make), _on_cpus(make)
+    assert not gpu.model[1].weight.is_contiguous()
+    for step in range(3):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, zero=step < 2)
+    _assert_same(gpu, cpu)
+
+
 @uses_gpus
 def test_gradients_accumulated_across_runs_and_steps_do_not_alias_the_buckets(
     small_buckets: int,

@@ -89,10 +89,13 @@ class Bucket:
             self.state = BucketState.EMPTY
         return self.state is BucketState.EMPTY
 
-    def add(self, piece: Piece, run: torch.Tensor, stream: Any, side: Any) -> None:
+    def add(self, piece: Piece, run: torch.Tensor, stream: Any, side: Any) -> bool:
         """``piece``, whose elements are ``run`` (flat), produced on ``stream``, has arrived;
-        the last piece of the bucket starts its copy on ``side``."""
-        if self.state is BucketState.EMPTY:
+        the last piece of the bucket starts its copy on ``side``. False, with nothing held,
+        if the bucket does not accept the piece now (``accepts``)."""
+        if self.state is not BucketState.FILLING or self._held[piece.position] is not None:
+            if not self.accepts(piece):
+                return False
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
         self._held[piece.position] = run
         if stream not in self._streams:
@@ -101,6 +104,7 @@ class Bucket:
         self.unread += 1
         if self.arrived == len(self.pieces):
             self._launch()
+        return True
 
     def _launch(self) -> None:
         """Copy the arrived runs into the pinned buffer on the side stream, then record the
@@ -174,12 +178,17 @@ class InBucket(GradientCopy):
     """A gradient copied into its slot of the buckets. (One per slot, made with the layout:
     a slot holds one gradient at a time.)"""
 
-    __slots__ = ("_owner", "borrowed", "slot")
+    __slots__ = ("_owner", "borrowed", "bucket", "dtype", "piece", "shape", "slot")
+    bucket: Bucket  # with ``piece``, the slot's only piece: set when ``borrowed``
+    piece: Piece
 
     def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
         self._owner = owner
         self.slot = slot
         self.borrowed = slot.host is not None
+        self.shape, self.dtype = slot.shape, slot.dtype  # read at each arrival
+        if self.borrowed:
+            self.bucket, self.piece = slot.pieces[0]
 
     def take(self) -> torch.Tensor:
         slot = self.slot
@@ -296,7 +305,8 @@ class GradientBuckets:
     def __init__(self) -> None:
         # by the key of the central variable: its slot, as the copy into it
         self._copies: dict[int, InBucket] = {}
-        self._arrivals: list[_Arrival] = []  # this step's gradients, in order
+        # this step's gradients, in order (``_Arrival``'s fields: a tuple costs no call)
+        self._arrivals: list[tuple[int, torch.Size, torch.dtype]] = []
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
         self._stale = False  # this step does not fit the layout
@@ -307,17 +317,25 @@ class GradientBuckets:
         side stream ``side``."""
         if self.synced:
             self._next_step()
-        self._arrivals.append(_Arrival(key, grad.shape, grad.dtype))
-        stream = torch.cuda.current_stream(grad.device)
+        self._arrivals.append((key, grad.shape, grad.dtype))
+        # by index: torch's Python reads a torch.device in about 15 lines more per gradient
+        stream = torch.cuda.current_stream(grad.get_device())
         copy = self._copies.get(key)
-        if copy is None or copy.slot.shape != grad.shape or copy.slot.dtype != grad.dtype:
+        if copy is None or copy.shape != grad.shape or copy.dtype != grad.dtype:
             self._stale = True
             deferred = Deferred(self, key, grad, stream, side)
             self._deferred.append(deferred)
             return deferred
+        if copy.borrowed and grad.is_contiguous():  # in one piece, as it is (most gradients)
+            if not copy.bucket.add(copy.piece, grad.view(-1), stream, side):
+                return Alone(self, grad, stream, side)
+            self._filled += 1
+            return copy
         return self._land(copy, grad, stream, side)
 
     def _land(self, copy: InBucket, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
+        """``copy``'s pieces take ``grad``, each its run, if every one of their buckets
+        accepts it now; else it is copied alone."""
         pieces = copy.slot.pieces
         if not all(starmap(Bucket.accepts, pieces)):
             return Alone(self, grad, stream, side)
@@ -326,18 +344,14 @@ class GradientBuckets:
         else:  # a copy, made where the gradient was (the sync point's stream may differ)
             with torch.cuda.stream(stream):
                 flat = grad.reshape(-1)
-        if copy.borrowed:  # one piece: the whole gradient
-            bucket, piece = pieces[0]
-            bucket.add(piece, flat, stream, side)
-        else:
-            for bucket, piece in pieces:
-                bucket.add(piece, flat[piece.start:piece.stop], stream, side)
+        for bucket, piece in pieces:  # (each piece in a bucket of its own: all accept it)
+            bucket.add(piece, flat[piece.start:piece.stop], stream, side)
         self._filled += 1
         return copy
 
     def _lay_out(self) -> None:
         """Slots for this step's arrivals."""
-        slots = lay_out(self._arrivals, BUCKET_BYTES)
+        slots = lay_out(list(starmap(_Arrival, self._arrivals)), BUCKET_BYTES)
         self._copies = {key: InBucket(self, slot) for key, slot in slots.items()}
 
     def settle(self) -> None:

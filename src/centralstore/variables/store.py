@@ -428,12 +428,10 @@ class VariableStore:
         for views in self.replicas:
             views.epoch += 1
 
-    def on_gradient(
-        self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
-    ) -> None:
-        """A view's gradient has accumulated on a GPU: start its copy to the parameter
-        device, into its replica's ``buckets``, while backward goes on."""
-        folding.start_copy(buckets, view, tensor)
+    # A view's gradient has accumulated on a GPU: its copy to the parameter device starts,
+    # into its replica's buckets, while backward goes on (the function itself: a method
+    # around it would cost a call per gradient).
+    on_gradient = staticmethod(folding.start_copy)
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
         """(Runs that use views.) A backward after ``run`` through one of its ``outputs`` (a
