@@ -282,6 +282,30 @@ class _Branches(nn.Module):
         return sum((self.heads[i](x) for i in heads), torch.zeros_like(x))
 
 
+@uses_gpus
+def test_one_replicas_gradients_summed_and_alone_leave_no_bucket_in_grad() -> None:
+    """A second backward through part of the model: the trunk's and the first head's
+    gradients are sums of two copies, the second head's is its bucket's view alone, which
+    is copied out of the bucket as when every gradient is (else the next step's copy would
+    overwrite the ``.grad`` kept across steps). The sums' order differs from the CPU
+    twin's (as in the test above): equal to rounding."""
+    strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")
+    twin = cs.CentralStorageStrategy(["cpu:0"])
+    gpu, cpu = _Steps(strategy, _Branches), _Steps(twin, _Branches)
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        model(x, (0,)).square().mean().backward()
+        return model(x, (0, 1)).square().mean()
+
+    for step in range(3):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, loss=loss, zero=False)
+        torch.testing.assert_close(gpu.state(), cpu.state())
+        torch.testing.assert_close(gpu.grads(), cpu.grads())
+    alone = gpu.model.heads[1].weight.grad
+    assert alone is not None and not alone.is_pinned()
+
+
 def _heads_loss(heads: tuple[int, ...], passes: int = 1) -> Callable[..., torch.Tensor]:
     def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         for _ in range(passes - 1):

@@ -309,10 +309,14 @@ def _fold_in_rounds(
         for grads_k in zip_longest(*lists):  # round k: each variable's k-th gradient, or None
             add_in_order(sums, list(grads_k), borrowed)
     if borrowed and not borrowed.isdisjoint(map(id, sums)):  # the only gradient it received
-        sums = [
-            total.clone() if total is not None and id(total) in borrowed else total
-            for total in sums
-        ]
+        lent = list(map(borrowed.__contains__, map(id, sums)))
+        if all(lent):  # every variable's (one GPU replica's step): cloned in a pass in C
+            sums = list(map(torch.Tensor.clone, sums))  # type: ignore[arg-type]
+        else:
+            sums = [
+                total.clone() if is_lent and total is not None else total
+                for total, is_lent in zip(sums, lent, strict=True)
+            ]
     set_grads(received, sums)
     return received
 
