@@ -33,6 +33,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from ._devices import current_stream
+
 # A replica body: runs replica ``i`` of ``state`` on the current thread.
 Body = Callable[["RunState", int], None]
 
@@ -73,7 +75,7 @@ class Environment:
 
     def __init__(self, gpus: Sequence[torch.device] = ()) -> None:
         self.threads = torch.get_num_threads()
-        self.streams = [torch.cuda.current_stream(device) for device in gpus] if gpus else []
+        self.streams = [current_stream(device) for device in gpus] if gpus else []
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [

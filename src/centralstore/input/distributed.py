@@ -25,7 +25,7 @@ from typing import Any, Protocol, final
 import torch
 
 from .. import _tree
-from .._devices import storage_device
+from .._devices import current_stream, storage_device
 from .._values import PerReplica
 from ._base import DatasetBase
 from .data_options import AutoShardPolicy
@@ -91,7 +91,7 @@ class _CudaCopy:
             else:
                 leaf = leaf.pin_memory()
         else:  # another GPU: copy after the work that produced the leaf, and keep it alive
-            self._stream.wait_stream(torch.cuda.current_stream(leaf.device))
+            self._stream.wait_stream(current_stream(leaf.device))
             leaf.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             copy = leaf.to(self._device, non_blocking=True)
@@ -122,7 +122,7 @@ class _CudaReady:
         self._tensors = tensors
 
     def __call__(self) -> None:
-        stream = torch.cuda.current_stream(self._device)
+        stream = current_stream(self._device)
         stream.wait_event(self._event)
         for tensor in self._tensors:
             tensor.record_stream(stream)

@@ -38,6 +38,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
+from .._devices import current_stream
 from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
 
@@ -354,7 +355,7 @@ class ReplicaViews:
         if self.device.type == "cuda" and central.device.type == "cpu":
             if self._copies is None:
                 self._copies = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._copies.record(torch.cuda.current_stream(self.device))
+            self._copies.record(current_stream(self.device))
 
     def wait_for_copies(self) -> None:
         """Wait until the copies from host memory queued for this replica have read it: once
