@@ -48,7 +48,7 @@ def compare(one: transformers.Trainer, many: cs.transformers.Trainer, data: Any)
     assert (first.label_ids == second.label_ids).all()
 
 
-@pytest.mark.parametrize(("replicas", "views"), [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize(("replicas", "views"), [(1, False), (2, False), (3, False), (2, True)])
 def test_gpt2_matches_one_device(replicas: int, views: bool, tmp_path: Path) -> None:
     # 14 examples, global batches of 2R: the last step's batch is short (R = 3: 6, 6, 2, so
     # a replica gets no row), as is the last evaluation batch. Token-level loss divided by
@@ -95,7 +95,7 @@ def test_a_compute_loss_func_dividing_by_num_items_in_batch(tmp_path: Path) -> N
     compare(one, many, data)
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_bert_matches_one_device(replicas: int, tmp_path: Path) -> None:
     # A mean loss that ignores num_items_in_batch, one label -100; the word embeddings have
     # padding_idx=0 (BertConfig's default pad_token_id).

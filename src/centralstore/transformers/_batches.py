@@ -56,13 +56,16 @@ def rows(batch: Any) -> int:
 
 
 def split(batch: Any, num_replicas: int) -> list[Any]:
-    """The slices of ``batch`` for replicas 0 to ``num_replicas - 1``, in order.
+    """The slices of ``batch`` for replicas 0 to ``num_replicas - 1``, in order. One
+    replica takes the batch as it is, as one device does.
 
     >>> slices = split({"x": torch.arange(5), "flag": True}, 3)
     >>> [s["x"].tolist() for s in slices], slices[2]["flag"]
     ([[0, 1], [2, 3], [4]], True)
     """
     size = rows(batch)
+    if num_replicas == 1:
+        return [batch]
     for leaf in _leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and int(leaf.shape[0]) != size:
             raise ValueError(
@@ -160,7 +163,10 @@ class Shares:
         count_items: Callable[[Any], Any],
     ) -> Shares:
         """The shares of ``slices``; ``count_items(slice)`` counts a slice's items as the
-        Trainer counts a batch's (a tensor, or None where it counts nothing)."""
+        Trainer counts a batch's (a tensor, or None where it counts nothing). One slice, the
+        whole batch, weighs 1 whatever it counts."""
+        if len(slices) == 1:
+            return Shares([rows(slices[0])], [1.0])
         sizes = [rows(s) for s in slices]
         total = sum(sizes)
         fallback = [n / total for n in sizes]

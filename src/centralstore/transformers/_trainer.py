@@ -257,7 +257,10 @@ class Trainer(_Trainer):  # type: ignore[misc]
         (``num_items_in_batch``) as an ``ItemCount``, which tells whether they divide by it.
         A model compiled whole cannot take that tensor subclass: its losses run uncompiled
         until one step has shown it (``_divides``), then compiled, with the count as one
+        device hands it. One replica's loss weighs 1 either way: it takes the count as one
         device hands it."""
+        if self._replicas == 1:
+            return model, False
         if not isinstance(model, OptimizedModule):
             return model, True
         if self._divides is None and _is_count(count):
