@@ -26,6 +26,11 @@ def test_fit_equals_one_device(replicas: int, views: bool) -> None:
     one, one_run = fit(0)
     many, many_run = fit(replicas, views=views)
     assert max_difference(one, many) < TOLERANCE
+    if replicas == 1:  # the replica computes on the parameters, as one device: bit for bit
+        assert max_difference(one, many) == 0.0
+        assert [float(o["loss"]) for o in many.step_outputs] == [
+            float(o["loss"]) for o in one.step_outputs
+        ]
     assert metrics(many_run).keys() == metrics(one_run).keys() >= {
         "train_loss_step", "train_loss_epoch", "val_loss"
     }

@@ -98,6 +98,8 @@ def weighted_mean(values: Sequence[Any], sizes: Sequence[int], device: torch.dev
     >>> float(weighted_mean([torch.tensor(1.0), torch.tensor(4.0)], [2, 1], torch.device("cpu")))
     2.0
     """
+    if len(values) == 1:  # one replica's mean is the batch's, exactly (``v * n / n`` may round)
+        return _tensor(values[0], device)
     total = sum(sizes)
     tensors = [_tensor(v, device) for v in values]
     combined = tensors[0] * sizes[0]

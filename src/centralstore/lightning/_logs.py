@@ -71,17 +71,20 @@ class LogRecorder:
 
     @contextmanager
     def installed(self, module: Any) -> Iterator[None]:
-        """``module.log`` records into this recorder inside the block."""
-        had = "log" in vars(module)
-        before = vars(module).get("log")
-        module.log = self.log
+        """``module.log`` records into this recorder inside the block. (In the module's
+        ``__dict__`` directly: ``nn.Module``'s ``__setattr__`` and ``__delattr__`` would run
+        their Python at every step.)"""
+        attributes = vars(module)
+        had = "log" in attributes
+        before = attributes.get("log")
+        attributes["log"] = self.log
         try:
             yield
         finally:
             if had:
-                module.log = before
+                attributes["log"] = before
             else:
-                del module.log
+                del attributes["log"]
 
     def replay(
         self, log: Callable[..., None], sizes: Sequence[int], device: torch.device
