@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import torch
 
+from ._autograd import no_grad
 from ._reduce import Axis, ReduceOp, gather_components, reduce_components
 from .variables import folding
 from .variables.views import View
@@ -119,7 +120,7 @@ class OneProcess(Workers):
         store.fold(discard=error is not None)
 
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
-        with torch.no_grad():  # folded at once, so that .grad is complete after backward
+        with no_grad():  # folded at once, so that .grad is complete after backward
             received = folding.fold_gradients([view])
         folding.run_post_accumulate_hooks(received)
 

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from . import _tree
+from ._autograd import no_grad
 from .strategies.context import get_replica_context, has_strategy
 from .variables.store import current_store
 
@@ -182,7 +183,7 @@ class _ReplicaStates:
         if discard or metric is None or not copies:
             return
         ordered = [copies[replica] for replica in sorted(copies)]
-        with torch.no_grad():
+        with no_grad():
             for name in metric._defaults:
                 _fold_state(metric, name, [c.states[name] for c in ordered])
         metric._update_count += max(c.count for c in ordered)

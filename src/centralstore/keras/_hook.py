@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._autograd import no_grad
 from ..input.dataset import Dataset
 from ..strategies.context import get_replica_context, get_strategy, has_strategy
 from . import _data, _steps, _variables
@@ -143,7 +144,7 @@ def _delta(sign: float) -> Callable[[Any, Any], Any]:
         if not get_strategy().extended.variable_created_in_scope(current):
             return _original[name](self, value)
         value = self._convert_to_tensor(value, dtype=self._dtype)
-        with torch.no_grad():  # an in-place add: the replica's write is its increment
+        with no_grad():  # an in-place add: the replica's write is its increment
             current.add_(value, alpha=sign)
         return current
 

@@ -27,6 +27,7 @@ from typing import Any, final
 
 import torch
 
+from .._autograd import no_grad
 from ..strategies.base import Strategy
 from ..strategies.context import get_replica_context
 from ._backend import load
@@ -124,7 +125,7 @@ class TrainStep(Step):
         self.strategy.run(replica, args=(per_replica,))
         if trainable:
             gradients = [variable.value.grad for variable in trainable]
-            with torch.no_grad():
+            with no_grad():
                 model.optimizer.apply(gradients, trainable)
         return model.get_metrics_result()
 
@@ -207,7 +208,7 @@ class _Updates:
         self._index += 1
 
     def apply(self, original: Any) -> None:
-        with torch.no_grad():
+        with no_grad():
             for optimizer, total, variables in self.calls:
                 original(optimizer, total, variables)
 
@@ -313,7 +314,7 @@ class TestStep(Step):
             count = rows(x)
             if count == 0:
                 return
-            with state.applied(), torch.no_grad():
+            with state.applied(), no_grad():
                 y_pred, _ = _forward(model, x, y, sample_weight, count, training=False)
                 _update_metrics(model, own_metrics, x, y, y_pred, sample_weight)
 
@@ -327,7 +328,7 @@ class TestStep(Step):
         def replica(batch: Any) -> None:
             if rows(batch) == 0:
                 return
-            with state.applied(), torch.no_grad():
+            with state.applied(), no_grad():
                 logs[_replica_id()] = model.test_step(batch)
 
         self.strategy.run(replica, args=(per_replica,))
@@ -346,7 +347,7 @@ class PredictStep(Step):
 
         def replica(batch: Any) -> Any:
             # An empty slice runs too: its output, with no row, still has the output's shape.
-            with state.applied(), torch.no_grad():
+            with state.applied(), no_grad():
                 return model.predict_step(batch)
 
         outputs = self.strategy.run(replica, args=(per_replica,))

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
 
+from .._autograd import no_grad
+
 if TYPE_CHECKING:
     from ..variables.records import Central
     from ..variables.views import ReplicaViews, View
@@ -276,7 +278,7 @@ class EarlyExchange:
 
     def _pack_early(self, sources: _Sources) -> torch.Tensor:
         """The bucket's local sum over the replicas, in replica order, as the fold adds."""
-        with torch.no_grad():
+        with no_grad():
             firsts = sources.grads[0]
             flat = pack(firsts)
             if len(sources.grads) > 1:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .._autograd import no_grad
 from .._reduce import (
     Axis,
     ReduceOp,
@@ -426,7 +427,7 @@ class Collectives(Workers):
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
-        with torch.no_grad():
+        with no_grad():
             for group in groups.values():
                 flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in group])
                 self._broadcast("broadcast of central variables", flat)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, final
 import torch
 
 from .._aggregation import VariableAggregation, write_term, written_value
-from .._autograd import grad_of, requires_grad_of, set_grads, some
+from .._autograd import grad_of, no_grad, requires_grad_of, set_grads, some
 from ..variables.folding import add_in_order, run_post_accumulate_hooks
 from ._buckets import (
     FIRST_BUCKET_BYTES,
@@ -297,7 +297,7 @@ def sync_across(
         raise
     if any(failures):  # the run failed somewhere: discarded on every worker
         _add_back(trainable, stash, [None] * len(trainable))
-        with torch.no_grad():
+        with no_grad():
             for i, value in before.items():
                 layout.tensors[i].copy_(value)
         if early is not None and started:
@@ -403,7 +403,7 @@ def _exchange_writes(
         )
         plan.append((tensor, aggregation, writers_everywhere, any_assigned, start))
     totals = workers.sum_across("exchange of variable writes", terms)
-    with torch.no_grad():
+    with no_grad():
         for (tensor, aggregation, count, any_assigned, start), total in zip(
             plan, totals, strict=True
         ):

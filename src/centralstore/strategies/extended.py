@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .. import _context, _devices
+from .._autograd import no_grad
 from .._placement import Placement
 from .._reduce import Axis, ReduceOp
 from .._workers import Workers
@@ -108,7 +109,7 @@ class StrategyExtended:
                 "extended.update is a cross-replica call; from a replica use "
                 "get_replica_context().merge_call(lambda s: s.extended.update(...))."
             )
-        with torch.no_grad():
+        with no_grad():
             return fn(var, *args, **(kwargs or {}))
 
     def variable_created_in_scope(self, v: Any) -> bool:

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
+from .._autograd import no_grad
 from ..strategies.base import Strategy
 from ..strategies.context import get_replica_context
 from ..strategies.multi_worker import MultiWorkerCentralStorageStrategy
@@ -330,7 +331,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
             if mine is None:
                 return
             index, device, batch = mine
-            with torch.no_grad(), self.compute_loss_context_manager():
+            with no_grad(), self.compute_loss_context_manager():
                 if with_loss:
                     count = _handed_count(num_items_in_batch, device, tracked)
                     loss, output = self.compute_loss(

@@ -598,7 +598,7 @@ def discard(touched: list[list[View]]) -> None:
             gradients_of(view)  # taken off the view, and dropped
             if view.record.on_read:  # the replica's copy as before the run
                 if view.start is not None:
-                    with torch.no_grad():
+                    with no_grad():
                         view.tensor.copy_(view.start)
             elif view.private:
                 view.central_version = -1

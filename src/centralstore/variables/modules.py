@@ -37,6 +37,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
+from .._autograd import no_grad
 from .records import Central
 from .views import ASSIGN, DELTA, ReplicaViews, View
 
@@ -231,10 +232,10 @@ class Filled:
                 return False
             # what ``validate`` does for each, and one event after all
             if all(map(_requires_grad_of, centrals)):  # trained: changed at every step
-                with torch.no_grad():
+                with no_grad():
                     replica.refresh(tensors, centrals)
             elif any(stale := _stale(views, centrals, slots.records)):  # some frozen
-                with torch.no_grad():
+                with no_grad():
                     replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
@@ -265,7 +266,7 @@ class Filled:
             return False
         stale = _stale(views, centrals, slots.records)
         if any(stale):
-            with torch.no_grad():
+            with no_grad():
                 replica.refresh(list(compress(tensors, stale)), list(compress(centrals, stale)))
         started = self._put(slots, tables, centrals, views, tensors)
         self._entries.extend(zip(tables, slots.names, centrals, views, tensors, started))

@@ -166,7 +166,7 @@ class VariableStore:
         if tensor.device != placement.storage_devices[0]:
             self._foreign.add(key)
         if self._overlaps and tensor.device.type == "cpu":
-            with torch.no_grad():  # pinned, so that copies to the GPUs are asynchronous
+            with no_grad():  # pinned, so that copies to the GPUs are asynchronous
                 tensor.data = tensor.data.pin_memory()
         steps.track(self)
 

@@ -38,6 +38,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
+from .._autograd import no_grad
 from .._devices import current_stream
 from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
@@ -249,7 +250,7 @@ class ReplicaViews:
             ):
                 if central.data_ptr() != view.central_ptr:
                     self._pin(central)
-                with torch.no_grad():
+                with no_grad():
                     tensor.copy_(central, non_blocking=True)
                 self.copied(central)
         view.central_ptr = central.data_ptr()
@@ -278,7 +279,7 @@ class ReplicaViews:
         TensorFlow's rule (``records.on_read_reset``)."""
         stamp = (central._version, central.data_ptr())
         if record.synced != stamp or record.reset is None:
-            with torch.no_grad(), torch.inference_mode(False):
+            with no_grad(), torch.inference_mode(False):
                 record.reset = on_read_reset(central, record.aggregation, self.num_replicas)
             record.generation += 1
             record.synced = stamp
@@ -295,7 +296,7 @@ class ReplicaViews:
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
             self.views[record.key] = view
-        with torch.no_grad(), torch.inference_mode(False):
+        with no_grad(), torch.inference_mode(False):
             view.start = view.tensor.detach().clone()
         return self._current(view, central)
 
@@ -321,7 +322,7 @@ class ReplicaViews:
             self.device.type == "cuda" and central.device.type == "cpu"
             and not central.is_pinned()
         ):
-            with torch.no_grad():
+            with no_grad():
                 central.data = central.data.pin_memory()
 
     def refresh(self, tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> None:
