@@ -78,7 +78,8 @@ class Bucket:
         self.arrived = 0
         self.unread = 0  # pieces copied in and not yet taken by a sync point
         self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
-        self._streams: list[Any] = []  # the streams that produced them
+        # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
+        self._streams: dict[int, Any] = {}
         self._side: Any = None
         self._event: Any = None
 
@@ -100,8 +101,8 @@ class Bucket:
                 return False
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
         self._held[piece.position] = run
-        if stream not in self._streams:
-            self._streams.append(stream)
+        if stream.cuda_stream not in self._streams:
+            self._streams[stream.cuda_stream] = stream
         self.arrived += 1
         self.unread += 1
         if self.arrived == len(self.pieces):
@@ -112,7 +113,7 @@ class Bucket:
         """Copy the arrived runs into the pinned buffer on the side stream, then record the
         event the sync point waits for."""
         side = self._side
-        for stream in self._streams:
+        for stream in self._streams.values():
             side.wait_stream(stream)
         with torch.cuda.stream(side):
             for first, last in self._runs():
@@ -149,7 +150,7 @@ class Bucket:
         if self.state is BucketState.COPYING:
             self._event.synchronize()
             self._held = [None] * len(self.pieces)
-            self._streams = []
+            self._streams = {}
             self.state = BucketState.READ
 
 
