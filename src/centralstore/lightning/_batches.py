@@ -31,7 +31,8 @@ from ..input.strings import Strings
 
 
 def split(batch: Any, devices: Sequence[str]) -> tuple[list[Any], list[int]]:
-    """The slices of ``batch`` for replicas 0 to R - 1 on their devices, and their sizes.
+    """The slices of ``batch`` for replicas 0 to R - 1 on their devices, and their sizes. One
+    replica takes the usual batch as it is (``_whole``).
 
     >>> slices, sizes = split((torch.arange(5), torch.zeros(5, 2)), ["cpu:0", "cpu:1", "cpu:2"])
     >>> sizes, slices[2][0].tolist()
