@@ -18,6 +18,8 @@ SCRIPT = textwrap.dedent(
     import signal, threading, torch
     import centralstore as cs
 
+    # Python's own handler, even when started with SIGINT ignored (as a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1", "cpu:2"])
     x = torch.randn(512, 512)
 

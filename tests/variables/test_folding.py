@@ -160,6 +160,8 @@ def test_an_interrupted_run_returns_after_every_replica_thread_left_and_lands_no
 
     main = threading.main_thread().ident
     assert main is not None
+    # Python's own handler, even in a process started with SIGINT ignored (a background job)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.2, signal.pthread_kill, args=(main, signal.SIGINT))
     timer.start()
     try:
@@ -168,6 +170,7 @@ def test_an_interrupted_run_returns_after_every_replica_thread_left_and_lands_no
         assert finished.is_set()  # replica 1 had left its code before run raised
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert w.grad is None  # nothing of the interrupted run, nor later
     strategy.run(lambda: (w * 2).sum().backward())
     assert w.grad is not None
