@@ -103,7 +103,7 @@ class BucketPlan:
 
     __slots__ = (
         "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records", "bucket_shapes", "buckets",
-        "devices", "dtypes", "index", "numels", "records", "shapes", "slots", "strikes",
+        "devices", "dtypes", "numels", "records", "shapes", "slots", "strikes",
         "trainable_flags", "trainable_records", "usable",
     )
 
@@ -121,12 +121,14 @@ class BucketPlan:
         self.trainable_records = [
             r for r, flag in zip(records, trainable_flags, strict=True) if flag
         ]
-        self.index = {r.key: j for j, r in enumerate(self.trainable_records)}  # key -> index
         self.slots = [_Slot(0, t.shape) for t in trainable]
         for b, bucket in enumerate(self.buckets):
             for j in bucket:
                 self.slots[j] = _Slot(b, trainable[j].shape)
-        self.bucket_of = [slot.bucket for slot in self.slots]  # trainable index -> bucket
+        # key of a trainable variable -> its bucket (looked up at each gradient's arrival)
+        self.bucket_of = {
+            r.key: slot.bucket for r, slot in zip(self.trainable_records, self.slots, strict=True)
+        }
         self.numels = [t.numel() for t in trainable]
         self.dtypes = [t.dtype for t in trainable]
         self.devices = [t.device for t in trainable]
@@ -199,8 +201,8 @@ class EarlyExchange:
     """
 
     __slots__ = (
-        "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early", "error",
-        "started",
+        "_bucket_of", "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early",
+        "error", "started",
     )
 
     def __init__(
@@ -208,6 +210,7 @@ class EarlyExchange:
         device: torch.device,
     ) -> None:
         self._plan = plan
+        self._bucket_of = plan.bucket_of
         self._replicas = replicas
         self._start = start
         self._device = device
@@ -226,15 +229,14 @@ class EarlyExchange:
         """A local replica's gradient of ``view`` has accumulated: when its bucket has all
         of them, start it, and the ready buckets after it, in order. (Never raises into the
         backward: a failed collective waits for the sync point.)"""
-        plan = self._plan
-        j = plan.index.get(view.record.key)
-        if j is None:
+        b = self._bucket_of.get(view.record.key)
+        if b is None:
             return
-        b = plan.bucket_of[j]
         missing = self._missing[b] - 1
         self._missing[b] = missing
         if missing or b != self.early or self.error is not None:
             return
+        plan = self._plan
         try:  # this bucket, and the ready ones after it
             while b < len(plan.buckets) and not self._missing[b]:
                 sources = self._ready_sources(b)

@@ -176,9 +176,8 @@ class ProcessGroup(Collectives):
             )
 
     def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
-        early = self._early
-        if early is not None:
-            early.gradient_accumulated(view)
+        if self._early is not None:
+            self._early.gradient_accumulated(view)
 
     def sync(self, store: VariableStore, error: BaseException | None) -> None:
         self._sync(store, error, Kind.SYNC)
