@@ -184,26 +184,9 @@ def test_pinned_memory_is_the_gradients_rounded_up_to_buckets_and_stays(
 # -- the same results as the CPU twin --------------------------------------------------------
 
 
-@pytest.mark.parametrize("bucket_bytes", [1 << 24, 1024, 100], ids=["16MiB", "1KiB", "100B"])
-@uses_gpus
-def test_training_through_buckets_is_bit_for_bit_the_cpu_twins(
-    monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
-) -> None:
-    monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
-
-    def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 30), nn.Tanh(), nn.Linear(30, 7), nn.Linear(7, 8))
-
-    gpu, cpu = _on_gpus(make), _on_cpus(make)
-    for step in range(4):
-        for steps in (gpu, cpu):
-            steps.step(seed=step, zero=step < 3)  # the last step's .grad is compared too
-    _assert_same(gpu, cpu)
-
-
 class _Transposed(nn.Module):
     """A linear layer whose weight is stored transposed: its gradients, which follow the
-    parameter's strides, arrive non-contiguous."""
+    parameter's strides, arrive non-contiguous (they take the buckets' general path)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -214,21 +197,26 @@ class _Transposed(nn.Module):
         return x @ self.weight.t() + self.bias
 
 
-@pytest.mark.parametrize("bucket_bytes", [1 << 24, 100], ids=["16MiB", "100B"])
+@pytest.mark.parametrize("make", [
+    pytest.param(
+        lambda: nn.Sequential(nn.Linear(8, 30), nn.Tanh(), nn.Linear(30, 7), nn.Linear(7, 8)),
+        id="contiguous",
+    ),
+    pytest.param(lambda: nn.Sequential(nn.Linear(8, 30), _Transposed(), nn.Linear(8, 8)),
+                 id="non-contiguous"),
+])
+@pytest.mark.parametrize("bucket_bytes", [1 << 24, 1024, 100], ids=["16MiB", "1KiB", "100B"])
 @uses_gpus
-def test_non_contiguous_gradients_land_in_the_buckets_as_on_the_cpu_twin(
-    monkeypatch: pytest.MonkeyPatch, bucket_bytes: int
+def test_training_through_buckets_is_bit_for_bit_the_cpu_twins(
+    monkeypatch: pytest.MonkeyPatch, bucket_bytes: int, make: Callable[[], nn.Module]
 ) -> None:
     monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
-
-    def make() -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 30), _Transposed(), nn.Linear(8, 8))
-
     gpu, cpu = _on_gpus(make), _on_cpus(make)
-    assert not gpu.model[1].weight.is_contiguous()
-    for step in range(3):
+    transposed = [m for m in gpu.model.modules() if isinstance(m, _Transposed)]
+    assert all(not m.weight.is_contiguous() for m in transposed)
+    for step in range(4):
         for steps in (gpu, cpu):
-            steps.step(seed=step, zero=step < 2)
+            steps.step(seed=step, zero=step < 3)  # the last step's .grad is compared too
     _assert_same(gpu, cpu)
 
 
