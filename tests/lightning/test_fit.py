@@ -20,7 +20,9 @@ from lightning_models import MLP, fit, max_difference, metrics
 TOLERANCE = 1e-5  # float64 runs agree to ~1e-15; this is the bound the tests require
 
 
-@pytest.mark.parametrize(("replicas", "views"), [(1, False), (2, False), (3, False), (2, True)])
+@pytest.mark.parametrize(
+    ("replicas", "views"), [(1, False), (1, True), (2, False), (3, False), (2, True)]
+)
 def test_fit_equals_one_device(replicas: int, views: bool) -> None:
     # views: the replicas see views of the parameters, as GPU replicas do
     one, one_run = fit(0)

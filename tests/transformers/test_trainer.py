@@ -48,7 +48,9 @@ def compare(one: transformers.Trainer, many: cs.transformers.Trainer, data: Any)
     assert (first.label_ids == second.label_ids).all()
 
 
-@pytest.mark.parametrize(("replicas", "views"), [(1, False), (2, False), (3, False), (2, True)])
+@pytest.mark.parametrize(
+    ("replicas", "views"), [(1, False), (1, True), (2, False), (3, False), (2, True)]
+)
 def test_gpt2_matches_one_device(replicas: int, views: bool, tmp_path: Path) -> None:
     # 14 examples, global batches of 2R: the last step's batch is short (R = 3: 6, 6, 2, so
     # a replica gets no row), as is the last evaluation batch. Token-level loss divided by
