@@ -104,6 +104,38 @@ def test_merge_call_sees_the_copies_reduced(path: str) -> None:
     assert float(variable) == 5.0
 
 
+@each_path
+def test_a_kernel_write_behind_the_version_counter_counts(path: str) -> None:
+    """Batch norm's kernel writes its running mean without moving the version counter: the
+    replica's copy is still counted as written."""
+    strategy = strategy_on(path)
+    mean = on_read(strategy, "SUM", torch.zeros(2))
+
+    def step() -> None:
+        x = torch.full((4, 2), replica_id() + 1.0)
+        torch.nn.functional.batch_norm(x, mean, torch.ones(2), training=True, momentum=1.0)
+
+    run_on(path, strategy, step)
+    assert mean.tolist() == [3.0, 3.0]  # replica 0's copy 1, replica 1's 2
+
+@each_path
+@pytest.mark.parametrize("call", ["out", "list"])
+def test_a_write_through_a_keyword_or_a_list_reaches_the_copy(path: str, call: str) -> None:
+    """A central variable given as ``out=`` or inside a list argument is swapped for the
+    replica's copy like one given first."""
+    strategy = strategy_on(path)
+    variable = on_read(strategy, "MEAN", torch.zeros(2))
+
+    def step() -> None:
+        own = torch.full((2,), replica_id() + 1.0)
+        if call == "out":
+            torch.add(variable, own, out=variable)
+        else:
+            torch._foreach_add_([variable], [own])
+
+    run_on(path, strategy, step)
+    assert variable.tolist() == [1.5, 1.5]  # the copies 1 and 2, averaged
+
 def test_an_integer_sum_splits_exactly_over_three_replicas() -> None:
     strategy = strategy_on("direct", 3)
     variable = on_read(strategy, "SUM", 7)

@@ -392,7 +392,7 @@ class Filled:
             for _, name, central, view, tensor, _ in compress(entries, moved):
                 if not view.private or tensor is not view.tensor:
                     raise_shared_write(views.replica, name, central)
-                views.note_write(view, DELTA)
+                views.note_write(view, DELTA, moved=True)
             stayed = list(map(not_, moved))
             candidates = list(compress(candidates, stayed))
             tensors = list(compress(tensors, stayed))
@@ -454,7 +454,7 @@ def record_unseen(replicas: list[ReplicaViews]) -> None:
     ):  # ``note_write`` raises, or counts the write on the copy's version
         for views, view in compress(zip(owners, unseen, strict=True), changed):
             if not view.assigned:
-                views.note_write(view, ASSIGN)
+                views.note_write(view, ASSIGN, moved=False)
     else:  # what ``note_write`` does for each
         _set_all(written, "assigned", repeat(True))
 

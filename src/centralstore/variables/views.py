@@ -61,6 +61,7 @@ _AUGMENTED = frozenset(
     ("mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift", "matmul")
 )
 _write_kinds: dict[Any, int] = {}
+_SEQUENCES = frozenset({list, tuple})  # argument containers whose items are swapped too
 
 # Kernels that write running statistics in place without bumping the version counter:
 # function -> (index and name of the flag that enables the write, (index, name) written).
@@ -296,7 +297,10 @@ class ReplicaViews:
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
             self.views[record.key] = view
-        with no_grad(), torch.inference_mode(False):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                view.start = view.tensor.detach().clone()
+        else:
             view.start = view.tensor.detach().clone()
         return self._current(view, central)
 
@@ -403,73 +407,93 @@ class ReplicaViews:
                 "cs.Variable(..., aggregation=...)."
             )
 
-    def note_write(self, view: View, kind: int) -> None:
+    def note_write(self, view: View, kind: int, moved: bool) -> None:
+        """``view``'s tensor was written, its version counter ``moved`` or not (a kernel's
+        write behind it)."""
         self._check_aggregation(view)
-        if view.record.on_read:  # its write is the copy's difference, whatever the kind:
-            torch.autograd.graph.increment_version(view.tensor)  # seen by its version
+        if view.record.on_read:  # its write is the copy's difference, whatever the kind,
+            if not moved:  # seen by its version
+                torch.autograd.graph.increment_version(view.tensor)
         elif kind != DELTA:
             view.assigned = True
 
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``func`` with central variables swapped for this replica's views."""
-        kind = write_kind(func)
+        kind = _write_kinds.get(func)
+        if kind is None:
+            kind = write_kind(func)
         writes: set[int] = set()
         if kind != READ:
             first = args[0] if args else next(
                 (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None
             )
             writes.add(id(first))
-        out = kwargs.get("out")
-        if out is not None:
-            writes.update(id(t) for t in (out if isinstance(out, (tuple, list)) else (out,)))
-            kind = kind or ASSIGN
-        private: list[View] = []
-        args = self._swap(args, writes, private)
         if kwargs:
-            kwargs = dict(zip(kwargs, self._swap(kwargs.values(), writes, private)))
+            out = kwargs.get("out")
+            if out is not None:
+                writes.update(id(t) for t in (out if isinstance(out, (tuple, list)) else (out,)))
+                kind = kind or ASSIGN
+        private: list[tuple[View, int]] = []  # private views used, and their versions
+        args = self._swap(args, writes, private)
+        if kwargs and self._holds_central(kwargs.values()):
+            kwargs = dict(zip(kwargs, self._swap(tuple(kwargs.values()), writes, private)))
         if not private:
             return func(*args, **kwargs)
-        before = [view.tensor._version for view in private]
         result = func(*args, **kwargs)
-        for view, version in zip(private, before):
+        for view, version in private:
             if view.tensor._version != version:
-                self.note_write(view, kind)
+                self.note_write(view, kind, moved=True)
         if func in _KERNEL_WRITES:
             written = kernel_writes(func, args, kwargs)
-            for view in private:
+            for view, _ in private:
                 if id(view.tensor) in written:
-                    self.note_write(view, ASSIGN)
+                    self.note_write(view, ASSIGN, moved=False)
         if kind != READ:
-            for view in private:  # ``m.total += x`` rebinds m.total to what __iadd__ returns:
-                if result is view.tensor:  # the variable, not this replica's view of it
+            for view, _ in private:  # ``m.total += x`` rebinds m.total to what __iadd__
+                if result is view.tensor:  # returns: the variable, not this replica's view
                     return view.record.ref()
         return result
 
-    def _swap(self, values: Any, writes: set[int], private: list[View]) -> tuple[Any, ...]:
-        """``values`` (and the items of list/tuple values) with views for central variables;
-        private views used go to ``private``."""
-        records = self.records
-        swapped = []
-        for value in values:
-            record = records.get(id(value))
-            if record is not None:
-                value = self._view_tensor(record, id(value) in writes, private)
-            elif (type(value) is list or type(value) is tuple) and any(
-                id(item) in records for item in value
-            ):
-                value = type(value)(
-                    self._view_tensor(records[id(item)], id(item) in writes, private)
-                    if id(item) in records else item
-                    for item in value
-                )
-            swapped.append(value)
-        return tuple(swapped)
+    def _holds_central(self, values: Any) -> bool:
+        """Whether ``values`` hold a central variable, or a list or tuple that may (checked
+        in C)."""
+        return not (
+            self.records.keys().isdisjoint(map(id, values))
+            and _SEQUENCES.isdisjoint(map(type, values))
+        )
 
-    def _view_tensor(self, record: Central, write: bool, private: list[View]) -> torch.Tensor:
+    def _swap(
+        self, values: tuple[Any, ...], writes: set[int], private: list[tuple[View, int]]
+    ) -> tuple[Any, ...]:
+        """``values`` with views for central variables, at the top level and in the items of
+        list and tuple values; private views used go to ``private``."""
+        records = self.records
+        found = list(map(records.get, map(id, values)))
+        if _SEQUENCES.isdisjoint(map(type, values)):  # the usual call: tensors and numbers
+            swapped = list(values)
+            for i, record in enumerate(found):
+                if record is not None:
+                    swapped[i] = self._view_tensor(record, id(values[i]) in writes, private)
+            return tuple(swapped)
+        return tuple(
+            self._view_tensor(record, id(value) in writes, private) if record is not None
+            else type(value)(
+                self._view_tensor(records[id(item)], id(item) in writes, private)
+                if id(item) in records else item
+                for item in value
+            ) if type(value) in _SEQUENCES and any(id(item) in records for item in value)
+            else value
+            for value, record in zip(values, found)
+        )
+
+    def _view_tensor(
+        self, record: Central, write: bool, private: list[tuple[View, int]]
+    ) -> torch.Tensor:
         view = self.resolve(record, write)
+        tensor = view.tensor
         if view.private:
-            private.append(view)
-        return view.tensor
+            private.append((view, tensor._version))
+        return tensor
 
 
 class _Resolution(threading.local):
@@ -492,7 +516,8 @@ def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
             return func(*args, **kwargs)
     if torch.compiler.is_dynamo_compiling():
         return _on_views(views, func, args, kwargs)
-    return _call_on_views(views, func, args, kwargs)
+    with DisableTorchFunctionSubclass():  # ``_call_on_views`` inlined: a call fewer each time
+        return views.call(func, args, kwargs)
 
 
 def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
