@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from .._autograd import no_grad
+from .._context import in_replica_of_strategy
 from ..input.dataset import Dataset
-from ..strategies.context import get_replica_context, get_strategy, has_strategy
+from ..strategies.context import get_replica_context, get_strategy
 from . import _data, _steps, _variables
 from ._backend import load
 from ._batches import check_reductions
@@ -113,10 +114,6 @@ def _warn_jit(model: Any) -> None:
         )
 
 
-def _in_replica() -> bool:
-    return has_strategy() and get_replica_context() is not None
-
-
 def _initialize(self: Any, value: Any) -> None:
     strategy = _variables.scope_strategy()
     if strategy is None:
@@ -138,7 +135,7 @@ def _delta(sign: float) -> Callable[[Any, Any], Any]:
     name = "assign_add" if sign > 0 else "assign_sub"
 
     def assign(self: Any, value: Any) -> Any:
-        if in_stateless_scope() or not _in_replica():
+        if not in_replica_of_strategy() or in_stateless_scope():
             return _original[name](self, value)
         current = self.value
         if not get_strategy().extended.variable_created_in_scope(current):
@@ -160,7 +157,7 @@ def _apply_now(optimizer: Any, grads: Any, variables: Any) -> Any:
 def _apply(key: str) -> Callable[..., Any]:
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         updates = _steps.collecting()
-        if updates is None or not _in_replica():
+        if updates is None or not in_replica_of_strategy():
             return _original[key](self, grads, trainable_variables)
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
@@ -186,7 +183,7 @@ def _next(self: Any, ordered: bool = True) -> Any:
     identical programs still draw the same ones. Keras' torch backend seeds with the sum of
     the two seed values modulo 2**32, so the first one moves."""
     seed = _original["next"](self, ordered)
-    if not _in_replica():
+    if not in_replica_of_strategy():
         return seed
     replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
     if not replica:
