@@ -8,8 +8,6 @@ context.
 
 from __future__ import annotations
 
-from typing import cast
-
 from .. import _context
 from .._replica_context import ReplicaContext
 from .base import Strategy
@@ -22,7 +20,7 @@ def get_strategy() -> Strategy:
     >>> cs.get_strategy().num_replicas_in_sync
     1
     """
-    return cast(Strategy, _context.current().strategy)
+    return _context.current().strategy  # type: ignore[return-value]
 
 
 def has_strategy() -> bool:
@@ -54,4 +52,4 @@ def get_replica_context() -> ReplicaContext[Strategy] | None:
     >>> cs.get_replica_context().replica_id_in_sync_group
     0
     """
-    return cast("ReplicaContext[Strategy] | None", _context.current().replica_context)
+    return _context.current().replica_context  # type: ignore[return-value]

@@ -34,13 +34,13 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from operator import call
-from typing import Protocol, cast, final
+from typing import Protocol, final
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .direct import Copier, DirectReplicas, SharedBuffers, Undo, shared_parameters
-from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, StatisticsMemory
+from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics
 from .modules import (
     Filled,
     Replaced,
@@ -132,7 +132,7 @@ def _all_of(refs: list[weakref.ref[torch.Tensor]], kind: type) -> list[torch.Ten
     """The tensors of ``refs`` if every one is alive and of class ``kind`` exactly (one
     pass in C), else None."""
     tensors = list(map(call, refs))
-    return cast(list[torch.Tensor], tensors) if set(map(type, tensors)) == {kind} else None
+    return tensors if set(map(type, tensors)) == {kind} else None  # type: ignore[return-value]
 
 
 class Run(abc.ABC):
@@ -275,7 +275,7 @@ class DirectRun(Run):
         tensors = _all_of(plan.shared_refs, torch.nn.Parameter)
         if tensors is None:
             return None
-        groups = cast(BufferGroups, plan.buffers)
+        groups: BufferGroups = plan.buffers  # type: ignore[assignment]
         buffers: list[SharedBuffers] = []
         if groups.integer_refs:
             integers = _all_of(groups.integer_refs, torch.Tensor)
@@ -287,7 +287,7 @@ class DirectRun(Run):
             if statistics is None:
                 return None
             buffers.append(SharedStatistics(
-                groups.statistics, statistics, cast(StatisticsMemory, groups.memory),
+                groups.statistics, statistics, groups.memory,  # type: ignore[arg-type]
                 store.replicas,
             ))
         return cls(store, plan, tensors, buffers)
@@ -380,7 +380,7 @@ class ReplicasRun(Run):
         found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
         if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C
-            shared = cast(list[torch.Tensor], found)
+            shared = found  # type: ignore[assignment]
         else:  # dead ones, or another class, which must take the resolving one
             shared = [t for t in found if type(t) is torch.nn.Parameter]
             lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]

@@ -477,7 +477,7 @@ def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:
 
 def current_store() -> VariableStore:
     """The store of the current strategy (the one whose scope or run this thread is in)."""
-    return cast(VariableStore, _context.current().store)
+    return _context.current().store  # type: ignore[return-value]
 
 
 class _RegistrationMode(TorchFunctionMode):
