@@ -27,7 +27,10 @@ def compute_average_loss(
     >>> cs.compute_average_loss(torch.tensor([1., 2., 3.]), global_batch_size=6)
     tensor(1.)
     """
-    loss = torch.as_tensor(per_example_loss)
+    loss = (  # (``as_tensor`` of a tensor returns it, after parsing its arguments)
+        per_example_loss if isinstance(per_example_loss, torch.Tensor)
+        else torch.as_tensor(per_example_loss)
+    )
     if loss.dim() == 0:
         raise ValueError(
             "compute_average_loss(per_example_loss=...) needs one loss per example (a tensor "
