@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import centralstore as cs
+from centralstore._losses import weighted
 
 
 @pytest.mark.parametrize(
@@ -41,3 +42,14 @@ def test_rank_one_losses_are_summed_and_divided_by_the_global_batch(
     global_batch = len(losses) + extra
     result = cs.compute_average_loss(torch.tensor(losses), global_batch_size=global_batch)
     torch.testing.assert_close(result, torch.tensor(losses).sum() / global_batch)
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.25])
+def test_a_weighted_loss_adds_no_node_for_a_weight_of_one(weight: float) -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    loss = (x * x).sum()
+    share = weighted(loss, weight)
+    assert (share.grad_fn is loss.grad_fn) == (weight == 1.0)
+    share.backward()
+    assert x.grad is not None
+    assert torch.equal(x.grad, 2 * x.detach() * weight)

@@ -79,3 +79,15 @@ def scale_regularization_loss(regularization_loss: Any) -> torch.Tensor:
         )
     replicas = context.get_strategy().num_replicas_in_sync
     return torch.as_tensor(regularization_loss).sum() / replicas
+
+
+def weighted(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """``loss * weight``, or ``loss`` itself when ``weight`` is 1: the same values and
+    gradients, without a multiplication and its backward node (the trainers' integrations
+    weight each replica's loss by its share of the batch, which is 1 for one replica).
+
+    >>> loss = torch.tensor(3.0)
+    >>> weighted(loss, 1.0) is loss, float(weighted(loss, 0.5))
+    (True, 1.5)
+    """
+    return loss if weight == 1.0 else loss * weight

@@ -28,6 +28,7 @@ from typing import Any, final
 import torch
 
 from .._autograd import no_grad
+from .._losses import weighted
 from ..strategies.base import Strategy
 from ..strategies.context import get_replica_context
 from ._backend import load
@@ -115,7 +116,8 @@ class TrainStep(Step):
             with state.applied():
                 y_pred, loss = _forward(model, x, y, sample_weight, count, training=True)
                 if trainable:
-                    share = loss * (count / size)  # the replicas' shares add up to the batch's
+                    # the replicas' shares add up to the batch's
+                    share: Any = weighted(loss, count / size)
                     if model.optimizer is not None:
                         share = model.optimizer.scale_loss(share)
                     share.backward()

@@ -31,6 +31,7 @@ import torch
 
 from .._autograd import grad_of, requires_grad_of, set_grads, some
 from .._devices import DeviceLike, storage_device
+from .._losses import weighted
 from ..strategies.central_storage import CentralStorageStrategy as _CentralStorage
 from ..strategies.context import get_replica_context
 from ..variables.folding import add_in_order
@@ -239,7 +240,7 @@ class CentralStorageStrategy(_LightningStrategy):  # type: ignore[misc]
                 output = module.training_step(part, *rest, **kwargs)
             loss = _loss_of(output)
             if loss is not None and torch.is_grad_enabled() and loss.requires_grad:
-                share = loss * (size / total) if share_of else loss
+                share = weighted(loss, size / total) if share_of else loss
                 if normalize != 1:
                     share = share / normalize
                 if scaler is not None:

@@ -32,6 +32,7 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
 from .._autograd import no_grad
+from .._losses import weighted
 from ..strategies.base import Strategy
 from ..strategies.context import get_replica_context
 from ..strategies.multi_worker import MultiWorkerCentralStorageStrategy
@@ -244,7 +245,7 @@ class Trainer(_Trainer):  # type: ignore[misc]
             if weight == 0.0:
                 losses[index] = torch.zeros_like(loss.detach())
                 return
-            share = loss * weight
+            share = weighted(loss, weight)
             if not scaled_for_ga:
                 share = share / accumulation
             self.accelerator.backward(share)
