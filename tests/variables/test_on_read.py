@@ -118,6 +118,7 @@ def test_a_kernel_write_behind_the_version_counter_counts(path: str) -> None:
     run_on(path, strategy, step)
     assert mean.tolist() == [3.0, 3.0]  # replica 0's copy 1, replica 1's 2
 
+
 @each_path
 @pytest.mark.parametrize("call", ["out", "list"])
 def test_a_write_through_a_keyword_or_a_list_reaches_the_copy(path: str, call: str) -> None:
@@ -135,6 +136,7 @@ def test_a_write_through_a_keyword_or_a_list_reaches_the_copy(path: str, call: s
 
     run_on(path, strategy, step)
     assert variable.tolist() == [1.5, 1.5]  # the copies 1 and 2, averaged
+
 
 def test_an_integer_sum_splits_exactly_over_three_replicas() -> None:
     strategy = strategy_on("direct", 3)

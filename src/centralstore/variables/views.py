@@ -468,23 +468,19 @@ class ReplicaViews:
         """``values`` with views for central variables, at the top level and in the items of
         list and tuple values; private views used go to ``private``."""
         records = self.records
-        found = list(map(records.get, map(id, values)))
-        if _SEQUENCES.isdisjoint(map(type, values)):  # the usual call: tensors and numbers
-            swapped = list(values)
-            for i, record in enumerate(found):
-                if record is not None:
-                    swapped[i] = self._view_tensor(record, id(values[i]) in writes, private)
-            return tuple(swapped)
-        return tuple(
-            self._view_tensor(record, id(value) in writes, private) if record is not None
-            else type(value)(
-                self._view_tensor(records[id(item)], id(item) in writes, private)
-                if id(item) in records else item
-                for item in value
-            ) if type(value) in _SEQUENCES and any(id(item) in records for item in value)
-            else value
-            for value, record in zip(values, found)
-        )
+        swapped = list(values)
+        for i, record in enumerate(map(records.get, map(id, values))):
+            if record is not None:
+                swapped[i] = self._view_tensor(record, id(values[i]) in writes, private)
+        if not _SEQUENCES.isdisjoint(map(type, values)):  # the items of lists and tuples too
+            for i, value in enumerate(values):
+                if type(value) in _SEQUENCES and any(id(item) in records for item in value):
+                    swapped[i] = type(value)(
+                        self._view_tensor(records[id(item)], id(item) in writes, private)
+                        if id(item) in records else item
+                        for item in value
+                    )
+        return tuple(swapped)
 
     def _view_tensor(
         self, record: Central, write: bool, private: list[tuple[View, int]]
