@@ -1,28 +1,32 @@
 """Each replica's random numbers: its own stream, derived from the global generator.
 
-With several replicas, each run begins by drawing one number from the global CPU generator.
-The replica with global id 0 then draws on from the global generators, as one device would;
-every other replica draws from a stream of its own, seeded from that number and its global
-id when it first runs. The generators hold the stream of the replica running: replicas run
-one at a time, and one that has finished needs its stream no more, so the next replica's
-seed simply replaces it, and after the run the global generators go on from the last
-replica's stream. Only a replica that waits in a rendezvous (``suspend``) has its state
-saved, and put back when it runs on. So two identical programs give identical results on
-every path (replicas one after another, or passing the baton on threads), re-seeding with
-``torch.manual_seed`` reproduces a run, and no two replicas share a dropout mask or a noise
-sample, on logical CPU devices and on GPUs alike (``torch.manual_seed`` gives every GPU the
-same seed). A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
+With several replicas, the replica with global id 0 draws on from the global generators, as
+one device would; every other replica draws from a stream of its own, seeded when it first
+runs from its global id and the run's base: the seed the global CPU generator was last given
+(``torch.manual_seed``, ``set_rng_state``, or the last replica of the run before), mixed with
+how deeply the run is nested (a ``run`` inside ``merge_call`` finds the generator as the
+run around it left it at the rendezvous). The generators hold the stream of the replica
+running: replicas run one at a time, and one that has finished needs its stream no more, so
+the next replica's seed simply replaces it, and after the run the global generators go on
+from the last replica's stream, whose seed is the next run's base. Only a replica that waits
+in a rendezvous (``suspend``) has its state saved, and put back when it runs on. So two
+identical programs give identical results on every path (replicas one after another, or
+passing the baton on threads), re-seeding with ``torch.manual_seed`` or restoring a saved
+state reproduces a run, and no two replicas share a dropout mask or a noise sample, on
+logical CPU devices and on GPUs alike (``torch.manual_seed`` gives every GPU the same seed).
+A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
 
 Not restoring the global state after each replica is what makes this cheap: a run of two
-replicas costs one draw and one ``manual_seed``, where saving and restoring the global
-state around every replica after the first cost a ``get_state`` copy (5 kB) and a
-``set_state`` more.
+replicas costs one read of a seed and one ``manual_seed``, where saving and restoring the
+global state around every replica after the first cost a ``get_state`` copy (5 kB) and a
+``set_state`` more. (Drawing the base from the generator, as this module first did, is a
+kernel run cold after the optimizer step: 12 to 20 us of a run, against about 1 for the seed.)
 
 >>> import torch
 >>> from centralstore._placement import Placement
 >>> randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 >>> def draws():
-...     streams = randomness.begin()
+...     streams = randomness.begin(depth=1)
 ...     out = []
 ...     for replica in range(2):
 ...         streams.enter(replica)
@@ -39,7 +43,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from ._placement import Placement
@@ -49,7 +52,7 @@ _MASK = (1 << 63) - 1
 
 
 def replica_seed(base: int, replica: int) -> int:
-    """The seed of global replica ``replica``'s stream in a run whose draw was ``base``."""
+    """The seed of global replica ``replica``'s stream in a run of base ``base``."""
     return ((base ^ (replica * _MIX)) * _MIX + replica) & _MASK
 
 
@@ -57,7 +60,7 @@ class ReplicaRandomness:
     """The generators of a strategy's replicas (see the module's docstring): one per
     strategy; ``begin`` starts the streams of each run of several replicas."""
 
-    __slots__ = ("_array", "_buffer", "_generators", "_ids")
+    __slots__ = ("_generators", "_ids")
 
     def __init__(self, placement: Placement) -> None:
         self._ids = tuple(placement.replica_offset + r for r in range(placement.local_replicas))
@@ -66,15 +69,13 @@ class ReplicaRandomness:
             + ((torch.cuda.default_generators[device.index],) if device.type == "cuda" else ())
             for device in placement.storage_devices
         )
-        # The draw lands in memory numpy reads: int() of a tensor would cost a dispatch more.
-        self._array = np.zeros((), dtype=np.int64)
-        self._buffer = torch.from_numpy(self._array)
 
-    def begin(self) -> Streams:
-        """A run begins: one draw from the global CPU generator seeds its replicas' streams,
-        whatever happens in the run, so that every path agrees."""
-        self._buffer.random_()  # the global CPU generator (a keyword costs 0.3 us)
-        return Streams(int(self._array), self._ids, self._generators)
+    def begin(self, depth: int) -> Streams:
+        """A run nested ``depth`` deep (1 outside ``merge_call``) begins: its replicas'
+        streams derive from the global CPU generator's seed and ``depth``, whatever happens
+        in the run, so that every path agrees."""
+        base = ((torch.default_generator.initial_seed() ^ (depth * _MIX)) * _MIX) & _MASK
+        return Streams(base, self._ids, self._generators)
 
 
 class Streams:

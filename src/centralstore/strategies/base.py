@@ -212,7 +212,7 @@ class Strategy(abc.ABC):
                     finally:
                         state.closed = True
                 else:  # one after another until a rendezvous, then each on a thread
-                    streams = self._randomness.begin()
+                    streams = self._randomness.begin(store.depth)
                     environment = _replicas.Environment(self._distinct_gpus)  # for threads
                     body = functools.partial(
                         self._run_replica, run, streams, fn, inputs, environment
