@@ -19,8 +19,9 @@ A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
 Not restoring the global state after each replica is what makes this cheap: a run of two
 replicas costs one read of a seed and one ``manual_seed``, where saving and restoring the
 global state around every replica after the first cost a ``get_state`` copy (5 kB) and a
-``set_state`` more. (Drawing the base from the generator, as this module first did, is a
-kernel run cold after the optimizer step: 12 to 20 us of a run, against about 1 for the seed.)
+``set_state`` more. (Drawing the base from the generator, as this module first did, ran a
+kernel cold after the optimizer step: about 13 us of the demo CNN's R = 2 run, against about
+1 to read the seed.)
 
 >>> import torch
 >>> from centralstore._placement import Placement
