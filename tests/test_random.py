@@ -94,22 +94,27 @@ def test_a_restored_generator_state_repeats_the_next_run() -> None:
         assert torch.equal(a, b)
 
 
-def test_a_run_inside_merge_call_and_the_next_run_draw_apart() -> None:
-    """Both begin with the generator seeded by the outer run's last replica (at the
-    rendezvous, and after the run): the nesting depth keeps apart the streams of their
-    replicas after the first. (The first draws on from the global generator, which the
-    merge's region shares with the last replica's saved stream: ``docs/design.md``.)"""
+def test_a_merge_function_and_a_run_inside_it_draw_what_no_replica_draws() -> None:
+    """While the replicas wait in ``merge_call``, the generators hold the last replica's
+    saved stream: the merge function draws from a stream of its own, so that neither its
+    numbers nor those of a run inside it (whose base is read from the generator) are what
+    the last replica, or the next run, draws."""
     strategy = strategy_of(3)
+    merged: list[torch.Tensor] = []
     nested: list[list[torch.Tensor]] = []
 
     def merge(s: cs.Strategy) -> None:
+        merged.append(torch.rand(5))
         nested.append(local(s, s.run(lambda: torch.rand(5))))
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         context().merge_call(merge)
+        return torch.rand(5)
 
     torch.manual_seed(0)
-    strategy.run(step)
-    after = local(strategy, strategy.run(lambda: torch.rand(5)))
-    for a, b in zip(nested[0][1:], after[1:], strict=True):
-        assert not torch.equal(a, b)
+    after_merge = local(strategy, strategy.run(step))
+    next_run = local(strategy, strategy.run(lambda: torch.rand(5)))
+    drawn = [merged[0], *nested[0], *after_merge, *next_run]
+    for i, a in enumerate(drawn):
+        for b in drawn[i + 1:]:
+            assert not torch.equal(a, b)

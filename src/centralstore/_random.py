@@ -3,13 +3,14 @@
 With several replicas, the replica with global id 0 draws on from the global generators, as
 one device would; every other replica draws from a stream of its own, seeded when it first
 runs from its global id and the run's base: the seed the global CPU generator was last given
-(``torch.manual_seed``, ``set_rng_state``, or the last replica of the run before), mixed with
-how deeply the run is nested (a ``run`` inside ``merge_call`` finds the generator as the
-run around it left it at the rendezvous). The generators hold the stream of the replica
+(``torch.manual_seed``, ``set_rng_state``, or the last replica of the run before). The
+generators hold the stream of the replica
 running: replicas run one at a time, and one that has finished needs its stream no more, so
 the next replica's seed simply replaces it, and after the run the global generators go on
 from the last replica's stream, whose seed is the next run's base. Only a replica that waits
-in a rendezvous (``suspend``) has its state saved, and put back when it runs on. So two
+in a rendezvous (``suspend``) has its state saved, and put back when it runs on; while all
+wait, the function of a ``merge_call`` draws from a stream of its own (``merge``), so that
+it does not draw what the last replica draws again when it runs on. So two
 identical programs give identical results on every path (replicas one after another, or
 passing the baton on threads), re-seeding with ``torch.manual_seed`` or restoring a saved
 state reproduces a run, and no two replicas share a dropout mask or a noise sample, on
@@ -27,7 +28,7 @@ kernel cold after the optimizer step: about 13 us of the demo CNN's R = 2 run, a
 >>> from centralstore._placement import Placement
 >>> randomness = ReplicaRandomness(Placement.build(["cpu:0", "cpu:1"], "cpu:0"))
 >>> def draws():
-...     streams = randomness.begin(depth=1)
+...     streams = randomness.begin()
 ...     out = []
 ...     for replica in range(2):
 ...         streams.enter(replica)
@@ -50,6 +51,14 @@ from ._placement import Placement
 
 _MIX = 0x9E3779B97F4A7C15  # an odd 64-bit constant (the golden ratio's), to spread seeds
 _MASK = (1 << 63) - 1
+_MERGE = 0x5BD1E9955BD1E995  # mixed into the seed of a merge function's stream
+
+
+def _generators_of(device: torch.device) -> tuple[Any, ...]:
+    """The generators that torch draws from on ``device``: the CPU's, and a GPU's own."""
+    return (torch.default_generator,) + (
+        (torch.cuda.default_generators[device.index],) if device.type == "cuda" else ()
+    )
 
 
 def replica_seed(base: int, replica: int) -> int:
@@ -61,21 +70,29 @@ class ReplicaRandomness:
     """The generators of a strategy's replicas (see the module's docstring): one per
     strategy; ``begin`` starts the streams of each run of several replicas."""
 
-    __slots__ = ("_generators", "_ids")
+    __slots__ = ("_generators", "_ids", "_merge_generators")
 
     def __init__(self, placement: Placement) -> None:
         self._ids = tuple(placement.replica_offset + r for r in range(placement.local_replicas))
         self._generators: tuple[tuple[Any, ...], ...] = tuple(
-            (torch.default_generator,)
-            + ((torch.cuda.default_generators[device.index],) if device.type == "cuda" else ())
-            for device in placement.storage_devices
+            map(_generators_of, placement.storage_devices)
         )
+        self._merge_generators = _generators_of(placement.parameter_storage)
 
-    def begin(self, depth: int) -> Streams:
-        """A run nested ``depth`` deep (1 outside ``merge_call``) begins: its replicas'
-        streams derive from the global CPU generator's seed and ``depth``, whatever happens
-        in the run, so that every path agrees."""
-        base = ((torch.default_generator.initial_seed() ^ (depth * _MIX)) * _MIX) & _MASK
+    def merge(self) -> None:
+        """The function of a ``merge_call`` of several replicas runs, every replica waiting
+        with its streams saved: the generators hold the last replica's, which it will draw
+        again when it runs on. The parameter device's generators (where the function runs)
+        get a stream of the function's own instead, seeded from that replica's seed, so
+        that neither the function's draws nor those of a run inside it repeat a replica's."""
+        seed = ((torch.default_generator.initial_seed() ^ _MERGE) * _MIX) & _MASK
+        for generator in self._merge_generators:
+            generator.manual_seed(seed)
+
+    def begin(self) -> Streams:
+        """A run begins: its replicas' streams derive from the global CPU generator's seed,
+        whatever happens in the run, so that every path agrees."""
+        base = (torch.default_generator.initial_seed() * _MIX) & _MASK
         return Streams(base, self._ids, self._generators)
 
 

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 S = TypeVar("S")
 
-# The strategy's cross-replica call: ``merge(fn, args, kwargs)`` runs ``fn(strategy, *args,
-# **kwargs)`` once, in cross-replica context, after a sync point.
-Merge = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any]], Any]
+# The strategy's cross-replica call: ``merge(fn, args, kwargs, rendezvous)`` runs
+# ``fn(strategy, *args, **kwargs)`` once, in cross-replica context, after a sync point
+# (``rendezvous``: several replicas wait for it).
+Merge = Callable[[Callable[..., Any], Sequence[Any], dict[str, Any], bool], Any]
 
 
 class ReplicaContext(Generic[S]):
@@ -137,7 +138,7 @@ class ReplicaContext(Generic[S]):
 
     def _merged(self, arrived: list[Any], merge_fn: Callable[..., Any]) -> list[Any]:
         args, kwargs = regroup(arrived) if len(arrived) > 1 else arrived[0]
-        result = self._merge(merge_fn, args, kwargs)
+        result = self._merge(merge_fn, args, kwargs, len(arrived) > 1)
         return [select(result, replica) for replica in range(len(arrived))]
 
     def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:

@@ -212,7 +212,7 @@ class Strategy(abc.ABC):
                     finally:
                         state.closed = True
                 else:  # one after another until a rendezvous, then each on a thread
-                    streams = self._randomness.begin(store.depth)
+                    streams = self._randomness.begin()
                     environment = _replicas.Environment(self._distinct_gpus)  # for threads
                     body = functools.partial(
                         self._run_replica, run, streams, fn, inputs, environment
@@ -312,12 +312,16 @@ class Strategy(abc.ABC):
             _context.pop()
 
     def _merge(
-        self, merge_fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self, merge_fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+        rendezvous: bool,
     ) -> Any:
         """``merge_fn(self, *args, **kwargs)`` once, in cross-replica context, after a sync
-        point (``merge_call``)."""
+        point (``merge_call``); ``rendezvous``: several replicas wait for it, and it draws
+        random numbers from a stream of its own (``ReplicaRandomness.merge``)."""
         _context.push(_context.Entry(self, None, self._store))
         self._merges += 1
+        if rendezvous:
+            self._randomness.merge()
         try:  # on the parameter device, as in scope(): optimizer state lands beside the weights
             store = self._store
             with torch.device(self._placement.parameter_storage), store.cross_replica():

@@ -129,7 +129,7 @@ class VariableStore:
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
         self._user: int | None = None  # the ident of the thread inside a run or sync point
         self._doing = ""
-        self.depth = 0  # how many runs and sync points that thread is inside (``claim``)
+        self._depth = 0
 
     # -- registration ------------------------------------------------------------------------
 
@@ -289,13 +289,13 @@ class VariableStore:
                 "the two threads' gradients. Give each thread its own strategy and model, or "
                 "wait for the other thread."
             )
-        if not self.depth:  # (the thread's ident: ``current_thread()`` is Python)
+        if not self._depth:  # (the thread's ident: ``current_thread()`` is Python)
             self._user, self._doing = threading.get_ident(), doing
-        self.depth += 1
+        self._depth += 1
 
     def release(self) -> None:
-        self.depth -= 1
-        if not self.depth:
+        self._depth -= 1
+        if not self._depth:
             self._user = None
         self._lock.release()
 
