@@ -351,8 +351,18 @@ def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> 
     assert not set(input_threads()) - before
 
 
+def _made_slowly(batch: torch.Tensor) -> torch.Tensor:
+    """A batch that takes 1 ms to make: long enough, on any machine, for the iterator to move
+    the source to a thread once the loop's steps take longer (a batch of this pipeline
+    alone can take under the 0.1 ms below which that never pays)."""
+    time.sleep(0.001)
+    return batch
+
+
 def test_a_position_saved_while_steps_are_made_ahead_resumes_exactly() -> None:
-    dataset = distribute_dataset(Dataset.range(80).shuffle(80, seed=1).batch(4), TWO)
+    dataset = distribute_dataset(
+        Dataset.range(80).shuffle(80, seed=1).batch(4).map(_made_slowly), TWO
+    )
     before = set(input_threads())
     iterator = iter(dataset)
     for _ in range(10):
