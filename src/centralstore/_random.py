@@ -4,18 +4,17 @@ With several replicas, the replica with global id 0 draws on from the global gen
 one device would; every other replica draws from a stream of its own, seeded when it first
 runs from its global id and the run's base: the seed the global CPU generator was last given
 (``torch.manual_seed``, ``set_rng_state``, or the last replica of the run before). The
-generators hold the stream of the replica
-running: replicas run one at a time, and one that has finished needs its stream no more, so
-the next replica's seed simply replaces it, and after the run the global generators go on
-from the last replica's stream, whose seed is the next run's base. Only a replica that waits
-in a rendezvous (``suspend``) has its state saved, and put back when it runs on; while all
-wait, the function of a ``merge_call`` draws from a stream of its own (``merge``), so that
-it does not draw what the last replica draws again when it runs on. So two
-identical programs give identical results on every path (replicas one after another, or
-passing the baton on threads), re-seeding with ``torch.manual_seed`` or restoring a saved
-state reproduces a run, and no two replicas share a dropout mask or a noise sample, on
-logical CPU devices and on GPUs alike (``torch.manual_seed`` gives every GPU the same seed).
-A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
+generators hold the stream of the replica running: replicas run one at a time, and one that
+has finished needs its stream no more, so the next replica's seed simply replaces it, and
+after the run the global generators go on from the last replica's stream, whose seed is the
+next run's base. Only a replica that waits in a rendezvous (``suspend``) has its state saved,
+and put back when it runs on; while all wait, the function of a ``merge_call`` draws from a
+stream of its own (``merge``), not from the one the last replica draws again when it runs
+on. So two identical programs give identical results on every path (replicas one after
+another, or passing the baton on threads), re-seeding with ``torch.manual_seed`` or
+restoring a saved state reproduces a run, and no two replicas share a dropout mask or a
+noise sample, on logical CPU devices and on GPUs alike (``torch.manual_seed`` gives every
+GPU the same seed). A replica's generators are the CPU's and, for a CUDA replica, its GPU's.
 
 Not restoring the global state after each replica is what makes this cheap: a run of two
 replicas costs one read of a seed and one ``manual_seed``, where saving and restoring the

@@ -320,9 +320,9 @@ class Strategy(abc.ABC):
         random numbers from a stream of its own (``ReplicaRandomness.merge``)."""
         _context.push(_context.Entry(self, None, self._store))
         self._merges += 1
-        if rendezvous:
-            self._randomness.merge()
         try:  # on the parameter device, as in scope(): optimizer state lands beside the weights
+            if rendezvous:
+                self._randomness.merge()
             store = self._store
             with torch.device(self._placement.parameter_storage), store.cross_replica():
                 store.check_unseen()
