@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import each_path, run_on, strategy_on
 from replicas import context, local, strategy_of
 
 import centralstore as cs
@@ -71,35 +72,39 @@ def test_after_a_run_the_generator_goes_on_from_the_last_replicas_stream(
     assert torch.equal(torch.rand(4), after)  # every path leaves the same stream
 
 
-def test_successive_runs_draw_new_numbers_on_every_replica() -> None:
-    strategy = strategy_of(3)
+@each_path
+def test_successive_runs_draw_new_numbers_on_every_replica(path: str) -> None:
+    strategy = strategy_on(path, replicas=3)
     torch.manual_seed(0)
-    first = local(strategy, strategy.run(lambda: torch.rand(4)))
-    second = local(strategy, strategy.run(lambda: torch.rand(4)))
+    first = local(strategy, run_on(path, strategy, lambda: torch.rand(4)))
+    second = local(strategy, run_on(path, strategy, lambda: torch.rand(4)))
     for a, b in zip(first, second, strict=True):
         assert not torch.equal(a, b)
 
 
-def test_a_restored_generator_state_repeats_the_next_run() -> None:
+@each_path
+def test_a_restored_generator_state_repeats_the_next_run(path: str) -> None:
     """The streams derive from the seed the generator holds, which its state carries: a
     training resumed from a checkpoint of the generators draws what it would have."""
-    strategy = strategy_of(2)
+    strategy = strategy_on(path)
     torch.manual_seed(0)
-    strategy.run(lambda: torch.rand(4))
+    run_on(path, strategy, lambda: torch.rand(4))
     saved = torch.get_rng_state()
-    first = local(strategy, strategy.run(lambda: torch.rand(4)))
+    first = local(strategy, run_on(path, strategy, lambda: torch.rand(4)))
     torch.set_rng_state(saved)
-    again = local(strategy, strategy.run(lambda: torch.rand(4)))
+    again = local(strategy, run_on(path, strategy, lambda: torch.rand(4)))
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
 
 
-def test_a_merge_function_and_a_run_inside_it_draw_what_no_replica_draws() -> None:
+@pytest.mark.parametrize("views", [False, True])
+def test_a_merge_function_and_a_run_inside_it_draw_what_no_replica_draws(views: bool) -> None:
     """While the replicas wait in ``merge_call``, the generators hold the last replica's
     saved stream: the merge function draws from a stream of its own, so that neither its
     numbers nor those of a run inside it (whose base is read from the generator) are what
-    the last replica, or the next run, draws."""
-    strategy = strategy_of(3)
+    the last replica, or the next run, draws. (A merge is a rendezvous: the replicas run
+    on threads, seeing the parameters directly or through views.)"""
+    strategy = strategy_of(3, direct=not views)
     merged: list[torch.Tensor] = []
     nested: list[list[torch.Tensor]] = []
 
