@@ -17,11 +17,21 @@ all with AdamW and the loss scaled by the global batch:
   whole    one device, one pass over 2P          (the floor's reference)
   halves   one device, two passes of P that accumulate gradients (the same work as two
            replicas: the baseline of cs R=2)
+  apart    halves, each pass's gradients kept apart and summed at the end, in plain PyTorch:
+           what two replicas that each find only their own gradients in ``.grad``, and whose
+           run can be undone, must do at least (the gradients already in ``.grad`` set
+           aside, the first pass's taken off before the second, the sums added after both
+           passes: one ``_foreach_add_``, two onto gradients set aside; no strategy, no
+           checks; the weights the halves reach, bit for bit)
   cs R=2   cpu:0 and cpu:1, P each
 and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, ``cs R=2 x4``
-(four runs of two replicas) against ``halves x4`` (the same 8 half-batch passes, plain).
+(four runs of two replicas) against ``halves x4`` (the same 8 half-batch passes, plain), and
+``apart x4`` (the same passes kept apart two by two).
 ``halves / whole`` is what smaller batches cost by themselves: the part of the demo's gap to
-one device that is not centralstore.
+one device that is not centralstore. ``apart / halves`` is what keeping each replica's
+gradients to itself costs by itself: the sums run after backward, on memory gone cold,
+where the halves add each gradient inside the engine as it is made; so ``cs R=2 / halves``
+less ``apart / halves`` is about what centralstore's own bookkeeping costs.
 
 The configurations take turns step by step, each step timed alone, in an order drawn afresh
 for every step; each round after the first (which times the instances of the warm-up tail)
@@ -60,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import operator
 import statistics
 import time
 from collections.abc import Callable
@@ -154,9 +165,9 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = 
     "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),
     "bn": (_batch_norm_cnn, _classes((3, 8, 8)), _cnn_loss),
 }
-CONFIGS = ("plain", "plain again", "cs R=1", "whole", "halves", "cs R=2")
+CONFIGS = ("plain", "plain again", "cs R=1", "whole", "halves", "apart", "cs R=2")
 COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's
-ACCUMULATED = ("halves x4", "cs R=2 x4")
+ACCUMULATED = ("halves x4", "apart x4", "cs R=2 x4")
 
 
 def _compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torch.Tensor]:
@@ -166,11 +177,24 @@ def _compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., tor
     return torch.compile(fn, dynamic=False)
 
 
+def _grads(params: list[nn.Parameter]) -> list[Any]:
+    return list(map(operator.attrgetter("grad"), params))
+
+
+def _some(values: list[Any]) -> bool:
+    return any(value is not None for value in values)
+
+
+def _set_grads(params: list[nn.Parameter], grads: list[Any]) -> None:
+    for param, grad in zip(params, grads, strict=True):
+        param.grad = grad
+
+
 def make_step(model_name: str, config: str, per_replica: int, compile_: bool) -> Callable[[], None]:
     """One optimizer step of ``config`` on ``model_name``, ready to time."""
     build, inputs, per_example = MODELS[model_name]
     micro = MICRO_BATCHES if config.endswith("x4") else 1
-    replicas = 2 if config in ("whole", "halves", "cs R=2") or micro > 1 else 1
+    replicas = 2 if config in ("whole", "halves", "apart", "cs R=2") or micro > 1 else 1
     torch.manual_seed(0)
     global_batch = per_replica * replicas * micro
     x, y = inputs(global_batch)
@@ -194,7 +218,30 @@ def make_step(model_name: str, config: str, per_replica: int, compile_: bool) ->
                 loss(xs, ys).backward()
             optimizer.step()
 
-        return plain_step
+        if not config.startswith("apart"):
+            return plain_step
+        params = list(model.parameters())
+
+        def apart_step() -> None:
+            optimizer.zero_grad()
+            for first, second in zip(parts[::2], parts[1::2], strict=True):  # a run of two
+                held = _grads(params)
+                if _some(held):
+                    _set_grads(params, [None] * len(params))
+                loss(*first).backward()
+                own = _grads(params)
+                _set_grads(params, [None] * len(params))
+                loss(*second).backward()
+                with torch.no_grad():
+                    if _some(held):
+                        torch._foreach_add_(held, own)
+                        torch._foreach_add_(held, _grads(params))
+                        _set_grads(params, held)
+                    else:
+                        torch._foreach_add_(_grads(params), own)
+            optimizer.step()
+
+        return apart_step
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = build()
@@ -265,6 +312,8 @@ RATIOS = {  # the ratio's row, its baseline, its target
     "cs R=1": ("plain", 1.02),
     "cs R=2": ("halves", 1.03),
     "halves": ("whole", None),
+    "apart": ("halves", None),
+    "apart x4": ("halves x4", None),
     "cs R=2 x4": ("halves x4", 1.03),
 }
 
