@@ -137,8 +137,9 @@ class ReplicaContext(Generic[S]):
         )
 
     def _merged(self, arrived: list[Any], merge_fn: Callable[..., Any]) -> list[Any]:
-        args, kwargs = regroup(arrived) if len(arrived) > 1 else arrived[0]
-        result = self._merge(merge_fn, args, kwargs, len(arrived) > 1)
+        several = len(arrived) > 1
+        args, kwargs = regroup(arrived) if several else arrived[0]
+        result = self._merge(merge_fn, args, kwargs, several)
         return [select(result, replica) for replica in range(len(arrived))]
 
     def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:

@@ -474,6 +474,33 @@ def test_each_gpu_replica_draws_different_reproducible_numbers(
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def test_a_merge_function_on_the_gpu_path_draws_what_no_replica_draws(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """``test_random``'s merge test where GPU users are: the function draws on the parameter
+    device from a stream of its own, the replicas on their GPUs from theirs, and neither
+    repeats the other's numbers or the next run's."""
+    strategy = strategy_for(fake_gpu_placement)
+    merged: list[torch.Tensor] = []
+
+    def merge(s: cs.Strategy) -> None:
+        merged.append(torch.rand(64, device=fake_gpu_placement.parameter_device).cpu())
+
+    def step() -> torch.Tensor:
+        context().merge_call(merge)
+        return torch.rand(64, device=context().device).cpu()
+
+    torch.manual_seed(0)
+    after_merge = local(strategy, strategy.run(step))
+    next_run = local(strategy, strategy.run(
+        lambda: torch.rand(64, device=context().device).cpu()
+    ))
+    drawn = [merged[0], *after_merge, *next_run]
+    for i, a in enumerate(drawn):
+        for b in drawn[i + 1:]:
+            assert not torch.equal(a, b)
+
+
 def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePlacement) -> None:
     """No ``TorchFunctionMode`` of centralstore's in a CUDA replica: its ops cost what they cost
     in plain PyTorch under ``torch.cuda.device``; ``device="cuda"`` is the replica's GPU."""
