@@ -401,6 +401,54 @@ def test_each_replica_sees_only_its_own_writes_to_an_integer_buffer(
     assert int(holder.count) == 10
 
 
+METRIC_VARIABLES = {  # name: (initial value, aggregation); each replica adds to its copy
+    "total": (torch.zeros(2), "SUM"),
+    "count": (torch.zeros((), dtype=torch.long), "SUM"),
+    "mean": (torch.zeros((), dtype=torch.float64), "MEAN"),
+    "first": (torch.zeros(()), "ONLY_FIRST_REPLICA"),
+    "first count": (torch.zeros((), dtype=torch.long), "ONLY_FIRST_REPLICA"),
+}
+
+
+def test_metric_variables_reduce_on_gpus_as_on_logical_devices(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """ON_READ variables of every aggregation and of three dtypes, updated in place in each
+    GPU replica at every run as metrics are, read outside ``run`` as the same replicas on
+    logical CPU devices read them (the copies' changes come from each GPU together; the
+    fake GPUs' variables on ``cuda:0``, a subclass, are reduced one by one)."""
+
+    def step(variables: dict[str, torch.Tensor]) -> None:
+        own = context().replica_id_in_sync_group + 1
+        variables["total"].add_(1.5 * own)
+        variables["count"].add_(own)
+        variables["mean"].add_(0.25 * own)
+        variables["first"].add_(own + 1.0)
+        variables["first count"].add_(3 * own)
+
+    read: dict[str, dict[str, torch.Tensor]] = {}
+    for where, strategy in (
+        ("gpus", strategy_for(fake_gpu_placement)),
+        ("logical", cs.CentralStorageStrategy(["cpu:0", "cpu:1"])),
+    ):
+        with strategy.scope():
+            variables = {
+                name: cs.Variable(value, aggregation=aggregation, trainable=False,
+                                  synchronization=cs.VariableSynchronization.ON_READ)
+                for name, (value, aggregation) in METRIC_VARIABLES.items()
+            }
+        for _ in range(3):
+            strategy.run(step, args=(variables,))
+        read[where] = {name: v.detach().cpu() for name, v in variables.items()}
+    assert read["logical"]["total"].tolist() == [13.5, 13.5]  # 3 x (1.5 + 3.0)
+    assert int(read["logical"]["count"]) == 9
+    assert float(read["logical"]["mean"]) == 1.125  # 3 x (0.25 + 0.5) / 2
+    assert float(read["logical"]["first"]) == 6.0  # replica 0's 2.0, three times
+    assert int(read["logical"]["first count"]) == 9
+    for name in METRIC_VARIABLES:
+        assert torch.equal(read["gpus"][name], read["logical"][name]), name
+
+
 OPTIMIZERS = [
     name for name in dir(torch.optim)
     if isinstance(getattr(torch.optim, name), type)

@@ -24,6 +24,7 @@ import torch
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
 from .buckets import GradientBuckets, take_all
+from .records import Central
 from .views import View
 
 
@@ -216,6 +217,8 @@ def _fold_one_each(views: list[View], distinct: bool) -> list[torch.Tensor]:
 _private_of = attrgetter("private")
 _pending_of = attrgetter("pending")
 _first = itemgetter(0)
+_second = itemgetter(1)
+_start_of = attrgetter("start")
 _assigned_of = attrgetter("assigned")
 _version_of = attrgetter("_version")
 _start_version_of = attrgetter("start_version")
@@ -401,8 +404,8 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                 on_read.setdefault(view.record.key, []).append((offset + replica, view))
             else:
                 writers.setdefault(view.record.key, []).append(view)
-    for copies in on_read.values():
-        _reduce_copies(copies, len(touched))
+    if on_read:
+        _reduce_all_copies(list(on_read.values()), len(touched))
     batched: dict[tuple[Any, ...], list[tuple[torch.Tensor, list[View]]]] = {}
     alone: list[tuple[torch.Tensor, torch.Tensor]] = []  # one replica: its values, as written
     for views in writers.values():
@@ -419,12 +422,8 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         any_assigned = any(map(_assigned_of, views))
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             views = views[:1]
-        if (
-            aggregation in _BATCHED and type(central) is torch.Tensor
-            and central.layout is torch.strided and central.dtype is not torch.bool
-            and (central.is_floating_point() or aggregation is not VariableAggregation.MEAN)
-        ):  # the usual writes, batch norm's statistics and counters: with the others like
-            # them (an integer MEAN rounds its quotient: below, by ``copy_``)
+        if _combinable(aggregation, central):  # the usual writes, batch norm's statistics
+            # and counters: with the others like them
             batched.setdefault(
                 (aggregation, len(views), any_assigned, central.dtype), []
             ).append((central, views))
@@ -455,6 +454,19 @@ _BATCHED = (
 )
 _MEAN = VariableAggregation.MEAN
 _ONLY_FIRST = VariableAggregation.ONLY_FIRST_REPLICA
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a Keras variable's value is a Parameter)
+
+
+def _combinable(aggregation: VariableAggregation, central: torch.Tensor) -> bool:
+    """Whether writes to ``central`` combine with those to other variables like it in
+    ``_foreach`` kernels: a dense tensor or parameter of no other class (a subclass may
+    dispatch otherwise), not boolean, of an aggregation that adds (an integer MEAN rounds
+    its quotient, which ``copy_`` does one variable at a time)."""
+    if aggregation not in _BATCHED or type(central) not in _PLAIN:
+        return False
+    return central.layout is torch.strided and central.dtype is not torch.bool and (
+        central.is_floating_point() or aggregation is not _MEAN
+    )
 
 
 def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
@@ -479,7 +491,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
     dtypes = list(map(_dtype_of, centrals))
     if not all(map(all, zip(  # ``apply_writes``' test of what ``_apply_together`` combines
         map(_BATCHED.__contains__, aggregations),
-        map(is_, map(type, centrals), repeat(torch.Tensor)),
+        map(_PLAIN.__contains__, map(type, centrals)),
         map(is_, map(_layout_of, centrals), repeat(torch.strided)),
         map(is_not, dtypes, repeat(torch.bool)),
         map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
@@ -545,6 +557,43 @@ def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[t
         pieces = map(torch.Tensor.view, flat.split_with_sizes(numels), map(_shape_of, mine))
         deque(map(brought.__setitem__, compress(count(), chosen), pieces), maxlen=0)
     return brought
+
+
+def _reduce_all_copies(every: list[list[tuple[int, View]]], local_replicas: int) -> None:
+    """``_reduce_copies`` of every ON_READ variable whose copies a run wrote. Those of one
+    aggregation, dtype and device whose copies the same replicas wrote (a Keras model's
+    metrics, at every step) are reduced together, the same arithmetic in a few kernels for
+    all of them: each replica's copies and their starting values brought from its device
+    in one copy per dtype, its changes in one ``_foreach_sub``, summed in replica order and
+    added to the central values. The others are reduced one by one."""
+    together: dict[tuple[Any, ...], list[tuple[torch.Tensor, Central, list[View]]]] = {}
+    for copies in every:
+        record = copies[0][1].record
+        central = record.ref()
+        if central is None or not _combinable(record.aggregation, central):
+            _reduce_copies(copies, local_replicas)
+            continue
+        if record.aggregation is _ONLY_FIRST:  # (in replica order: global replica 0 first)
+            copies = copies[:1] if copies[0][0] == 0 else []
+        if any(map(is_, map(_start_of, map(_second, copies)), repeat(None))):  # not started
+            copies = [(replica, view) for replica, view in copies if view.start is not None]
+        key = (record.aggregation, central.dtype, central.device, tuple(map(_first, copies)))
+        together.setdefault(key, []).append((central, record, list(map(_second, copies))))
+    for (aggregation, _, _, replicas), entries in together.items():
+        centrals = [central for central, _, _ in entries]
+        total: list[torch.Tensor] = []
+        for k in range(len(replicas)):  # each replica's changes, in replica order
+            views = [copies[k] for _, _, copies in entries]
+            both = _brought(centrals * 2, [*map(_detach, map(_tensor_of, views)),
+                                           *map(_start_of, views)])
+            terms = list(torch._foreach_sub(both[:len(views)], both[len(views):]))
+            total = list(torch._foreach_add(total, terms)) if total else terms
+        if total:
+            if aggregation is _MEAN:
+                total = list(torch._foreach_div(total, local_replicas))
+            torch._foreach_add_(centrals, total)
+        for central, record, _ in entries:
+            record.synced = (central._version, central.data_ptr())
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
