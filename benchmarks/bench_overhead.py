@@ -30,7 +30,8 @@ worker processes of one replica each, and DistributedDataParallel's in the same 
 CUDA semantics emulated on the CPU): centralstore's own lines per training step, all of them
 (its hooks and views included), for two replicas on ``cuda:0`` and ``cuda:1`` with the
 variables on the CPU or on ``cuda:0``, and one replica on ``cuda:0`` with the variables on the
-CPU or on its own GPU, on stacks of linear layers and of linear and batch-norm layers; and
+CPU or on its own GPU, on stacks of linear layers and of linear and batch-norm layers, and
+on a small stack whose replicas also add their loss to four metric variables (ON_READ); and
 the step's CUDA transfers (copies to, from and between devices) and stream and event calls
 (records, waits, synchronizations), which a real GPU pays for one by one. The fake devices'
 own Python is not counted; their tensors are a subclass, which a few of centralstore's
@@ -293,16 +294,23 @@ def count_package(step: Callable[[], None]) -> collections.Counter[str]:
     return lines
 
 
-def _training_step(devices: list[str], storage: str, model: Callable[[], nn.Module]) -> tuple[
-    Callable[[], None], int
-]:
+def _training_step(
+    devices: list[str], storage: str, model: Callable[[], nn.Module], metrics: int = 0,
+) -> tuple[Callable[[], None], int]:
     """A training step of ``model`` built in a strategy on ``devices`` with its variables on
-    ``storage``, over a distributed ``DataLoader``; and the model's number of variables."""
+    ``storage``, over a distributed ``DataLoader``; and the model's number of variables.
+    ``metrics``: that many ON_READ variables (SUM, as Keras' metrics declare theirs), each
+    replica adding its loss to every one at every step."""
     strategy = cs.CentralStorageStrategy(devices, parameter_device=storage)
     torch.manual_seed(0)
     with strategy.scope():
         module = model()
         optimizer = torch.optim.SGD(module.parameters(), lr=0.01)
+        meters = [
+            cs.Variable(torch.zeros(()), aggregation="SUM", trainable=False,
+                        synchronization=cs.VariableSynchronization.ON_READ)
+            for _ in range(metrics)
+        ]
     batches = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(8 * len(devices), 4)),
         batch_size=4 * len(devices),
@@ -318,10 +326,16 @@ def _training_step(devices: list[str], storage: str, model: Callable[[], nn.Modu
             inputs = iter(source)
             (xs,) = next(inputs)
         optimizer.zero_grad()
-        strategy.run(lambda x: module(x).sum().backward(), args=(xs,))
+        strategy.run(replica, args=(xs,))
         optimizer.step()
 
-    return step, len(list(module.parameters())) + len(list(module.buffers()))
+    def replica(x: torch.Tensor) -> None:
+        loss = module(x).sum()
+        loss.backward()
+        for meter in meters:
+            meter.add_(loss.detach())
+
+    return step, len(list(module.parameters())) + len(list(module.buffers())) + metrics
 
 
 # The CUDA runtime calls of a step that the fake GPUs count and a real GPU pays for each
@@ -352,15 +366,20 @@ def fake_gpu_counts() -> None:
           f"{'transfers':>9} {'events':>6}")
     top: collections.Counter[str] = collections.Counter()
     with fakegpu.devices(2) as gpus:
-        for depth, norm, frozen in ((2, False, 0), (20, False, 0), (20, False, 16), (10, True, 0)):
+        for depth, norm, frozen, metrics in (
+            (2, False, 0, 0), (20, False, 0, 0), (20, False, 16, 0), (10, True, 0, 0),
+            (2, False, 0, 4),
+        ):
             name = f"{depth} x Linear(8, 8)" + (" + BatchNorm1d" if norm else "") + (
                 f", first {frozen} frozen" if frozen else ""
-            )
+            ) + (f", {metrics} metric variables" if metrics else "")
             for devices, storage in (
                 (["cuda:0", "cuda:1"], "cpu"), (["cuda:0", "cuda:1"], "cuda:0"),
                 (["cuda:0"], "cpu"), (["cuda:0"], "cuda:0"),
             ):
-                step, variables = _training_step(devices, storage, stack(depth, norm, frozen))
+                step, variables = _training_step(
+                    devices, storage, stack(depth, norm, frozen), metrics
+                )
                 lines = count_package(step)
                 before = collections.Counter(gpus.calls)
                 step()
