@@ -583,9 +583,8 @@ def _reduce_all_copies(every: list[list[tuple[int, View]]], local_replicas: int)
         centrals = [central for central, _, _ in entries]
         total: list[torch.Tensor] = []
         for k in range(len(replicas)):  # each replica's changes, in replica order
-            views = [copies[k] for _, _, copies in entries]
-            both = _brought(centrals * 2, [*map(_detach, map(_tensor_of, views)),
-                                           *map(_start_of, views)])
+            views = [copies[k] for _, _, copies in entries]  # (read under ``no_grad``)
+            both = _brought(centrals * 2, [*map(_tensor_of, views), *map(_start_of, views)])
             terms = list(torch._foreach_sub(both[:len(views)], both[len(views):]))
             total = list(torch._foreach_add(total, terms)) if total else terms
         if total:

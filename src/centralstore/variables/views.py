@@ -300,8 +300,10 @@ class ReplicaViews:
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 view.start = view.tensor.detach().clone()
-        else:
+        elif view.tensor.requires_grad:
             view.start = view.tensor.detach().clone()
+        else:  # (a metric's copy: its clone records nothing, and a detach is an operation)
+            view.start = view.tensor.clone()
         return self._current(view, central)
 
     def _create(self, record: Central, central: torch.Tensor) -> View:
