@@ -57,9 +57,15 @@ long (200 ms instead of 20) and vary by as much from round to round. Times are t
 CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
 more runnable threads than cores, wall-clock time measures the neighbours.
 
+``--block K`` makes each turn K consecutive steps of one configuration, the first untimed:
+the steps of a training loop, each after a step of the same model. By default every timed
+step follows another configuration's, on caches that step has filled, which a loop never
+meets: the demo CNN's plain step takes about 1.8 times as long that way, and a sum after
+backward over memory gone cold weighs more.
+
     python benchmarks/bench_models.py [--rounds 10] [--steps 10] [--sizes 4]
         [--compiled-sizes 4] [--models gpt2 bert vit cnn bn] [--compiled-models gpt2]
-        [--threads 1] [--clock cpu]
+        [--threads 1] [--clock cpu] [--block 1]
 
 The defaults time 7 groups of configurations (five models eager, GPT-2 compiled, GPT-2
 accumulating); ``--sizes 2 8 --compiled-models gpt2 bert vit`` covers more, at several times
@@ -285,7 +291,7 @@ def _time(step: Callable[[], None], steps: int) -> float:
 
 def measure(
     model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
-    rounds: int, steps: int,
+    rounds: int, steps: int, block: int = 1,
 ) -> dict[str, tuple[float, float, list[list[float]]]]:
     """config -> (steady median ms per step, the first 50 steps' median over it, each
     round's step times)."""
@@ -300,7 +306,9 @@ def measure(
             early[config].append(_time(made[config], 1))
     first = {config: statistics.median(v) for config, v in early.items()}
     timer = functools.partial(_time, steps=1)
-    times = take_turns(make, configs, rounds, steps, timer, made, rebuild=not compile_)
+    times = take_turns(
+        make, configs, rounds, steps, timer, made, rebuild=not compile_, block=block
+    )
     return {
         config: (median_of_all(v), first[config] / median_of_all(v), v)
         for config, v in times.items()
@@ -334,13 +342,19 @@ def main() -> None:
     parser.add_argument("--no-accumulation", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
+    parser.add_argument("--block", type=int, default=1,
+                        help="consecutive steps per turn, the first untimed (a training loop's)")
     options = parser.parse_args()
+    if options.block < 1:
+        parser.error(f"--block must be at least 1, got {options.block}")
     torch.set_num_threads(options.threads)
     global _clock
     _clock = CLOCKS[options.clock]
     fixed = fix_mmap_threshold()
+    turns = "step by step" if options.block == 1 else f"in blocks of {options.block}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"{options.steps} steps x {options.rounds} rounds, medians of {options.clock} time, "
+          f"{options.steps} steps x {options.rounds} rounds, turns {turns}, "
+          f"medians of {options.clock} time, "
           f"mmap threshold "
           f"{'fixed' if fixed else 'dynamic'}; tail: first {FIRST} steps' median / steady\n")
     print(f"{'model':<6} {'mode':<8} {'P':>2} {'config':<10} {'ms/step':>8} {'ratio':>7} "
@@ -356,7 +370,8 @@ def main() -> None:
         groups.append(("gpt2", "eager", 4, ACCUMULATED))
     for model_name, mode, size, configs in groups:
         results = measure(
-            model_name, configs, size, mode == "compiled", options.rounds, options.steps
+            model_name, configs, size, mode == "compiled", options.rounds, options.steps,
+            options.block,
         )
         for config in configs:
             ms, tail, times = results[config]

@@ -194,6 +194,7 @@ def take_turns(
     timer: Callable[[Callable[[], None]], float],
     made: dict[str, Callable[[], None]] | None = None,
     rebuild: bool = True,
+    block: int = 1,
 ) -> dict[str, list[list[float]]]:
     """Each configuration's step times, round by round: in every round the configurations
     take turns step by step, in an order drawn afresh for every step, and every round but
@@ -202,7 +203,17 @@ def take_turns(
     otherwise stay with its configuration for the whole run: kept, with a fixed order
     reversed every round, it read identical code at 0.976 to 1.039 of itself
     (``bench_models.py``). ``rebuild`` False keeps the first instances (compiled ones, which
-    a new instance would compile again)."""
+    a new instance would compile again).
+
+    ``block`` > 1: a turn is that many consecutive steps of one configuration, the first
+    untimed (it follows another configuration's step) and the others timed, as a training
+    loop runs them; a round still times ``steps`` steps of each (``steps`` rounded up to
+    whole turns). Taking turns step by step times every step right after another
+    configuration's, on caches that step has filled."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1 step per turn, got {block}")
+    timed = max(block - 1, 1)  # timed steps per turn
+    turns = -(-steps // timed)
     rng = random.Random(0)
 
     def build() -> dict[str, Callable[[], None]]:
@@ -220,11 +231,15 @@ def take_turns(
             current = build()
         gc.collect()
         this_round: dict[str, list[float]] = {config: [] for config in configs}
-        for _ in range(steps):
+        for _ in range(turns):
             order = list(configs)
             rng.shuffle(order)
             for config in order:
-                this_round[config].append(timer(current[config]))
+                step = current[config]
+                if block > 1:
+                    step()
+                for _ in range(timed):
+                    this_round[config].append(timer(step))
         for config, samples in this_round.items():
             times[config].append(samples)
     return times
