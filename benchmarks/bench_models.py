@@ -60,8 +60,7 @@ more runnable threads than cores, wall-clock time measures the neighbours.
 ``--block K`` makes each turn K consecutive steps of one configuration, the first untimed:
 the steps of a training loop, each after a step of the same model. By default every timed
 step follows another configuration's, on caches that step has filled, which a loop never
-meets: the demo CNN's plain step takes about 1.8 times as long that way, and a sum after
-backward over memory gone cold weighs more.
+meets (on the development machine the two read the same verdicts, benchmarks/README.md).
 
     python benchmarks/bench_models.py [--rounds 10] [--steps 10] [--sizes 4]
         [--compiled-sizes 4] [--models gpt2 bert vit cnn bn] [--compiled-models gpt2]
