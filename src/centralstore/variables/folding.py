@@ -489,7 +489,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
         return True
     aggregations = list(map(_aggregation_of, first))
     dtypes = list(map(_dtype_of, centrals))
-    if not all(map(all, zip(  # ``apply_writes``' test of what ``_apply_together`` combines
+    if not all(map(all, zip(  # ``_combinable`` of each, in passes in C
         map(_BATCHED.__contains__, aggregations),
         map(_PLAIN.__contains__, map(type, centrals)),
         map(is_, map(_layout_of, centrals), repeat(torch.strided)),
