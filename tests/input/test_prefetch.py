@@ -193,7 +193,7 @@ class Timed:
 def paid() -> OverlapVerdict:
     """The verdict of a dataset whose earlier pass found making ahead worth it (no trial)."""
     verdict = OverlapVerdict()
-    verdict.pays = True
+    verdict.succeed()
     return verdict
 
 
@@ -400,6 +400,68 @@ def test_a_step_the_thread_always_slows_meets_trials_ever_further_apart() -> Non
     ]
     assert verdict.failed == 5 and 0 < verdict.wait <= 1024
     assert source.threads[-1] is threading.current_thread()
+
+
+def moves_of(
+    ahead_cost: Callable[[int], float], count: int
+) -> tuple[list[tuple[int, str]], OverlapVerdict]:
+    """The steps at which a pass of ``count`` items moved ahead and back, when the consumer
+    is away 1.0 after an item made here (which costs 1.0) and ``ahead_cost(step)`` after one
+    made ahead (which costs it nothing)."""
+    moves: list[tuple[int, str]] = []
+    verdict = OverlapVerdict()
+    clock = Clock()
+    source = CallingThreadSource(clock, 1.0, count)
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
+    for step, _ in enumerate(iterator):
+        if iterator.ahead and (not moves or moves[-1][1] != "ahead"):
+            moves.append((step, "ahead"))
+        elif not iterator.ahead and moves and moves[-1][1] == "ahead":
+            moves.append((step, "here"))
+        clock.now += ahead_cost(step) if iterator.ahead else 1.0
+    return moves, verdict
+
+
+def test_a_thread_that_pays_is_checked_again_ever_further_apart() -> None:
+    moves, verdict = moves_of(lambda step: 1.0, 1_000)
+    # trials pass at steps 15, 95, 239: checked again 64, 128, 256 steps made ahead later,
+    # each check a fresh baseline of 8 steps made here before the trial
+    assert moves == [
+        (8, "ahead"), (79, "here"), (88, "ahead"), (223, "here"), (232, "ahead"),
+        (495, "here"), (504, "ahead"),
+    ]
+    assert verdict.pays is True and verdict.passed == 4 and verdict.failed == 0
+
+
+def test_a_thread_that_stops_paying_is_found_out_at_its_next_check() -> None:
+    # the thread shortens the cycle until step 60, then slows the step (a trial that met a
+    # quiet moment, or a step that changed): the check at step 79 takes the source back
+    moves, verdict = moves_of(lambda step: 1.0 if step < 60 else 3.0, 400)
+    assert moves == [
+        (8, "ahead"), (79, "here"), (88, "ahead"), (95, "here"), (160, "ahead"),
+        (167, "here"), (296, "ahead"), (303, "here"),
+    ]
+    assert verdict.pays is False and (verdict.passed, verdict.failed) == (1, 3)
+
+
+def test_a_check_hands_the_items_back_in_order() -> None:
+    main = threading.current_thread()
+    for count in range(60, 100):  # the source ends before, during and after the check
+        before = input_threads()
+        clock = Clock()
+        source = CallingThreadSource(clock, 1.0, count)
+        iterator = OverlapIterator(iter(source), buffer_size=2, clock=clock, verdict=paid())
+        taken = []
+        for item in iterator:
+            taken.append(item)
+            clock.now += 1.0
+        assert taken == list(range(count)), count
+        made_by = ["here" if thread is main else "ahead" for thread in source.threads]
+        if count >= 74:  # moved at once, checked 64 steps made ahead later: a baseline here
+            first = made_by.index("ahead")
+            assert made_by[first:first + 60] == ["ahead"] * 60, count
+            assert made_by[first + 66:first + 70] == ["here"] * 4, count
+        assert wait_until(lambda before=before: input_threads() <= before)
 
 
 def test_an_error_around_the_hand_back_reaches_the_consumer_as_the_same_object() -> None:

@@ -130,19 +130,22 @@ class PrefetchIterator(Iterator[Any]):
 class OverlapVerdict:
     """Whether making items ahead paid, kept by the dataset across its passes.
 
-    ``pays``: None before any trial; True once a trial has shown it, and later passes move
-    without one; False after a trial that did not. A failed trial is not final, since one
-    trial of a few steps can meet a moment of the machine's load: another may start once
-    ``wait`` more steps have been made on the calling thread, a wait that doubles with each
-    failed trial (``failed``), so that a step the thread always slows pays for a number of
-    trials that grows with the logarithm of the steps, not with them.
+    ``pays``: None before any trial (and while a check of a paying thread gathers its
+    baseline); True once a trial has shown it, and later passes move without one; False after
+    a trial that did not. Neither verdict is final, since one trial of a few steps can meet a
+    moment of the machine's load: after a failed trial another may start once ``wait`` more
+    steps have been made on the calling thread, and after one that paid the thread is checked
+    again once ``wait`` steps have been made ahead. Each wait doubles the last of its kind
+    (``failed``, ``passed``), so that trials, right or wrong, grow with the logarithm of the
+    steps, not with them.
     """
 
-    __slots__ = ("failed", "pays", "wait")
+    __slots__ = ("failed", "passed", "pays", "wait")
 
     def __init__(self) -> None:
         self.pays: bool | None = None
         self.failed = 0
+        self.passed = 0
         self.wait = 0
 
     def fail(self) -> None:
@@ -150,6 +153,12 @@ class OverlapVerdict:
         self.pays = False
         self.wait = _RETRY << self.failed
         self.failed += 1
+
+    def succeed(self) -> None:
+        """A trial paid: the thread stays, until a check twice as far off as the last."""
+        self.pays = True
+        self.wait = _RETRY << self.passed
+        self.passed += 1
 
 
 @final
@@ -173,8 +182,10 @@ class OverlapIterator(Iterator[Any]):
     compared with that over the last steps made here, and unless it is shorter the source
     comes back to the calling thread. ``verdict`` keeps the outcome for later passes: after a
     trial that paid they move after two steps worth it; after one that did not, another trial
-    may start once 64 steps have been made here, then 128, 256 and so on (a single trial can
-    meet a moment of load that has nothing to do with the step).
+    may start once 64 steps have been made here, then 128, 256 and so on. A trial that paid is
+    checked the same way: after 64 steps made ahead (then 128, 256, ...) the source comes back
+    for a fresh baseline and a new trial. (A single trial can meet a moment of load that has
+    nothing to do with the step, in either direction.)
 
     >>> it = OverlapIterator(iter(range(3)), buffer_size=1)
     >>> list(it), it.ahead
@@ -213,6 +224,11 @@ class OverlapIterator(Iterator[Any]):
             item = next(self._ahead)
             if self._trial is not None:
                 self._judge()
+            elif self._verdict.pays:  # since a trial that paid: checked again in time
+                self._verdict.wait -= 1
+                if self._verdict.wait <= 0:
+                    self._take_back()
+                    self._verdict.pays = None  # a fresh baseline here, then a trial
             return item
         if self._made:
             self._returned = self._clock()
@@ -259,12 +275,20 @@ class OverlapIterator(Iterator[Any]):
             return
         self._trial = None
         if statistics.median(trial[1:]) < statistics.median(self._here):
-            self._verdict.pays = True
+            self._verdict.succeed()
         else:
             self._verdict.fail()
-            made, self._ended = self._ahead.hand_back()
-            self._made.extend(made)
-            self._ahead = None
+            self._take_back()
+
+    def _take_back(self) -> None:
+        """The source comes back to the calling thread, with the items made ahead and not
+        yet taken, in order; the cycles timed here start afresh."""
+        assert self._ahead is not None
+        made, self._ended = self._ahead.hand_back()
+        self._made.extend(made)
+        self._ahead = None
+        self._here.clear()
+        self._streak = 0
 
     def close(self) -> None:
         """Stop making items (and the background thread, if one makes them); ``next`` ends."""
