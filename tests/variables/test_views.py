@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from replicas import strategy_of
+from paths import PATHS, run_on, strategy_on
+from replicas import local, replica_id, strategy_of
 from torch import nn
 
 import centralstore as cs
+from centralstore.variables import views
 
 
 @pytest.fixture(autouse=True)
@@ -260,3 +262,79 @@ def test_small_values_refresh_a_gpu_replica_from_another_gpu_in_one_copy(fake_gp
         replica.refresh(copies, mixed)
     for tensor, central in zip(copies, mixed, strict=True):
         assert torch.equal(tensor.cpu(), central.cpu())
+
+
+# write_in_place: a write to a replica's view by a caller that knows the variable (Keras'
+# assign_add), the same as the torch call that receives the variable.
+
+ON_READ = cs.VariableSynchronization.ON_READ
+
+
+def _by_torch_call(variable: torch.Tensor, value: Callable[[], Any]) -> None:
+    with torch.no_grad():
+        variable.add_(value())
+
+
+def _by_write_in_place(variable: torch.Tensor, value: Callable[[], Any]) -> None:
+    def add(tensor: torch.Tensor) -> None:
+        tensor.add_(value())
+
+    with torch.no_grad():
+        if not views.write_in_place(variable, add):
+            add(variable)  # one replica on the variables' device uses them directly
+
+
+def _written(
+    path: str, aggregation: str, write: Callable[[torch.Tensor, Callable[[], Any]], None]
+) -> tuple[float, list[float], float]:
+    """Three runs in which replica r adds r + 1 to ``scale``'s copy and then its copy of
+    ``scale`` to ``total``'s; 10 assigned to ``total`` outside run; a run adding 1 to it."""
+    strategy = strategy_on(path)
+    with strategy.scope():
+        total = cs.Variable(0.0, aggregation=aggregation, trainable=False,
+                            synchronization=ON_READ)
+        scale = cs.Variable(0.0, aggregation="SUM", trainable=False, synchronization=ON_READ)
+    for _ in range(3):  # each replica's copy of scale is read through its own view
+        run_on(path, strategy, lambda: write(scale, lambda: replica_id() + 1.0))
+        run_on(path, strategy, lambda: write(total, lambda: scale * 1.0))
+    with torch.no_grad():
+        total.copy_(torch.tensor(10.0))  # the copies begin again from the variable itself
+    run_on(path, strategy, lambda: write(total, lambda: torch.tensor(1.0)))
+    copies = local(strategy, run_on(path, strategy, lambda: total.clone()))
+    return float(total), [float(c) for c in copies], float(scale)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN", "ONLY_FIRST_REPLICA"])
+def test_write_in_place_writes_the_copies_as_the_torch_call_does(
+    path: str, aggregation: str
+) -> None:
+    by_call = _written(path, aggregation, _by_torch_call)
+    assert _written(path, aggregation, _by_write_in_place) == by_call
+    # scale's copies: 1 and 2, 2 and 4, 3 and 6, added to total's at each run: 6 and 12
+    expected = {"SUM": (12.0, [6.0, 6.0]), "MEAN": (11.0, [11.0, 11.0]),
+                "ONLY_FIRST_REPLICA": (11.0, [11.0, 11.0])}[aggregation]
+    assert by_call == (*expected, 9.0)
+
+
+def test_write_in_place_leaves_what_is_not_a_replicas_view_to_the_caller() -> None:
+    variable = torch.zeros(())
+    assert not views.write_in_place(variable, torch.Tensor.zero_)  # no run: no views
+    strategy = strategy_of(2, direct=False)
+    with strategy.scope():
+        central = cs.Variable(0.0, aggregation="SUM", trainable=False, synchronization=ON_READ)
+    plain = torch.zeros(())
+
+    def step() -> tuple[bool, bool]:
+        with torch.no_grad():
+            return (
+                views.write_in_place(plain, lambda t: t.add_(1.0)),
+                views.write_in_place(central, lambda t: t.add_(1.0)),
+            )
+
+    assert strategy.run(step) == (False, True)  # in every replica
+    assert float(plain) == 0.0 and float(central) == 2.0
+    one = strategy_of(1)  # one replica on the variables' device uses them directly
+    with one.scope():
+        own = cs.Variable(0.0, aggregation="SUM", trainable=False, synchronization=ON_READ)
+    assert one.run(lambda: views.write_in_place(own, torch.Tensor.zero_)) is False

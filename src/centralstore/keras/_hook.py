@@ -29,6 +29,7 @@ every Keras variable, seed, optimizer and input:
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from .._autograd import no_grad
 from .._context import in_replica_of_strategy
 from ..input.dataset import Dataset
 from ..strategies.context import get_replica_context, get_strategy
+from ..variables.views import write_in_place
 from . import _data, _steps, _variables
 from ._backend import load
 from ._batches import check_reductions
@@ -138,11 +140,14 @@ def _delta(sign: float) -> Callable[[Any, Any], Any]:
         if not in_replica_of_strategy() or in_stateless_scope():
             return _original[name](self, value)
         current = self.value
-        if not get_strategy().extended.variable_created_in_scope(current):
-            return _original[name](self, value)
-        value = self._convert_to_tensor(value, dtype=self._dtype)
+        increment = self._convert_to_tensor(value, dtype=self._dtype)
+        add = functools.partial(torch.Tensor.add_, other=increment, alpha=sign)  # a C call
         with no_grad():  # an in-place add: the replica's write is its increment
-            current.add_(value, alpha=sign)
+            if write_in_place(current, add):  # on the replica's view of the variable
+                return current
+            if not get_strategy().extended.variable_created_in_scope(current):
+                return _original[name](self, value)
+            add(current)  # a replica that uses the variable itself
         return current
 
     assign.__name__ = name

@@ -419,6 +419,20 @@ class ReplicaViews:
         elif kind != DELTA:
             view.assigned = True
 
+    def write_in_place(
+        self, record: Central, update: Callable[[torch.Tensor], object], kind: int
+    ) -> None:
+        """``update`` writes this replica's view of ``record``'s variable in place, a write of
+        ``kind``: what ``call`` does for a torch call that writes the variable, without
+        looking for central variables among its arguments."""
+        with DisableTorchFunctionSubclass():  # the central variable itself, as in ``call``
+            view = self.resolve(record, write=True)  # a private view: its writes are noted
+        tensor = view.tensor
+        version = tensor._version
+        update(tensor)  # (a central variable among what it reads resolves as in any call)
+        if tensor._version != version:
+            self.note_write(view, kind, moved=True)
+
     def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Call ``func`` with central variables swapped for this replica's views."""
         kind = _write_kinds.get(func)
@@ -516,6 +530,25 @@ def _resolve(func: Any, args: Any, kwargs: Any) -> Any:
         return _on_views(views, func, args, kwargs)
     with DisableTorchFunctionSubclass():  # ``_call_on_views`` inlined: a call fewer each time
         return views.call(func, args, kwargs)
+
+
+def write_in_place(
+    central: torch.Tensor, update: Callable[[torch.Tensor], object], kind: int = DELTA
+) -> bool:
+    """``update(tensor)`` writes in place the view of ``central`` that the replica running on
+    this thread sees, as a torch call given ``central`` would (``ReplicaViews.call``), for a
+    caller that knows the variable and its write: Keras' ``assign_add``, a metric's update,
+    takes about 30 lines of Python here against 80 through ``__torch_function__``. False,
+    with nothing done, when no replica's views are resolved on this thread (the replica uses
+    the variables themselves) or ``central`` is not one of their variables."""
+    views = _resolution.views
+    if views is None:
+        return False
+    record = views.records.get(id(central))
+    if record is None:
+        return False
+    views.write_in_place(record, update, kind)
+    return True
 
 
 def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> Any:
