@@ -282,13 +282,15 @@ class OverlapIterator(Iterator[Any]):
 
     def _take_back(self) -> None:
         """The source comes back to the calling thread, with the items made ahead and not
-        yet taken, in order; the cycles timed here start afresh."""
+        yet taken, in order; the cycles timed here start afresh, from the item the consumer
+        takes now."""
         assert self._ahead is not None
         made, self._ended = self._ahead.hand_back()
         self._made.extend(made)
         self._ahead = None
         self._here.clear()
         self._streak = 0
+        self._returned = self._clock()
 
     def close(self) -> None:
         """Stop making items (and the background thread, if one makes them); ``next`` ends."""
