@@ -381,30 +381,9 @@ def test_after_a_failed_trial_the_next_waits_64_steps_made_here() -> None:
     assert source.threads[-1] is not threading.current_thread()
 
 
-def test_a_step_the_thread_always_slows_meets_trials_ever_further_apart() -> None:
-    moves = []
-    verdict = OverlapVerdict()
-    clock = Clock()
-    source = CallingThreadSource(clock, 1.0, 2_000)
-    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
-    for step, _ in enumerate(iterator):
-        if iterator.ahead and (not moves or moves[-1][1] != "ahead"):
-            moves.append((step, "ahead"))
-        elif not iterator.ahead and moves and moves[-1][1] == "ahead":
-            moves.append((step, "here"))
-        clock.now += 3.0 if iterator.ahead else 1.0
-    # each trial: 7 steps made ahead, then 64, 128, 256, 512 steps made here before the next
-    assert moves == [
-        (8, "ahead"), (15, "here"), (80, "ahead"), (87, "here"), (216, "ahead"),
-        (223, "here"), (480, "ahead"), (487, "here"), (1000, "ahead"), (1007, "here"),
-    ]
-    assert verdict.failed == 5 and 0 < verdict.wait <= 1024
-    assert source.threads[-1] is threading.current_thread()
-
-
 def moves_of(
     ahead_cost: Callable[[int], float], count: int
-) -> tuple[list[tuple[int, str]], OverlapVerdict]:
+) -> tuple[list[tuple[int, str]], OverlapVerdict, CallingThreadSource]:
     """The steps at which a pass of ``count`` items moved ahead and back, when the consumer
     is away 1.0 after an item made here (which costs 1.0) and ``ahead_cost(step)`` after one
     made ahead (which costs it nothing)."""
@@ -419,11 +398,22 @@ def moves_of(
         elif not iterator.ahead and moves and moves[-1][1] == "ahead":
             moves.append((step, "here"))
         clock.now += ahead_cost(step) if iterator.ahead else 1.0
-    return moves, verdict
+    return moves, verdict, source
+
+
+def test_a_step_the_thread_always_slows_meets_trials_ever_further_apart() -> None:
+    moves, verdict, source = moves_of(lambda step: 3.0, 2_000)
+    # each trial: 7 steps made ahead, then 64, 128, 256, 512 steps made here before the next
+    assert moves == [
+        (8, "ahead"), (15, "here"), (80, "ahead"), (87, "here"), (216, "ahead"),
+        (223, "here"), (480, "ahead"), (487, "here"), (1000, "ahead"), (1007, "here"),
+    ]
+    assert verdict.failed == 5 and 0 < verdict.wait <= 1024
+    assert source.threads[-1] is threading.current_thread()
 
 
 def test_a_thread_that_pays_is_checked_again_ever_further_apart() -> None:
-    moves, verdict = moves_of(lambda step: 1.0, 1_000)
+    moves, verdict, _ = moves_of(lambda step: 1.0, 1_000)
     # trials pass at steps 15, 95, 239: checked again 64, 128, 256 steps made ahead later,
     # each check a fresh baseline of 8 steps made here before the trial
     assert moves == [
@@ -436,7 +426,7 @@ def test_a_thread_that_pays_is_checked_again_ever_further_apart() -> None:
 def test_a_thread_that_stops_paying_is_found_out_at_its_next_check() -> None:
     # the thread shortens the cycle until step 60, then slows the step (a trial that met a
     # quiet moment, or a step that changed): the check at step 79 takes the source back
-    moves, verdict = moves_of(lambda step: 1.0 if step < 60 else 3.0, 400)
+    moves, verdict, _ = moves_of(lambda step: 1.0 if step < 60 else 3.0, 400)
     assert moves == [
         (8, "ahead"), (79, "here"), (88, "ahead"), (95, "here"), (160, "ahead"),
         (167, "here"), (296, "ahead"), (303, "here"),
