@@ -4,6 +4,7 @@ replica's stream."""
 
 from __future__ import annotations
 
+import fakegpu
 import pytest
 import torch
 from paths import each_path, run_on, strategy_on
@@ -123,3 +124,17 @@ def test_a_merge_function_and_a_run_inside_it_draw_what_no_replica_draws(views: 
     for i, a in enumerate(drawn):
         for b in drawn[i + 1:]:
             assert not torch.equal(a, b)
+
+
+def test_a_strategy_built_before_any_cuda_call_draws_on_each_gpu(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """CUDA fills ``torch.cuda.default_generators`` only when it initializes, lazily, at its
+    first call: a strategy built first initializes it (on an H200 its constructor raised
+    IndexError), and each GPU replica then draws from its own GPU's generator."""
+    assert not torch.cuda.is_initialized()
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
+    assert torch.cuda.is_initialized()
+    torch.manual_seed(0)
+    draws = local(strategy, strategy.run(lambda: torch.rand(4, device="cuda").cpu()))
+    assert not torch.equal(draws[0], draws[1])

@@ -54,10 +54,13 @@ _MERGE = 0x5BD1E9955BD1E995  # mixed into the seed of a merge function's stream
 
 
 def _generators_of(device: torch.device) -> tuple[Any, ...]:
-    """The generators that torch draws from on ``device``: the CPU's, and a GPU's own."""
-    return (torch.default_generator,) + (
-        (torch.cuda.default_generators[device.index],) if device.type == "cuda" else ()
-    )
+    """The generators that torch draws from on ``device``: the CPU's, and a GPU's own.
+    (``torch.cuda.default_generators`` stays empty until CUDA is initialized, which torch
+    does lazily at the first CUDA call: a strategy built before any may be that call.)"""
+    if device.type != "cuda":
+        return (torch.default_generator,)
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    return (torch.default_generator, torch.cuda.default_generators[device.index])
 
 
 def replica_seed(base: int, replica: int) -> int:

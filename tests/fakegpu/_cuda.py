@@ -259,8 +259,15 @@ class Runtime:
         return self._defaults[self.index(device)]
 
     def current_stream(self, device: Any = None) -> FakeStream:
+        if not torch.cuda.default_generators:  # work on a GPU initializes CUDA
+            self.initialize()
         index = self.index(device)
         return self.current.streams.get(index) or self._defaults[index]
+
+    def initialize(self) -> None:
+        """CUDA's lazy initialization, which fills ``torch.cuda.default_generators`` (empty
+        before it): at ``torch.cuda.init()`` and at the first work on a GPU, as on a real one."""
+        torch.cuda.default_generators = tuple(self.generators)  # (undone with the patches)
 
     def skipped(self, primitive: str) -> bool:
         """Whether a test has switched ``primitive`` off on this thread (``skipping``)."""
@@ -325,10 +332,10 @@ class Runtime:
         zero: Callable[..., int] = lambda *_, **__: 0  # noqa: E731
         return {
             "is_available": lambda: True,
-            "is_initialized": lambda: True,
+            "is_initialized": lambda: bool(torch.cuda.default_generators),
             "device_count": lambda: self.count,
-            "init": nothing,
-            "_lazy_init": nothing,
+            "init": self.initialize,
+            "_lazy_init": self.initialize,
             "current_device": lambda: self.current.device,
             "set_device": set_device,
             "device": device,
@@ -356,5 +363,5 @@ class Runtime:
             "set_rng_state": set_rng_state,
             "get_rng_state_all": lambda: [g.get_state() for g in gens],
             "set_rng_state_all": set_rng_state_all,
-            "default_generators": tuple(gens),
+            "default_generators": (),  # empty until initialized, as on CUDA
         }
