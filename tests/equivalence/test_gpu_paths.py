@@ -243,8 +243,15 @@ def test_buffers_of_every_kind_on_gpus_match_logical_devices(
     got = _buffers_in_steps(
         fake_gpu_placement.compute_devices, fake_gpu_placement.parameter_device, dtype, between
     )
+    # a real GPU's bfloat16 kernels round otherwise than the CPU's (on an H200 a weight was
+    # 0.026 off after three steps, 3.4 times bfloat16's epsilon); the fake GPUs compute on the CPU
+    epsilons = 4 * torch.finfo(dtype).eps
+    tolerance = (
+        {"rtol": epsilons, "atol": epsilons}
+        if fake_gpu_placement.gpus is None and dtype is torch.bfloat16 else {}
+    )
     for name, value in expected.items():
-        torch.testing.assert_close(got[name], value, msg=name)
+        torch.testing.assert_close(got[name], value, msg=name, **tolerance)
 
 
 def _frozen_backbone_steps(
@@ -569,18 +576,19 @@ def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePla
     with torch.cuda.device(0):
         plain = torch._C._len_torch_function_stack()
 
-    def step() -> tuple[int, int, torch.device | None]:
-        device = context().device
+    def step() -> tuple[int, int, torch.device]:
+        device = context().device  # (a real GPU's replica may share the run with ``cpu:1``)
         return (
             context().replica_id_in_sync_group,
             torch._C._len_torch_function_stack(),
-            torch.empty(1, device="cuda").device if device.type == "cuda" else None,
+            torch.empty(1, device="cuda").device if device.type == "cuda" else device,
         )
 
     for replica, depth, device in local(strategy, strategy.run(step)):
         assert depth == plain
         wanted = torch.device(fake_gpu_placement.compute_devices[replica])
-        assert device is None or device == wanted
+        if wanted.type == "cuda":
+            assert device == wanted
 
 
 def test_sparse_gradients_fold(fake_gpu_placement: FakePlacement) -> None:
