@@ -7,7 +7,8 @@ machine is lent rarely and briefly, so this script does in one run, in a few min
 such a machine can tell:
 
 0. In about a minute, one line per defect that the fake GPUs found on the GPU paths
-   (tests/equivalence/test_gpu_paths.py, run on the real GPUs): refuted or confirmed.
+   (tests/equivalence/test_gpu_paths.py, run on the real GPUs): refuted or confirmed; then
+   the counts of all the file's cases, with pytest's output when any of them failed.
 1. It runs tests/test_cuda.py (``pytest -m cuda``), which compares training on the GPUs with
    training on one device, and prints pytest's output and the counts of passed, failed and
    skipped tests.
@@ -146,9 +147,10 @@ def defect_verdicts(output: str) -> list[str]:
 
 
 def check_defects() -> bool:
-    """One line per GPU-path defect: refuted (its test passes on these GPUs) or confirmed.
+    """One line per GPU-path defect: refuted (its test passes on these GPUs) or confirmed,
+    then the counts of the whole file's cases, whose output is printed when any failed.
     The layouts: cuda:0 and cuda:1 (or, with one GPU, cuda:0 and the logical cpu:1), the
-    parameters on the CPU and on cuda:0. True when every one is refuted."""
+    parameters on the CPU and on cuda:0. True when every case passed."""
     print("$ python " + " ".join(DEFECT_TESTS[1:]), flush=True)
     try:
         done = subprocess.run(
@@ -162,11 +164,15 @@ def check_defects() -> bool:
     lines = defect_verdicts(done.stdout)
     for line in lines:
         print(line)
-    all_refuted = all(" refuted " in line for line in lines)
-    if not all_refuted:
+    counts = summary_counts(done.stdout)
+    print(f"  every case of the file: {counts.get('passed', 0)} passed, "
+          f"{counts.get('failed', 0) + counts.get('error', 0)} failed, "
+          f"{counts.get('skipped', 0)} skipped (pytest exit status {done.returncode})")
+    passed = done.returncode == 0 and all(" refuted " in line for line in lines)
+    if not passed:  # a defect confirmed, or another case failing (which no line names)
         print(done.stdout[-6000:])
     print()
-    return all_refuted
+    return passed
 
 
 def run_tests() -> bool:
@@ -416,10 +422,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
-    refuted = check_defects()
+    paths_passed = check_defects()
     tests_passed = options.skip_tests or run_tests()
     all_ran = benchmark(options.rounds, options.steps)
-    return 0 if refuted and tests_passed and all_ran else 1
+    return 0 if paths_passed and tests_passed and all_ran else 1
 
 
 if __name__ == "__main__":
