@@ -131,7 +131,8 @@ def test_a_strategy_built_before_any_cuda_call_draws_on_each_gpu(
 ) -> None:
     """CUDA fills ``torch.cuda.default_generators`` only when it initializes, lazily, at its
     first call: a strategy built first initializes it (on an H200 its constructor raised
-    IndexError), and each GPU replica then draws from its own GPU's generator."""
+    IndexError), and its GPU replicas then draw, each its own numbers. (That each draws from
+    its own GPU's generator is ``test_gpu_paths``' case.)"""
     assert not torch.cuda.is_initialized()
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
     assert torch.cuda.is_initialized()
