@@ -17,10 +17,14 @@ such a machine can tell:
    encoder layers, d = 64, batch 32, Adam), each under these configurations:
      plain cuda:0            plain PyTorch on cuda:0, the baseline
      cs cpu -> cuda:0        centralstore, variables on the CPU, the replica on cuda:0
+     cs cpu -> cuda:0 fused  the same with the optimizer's fused kernel (``fused=True``),
+                             which updates the variables on the host in one pass
      cs cuda:0               centralstore, variables and the replica on cuda:0
      cs R=2 cpu -> cuda:0,1  with two GPUs or more: two replicas, variables on the CPU
    Columns: the median ms per step over the rounds (timed between synchronizations of every
    GPU; the order of the configurations alternates between rounds), its ratio to plain, the
+   median ms of the optimizer's step alone (``update``: with the variables on the CPU, the
+   host's update, which docs/design.md §7's bound max(compute, transfers) leaves out), the
    peak GPU memory of the configuration measured while it is the only one built (model,
    optimizer state, activations), and the megabytes copied host to device and device to
    host per step. Those come from the memcpy events of the torch profiler, or, when the
@@ -28,11 +32,16 @@ such a machine can tell:
    inputs are placed on the GPUs before timing, so the copies counted are the step's own:
    views refreshed and gradients sent back.
 
+3. It times the optimizers' update alone on the host, as the variables on the CPU have it:
+   median ms per ``optimizer.step()`` of each model's optimizer in its default form, with
+   ``foreach=True`` and with ``fused=True``, over the same gradients, taking turns. This
+   needs no GPU: ``--host-update`` prints only this table, on any machine.
+
 A configuration that raises is reported in its row, and the others still run. Exit status: 0
 when every test passed and every configuration ran (or without a CUDA device, where there is
 nothing to check), else 1.
 
-    python benchmarks/gpu_check.py [--rounds 7] [--steps 20] [--skip-tests]
+    python benchmarks/gpu_check.py [--rounds 7] [--steps 20] [--skip-tests] [--host-update]
 """
 
 from __future__ import annotations
@@ -90,6 +99,7 @@ DEFECTS_TIMEOUT_S = 90
 TESTS_TIMEOUT_S = 330
 MODEL_NAMES = ("mlp", "cnn", "transformer")  # of bench_train.MODELS, in eager mode
 WARMUP_STEPS = 3
+UPDATE_CALLS = 15  # optimizer steps timed alone, one by one, for the update column
 PROFILED_STEPS = 3
 MB = 2**20
 
@@ -103,6 +113,7 @@ class Config:
     name: str
     parameter_device: str | None  # None: plain PyTorch, no strategy
     compute_devices: tuple[str, ...]
+    fused: bool = False  # the optimizer's fused kernel instead of its default
 
 
 PLAIN = Config("plain cuda:0", None, ("cuda:0",))
@@ -112,6 +123,7 @@ def configs(num_gpus: int) -> list[Config]:
     found = [
         PLAIN,
         Config("cs cpu -> cuda:0", "cpu", ("cuda:0",)),
+        Config("cs cpu -> cuda:0 fused", "cpu", ("cuda:0",), fused=True),
         Config("cs cuda:0", "cuda:0", ("cuda:0",)),
     ]
     if num_gpus >= 2:
@@ -227,16 +239,34 @@ def per_replica(tensors: Sequence[torch.Tensor], devices: Sequence[str]) -> tupl
     return tuple(placed)
 
 
-def build_step(config: Config, model_name: str) -> tuple[Step, nn.Module]:
-    """One training step of ``model_name`` under ``config``, its input already on the GPUs,
-    and the model it trains."""
+@dataclass(frozen=True)
+class Built:
+    """One configuration, built: its training step (input already on the GPUs), the model it
+    trains, and its optimizer's step alone."""
+
+    step: Step
+    model: nn.Module
+    update: Step
+
+
+def make_optimizer(config: Config, kind: type, model: nn.Module) -> torch.optim.Optimizer:
+    """bench_train's optimizer for ``kind``, with its fused kernel if ``config.fused``."""
+    if not config.fused:
+        return bench_train.make_optimizer(kind, model)
+    if kind is torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
+    return torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+
+
+def build_step(config: Config, model_name: str) -> Built:
+    """``model_name`` under ``config``, ready to time."""
     torch.manual_seed(0)
     make_model, batch, shape, optimizer_kind = bench_train.MODELS[model_name]
     x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
     if config.parameter_device is None:
         device = torch.device(config.compute_devices[0])
         model = make_model().to(device)
-        optimizer = bench_train.make_optimizer(optimizer_kind, model)
+        optimizer = make_optimizer(config, optimizer_kind, model)
         x, y = x.to(device), y.to(device)
 
         def plain_step() -> None:
@@ -244,11 +274,11 @@ def build_step(config: Config, model_name: str) -> tuple[Step, nn.Module]:
             (F.cross_entropy(model(x), y, reduction="sum") / batch).backward()
             optimizer.step()
 
-        return plain_step, model
+        return Built(plain_step, model, optimizer.step)
     strategy = cs.CentralStorageStrategy(list(config.compute_devices), config.parameter_device)
     with strategy.scope():
         model = make_model()
-        optimizer = bench_train.make_optimizer(optimizer_kind, model)
+        optimizer = make_optimizer(config, optimizer_kind, model)
     args = per_replica((x, y), config.compute_devices)
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
@@ -260,7 +290,7 @@ def build_step(config: Config, model_name: str) -> tuple[Step, nn.Module]:
         strategy.run(replica_step, args=args)
         optimizer.step()
 
-    return cs_step, model
+    return Built(cs_step, model, optimizer.step)
 
 
 # -- measurements --------------------------------------------------------------------------
@@ -274,6 +304,19 @@ def time_steps(step: Step, steps: int) -> float:
         step()
     sync_all()
     return (time.perf_counter() - start) / steps * 1e3
+
+
+def time_update(update: Step) -> float:
+    """Median milliseconds of one optimizer step alone (the gradients of the last training
+    step, every GPU synchronized before and after each)."""
+    times = []
+    for _ in range(UPDATE_CALLS):
+        sync_all()
+        start = time.perf_counter()
+        update()
+        sync_all()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def memcpy_bytes(prof: profile) -> dict[str, int]:
@@ -333,31 +376,36 @@ class Alone:
     peak_mb: float
     h2d_mb: float
     d2h_mb: float
+    update_ms: float
 
 
 def measure_alone(config: Config, model_name: str, exact_bytes: bool) -> Alone:
     """Peak GPU memory of building ``config`` and training a few steps, above what the GPUs
-    held before; then the bytes it copies per step (profiled if ``exact_bytes``)."""
+    held before; then the bytes it copies per step (profiled if ``exact_bytes``), and its
+    optimizer's step alone."""
     devices = [torch.device(d) for d in config.compute_devices]
     gc.collect()
     sync_all()
     before = [torch.cuda.memory_allocated(d) for d in devices]
     for device in devices:
         torch.cuda.reset_peak_memory_stats(device)
-    step, model = build_step(config, model_name)
+    built = build_step(config, model_name)
     for _ in range(WARMUP_STEPS):
-        step()
+        built.step()
     sync_all()
     peak = sum(torch.cuda.max_memory_allocated(d) - b for d, b in zip(devices, before))
-    h2d, d2h = profiled_transfers(step) if exact_bytes else expected_transfers(config, model)
-    return Alone(peak / MB, h2d / MB, d2h / MB)
+    if exact_bytes:
+        h2d, d2h = profiled_transfers(built.step)
+    else:
+        h2d, d2h = expected_transfers(config, built.model)
+    return Alone(peak / MB, h2d / MB, d2h / MB, time_update(built.update))
 
 
 def time_configs(model_name: str, chosen: list[Config], rounds: int, steps: int
                  ) -> dict[str, float]:
     """Median ms per step of each configuration, all built at once and timed round by
     round, the order alternating between rounds."""
-    built = {config.name: build_step(config, model_name)[0] for config in chosen}
+    built = {config.name: build_step(config, model_name).step for config in chosen}
     for step in built.values():
         time_steps(step, WARMUP_STEPS)
     samples: dict[str, list[float]] = {name: [] for name in built}
@@ -381,8 +429,8 @@ def benchmark(rounds: int, steps: int) -> bool:
     print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
           f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes")
     print(f"H2D and D2H per step: {source}\n")
-    print(f"{'model':<12} {'config':<23} {'ms/step':>8} {'/plain':>7} {'peak MB':>8} "
-          f"{'H2D MB':>8} {'D2H MB':>8}")
+    print(f"{'model':<12} {'config':<23} {'ms/step':>8} {'/plain':>7} {'update':>7} "
+          f"{'peak MB':>8} {'H2D MB':>8} {'D2H MB':>8}")
     all_ran = True
     for model_name in MODEL_NAMES:
         alone: dict[str, Alone] = {}
@@ -402,10 +450,55 @@ def benchmark(rounds: int, steps: int) -> bool:
                 continue
             ms, measured = medians[config.name], alone[config.name]
             ratio = f"{ms / plain:7.3f}" if plain else f"{'-':>7}"
-            print(f"{label} {ms:8.2f} {ratio} {measured.peak_mb:8.1f} "
+            print(f"{label} {ms:8.2f} {ratio} {measured.update_ms:7.2f} {measured.peak_mb:8.1f} "
                   f"{measured.h2d_mb:8.2f} {measured.d2h_mb:8.2f}", flush=True)
         all_ran = all_ran and not errors
     return all_ran
+
+
+HOST_UPDATE_ROUNDS = 30
+IMPLEMENTATIONS = ("default", "foreach", "fused")
+
+
+def host_optimizer(kind: type, model: nn.Module, implementation: str) -> torch.optim.Optimizer:
+    """bench_train's optimizer for ``kind`` in one of ``IMPLEMENTATIONS``."""
+    options = {} if implementation == "default" else {implementation: True}
+    if kind is torch.optim.SGD:
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **options)
+    return torch.optim.Adam(model.parameters(), lr=1e-3, **options)
+
+
+def host_update() -> None:
+    """Print the median ms of one optimizer step on the host per model and implementation
+    (``IMPLEMENTATIONS``), each over fixed gradients, the order alternating between rounds."""
+    print(f"\nthe update on the host, ms per optimizer.step(), medians of {HOST_UPDATE_ROUNDS}; "
+          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+    print(f"{'model':<12} {'optimizer':<10} {'parameters':>10} "
+          + " ".join(f"{name:>8}" for name in IMPLEMENTATIONS) + f" {'default/fused':>14}")
+    for model_name in MODEL_NAMES:
+        make_model, _, _, kind = bench_train.MODELS[model_name]
+        optimizers = {}
+        for implementation in IMPLEMENTATIONS:
+            torch.manual_seed(0)
+            model = make_model()
+            for parameter in model.parameters():
+                parameter.grad = torch.randn_like(parameter) * 1e-3
+            optimizers[implementation] = host_optimizer(kind, model, implementation)
+        times: dict[str, list[float]] = {name: [] for name in optimizers}
+        for optimizer in optimizers.values():
+            for _ in range(WARMUP_STEPS):
+                optimizer.step()
+        for round_ in range(HOST_UPDATE_ROUNDS):
+            names = list(optimizers) if round_ % 2 == 0 else list(reversed(optimizers))
+            for name in names:
+                start = time.perf_counter()
+                optimizers[name].step()
+                times[name].append((time.perf_counter() - start) * 1e3)
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        count = sum(p.numel() for p in model.parameters())
+        print(f"{model_name:<12} {kind.__name__:<10} {count:>10} "
+              + " ".join(f"{medians[name]:8.3f}" for name in IMPLEMENTATIONS)
+              + f" {medians['default'] / medians['fused']:14.2f}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -418,13 +511,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="training steps per round (default 20)")
     parser.add_argument("--skip-tests", action="store_true",
                         help="only the benchmark, without tests/test_cuda.py")
+    parser.add_argument("--host-update", action="store_true",
+                        help="only the table of the optimizers' update on the host (no GPU "
+                             "needed)")
     options = parser.parse_args(argv)
+    if options.host_update:
+        host_update()
+        return 0
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+        print("no CUDA device: nothing to check (--host-update runs without one)")
         return 0
     paths_passed = check_defects()
     tests_passed = options.skip_tests or run_tests()
     all_ran = benchmark(options.rounds, options.steps)
+    host_update()
     return 0 if paths_passed and tests_passed and all_ran else 1
 
 

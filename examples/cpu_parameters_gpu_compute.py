@@ -5,6 +5,10 @@ every visible GPU runs a replica on its slice of each global batch; the replicas
 come back to the CPU, where the optimizer updates the one copy of the weights. This is the
 placement TensorFlow's CentralStorageStrategy picks by default with several GPUs.
 
+The optimizer's update then runs on the host, once a step, over every weight: the optimizer's
+fused kernel (``fused=True``) does it in one pass per step instead of one per operation and
+tensor, several times faster for Adam on the CPU (docs/performance.md).
+
 On a machine without GPUs the same program computes on two logical CPU devices (``cpu:0``,
 ``cpu:1``: two names for the host CPU) and says so; the code does not change.
 
@@ -40,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     with strategy.scope():
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)  # on the host
     print(f"parameters live on: {sorted({str(p.device) for p in model.parameters()})}")
 
     # A regression problem, generated on the host: y = x @ w + noise.
