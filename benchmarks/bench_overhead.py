@@ -47,6 +47,16 @@ optimizer step's sync point (cs's ``optimizer.step()`` less plain's, the same up
 against the whole step's difference from plain (``halves`` at R = 2). Lines cost far more
 here than in a loop: the step's kernels have just evicted the code and data they touch.
 
+``--phases --workers`` times the same phases of the small transformer's step on two gloo
+workers of one replica each, against DDP's in the same processes (bench_multiworker.py's
+comparison, in drawn turns step by step): for cs, ``run``'s opening (its call to the
+replica's first line), the replica's forward and its backward (to the loss's
+``backward()`` returning: the gradient buckets start from its hooks), and the sync point
+(the replica's return to ``run``'s: the agreement, the wait for the buckets, the fold);
+for DDP, its forward (with DDP's own work before it) and its backward (with the
+all-reduce it waits for at the end); then the optimizer step, and the whole step. Each
+worker prints its row: a worker waits at the sync point for the slower one.
+
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--phases] [--phase-steps 200]
 """
@@ -269,6 +279,84 @@ def worker_counts() -> dict[str, dict[str, Any]]:
     return out
 
 
+WORKER_PHASES = ("opening", "forward", "backward", "sync point", "opt step", "step")
+
+
+def worker_phases(steps: int) -> list[float]:
+    """(In a worker process started by ``--phases --workers``.) Medians in microseconds of
+    ``WORKER_PHASES`` for cs, then for DDP, over ``steps`` steps of each in drawn turns."""
+    import random
+
+    from bench_train import Transformer
+
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    clock = time.perf_counter
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 16, 64), torch.randint(0, 10, (32,))
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
+    rank, world = strategy.worker_index, strategy.num_workers
+    with strategy.scope():
+        model = Transformer()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    marks: list[float] = []  # the replica's first line, forward's end, backward's end
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        marks.append(clock())
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        loss = cs.compute_average_loss(per_example, global_batch_size=32)
+        marks.append(clock())
+        loss.backward()  # type: ignore[no-untyped-call]
+        marks.append(clock())
+
+    def cs_step() -> list[float]:
+        start = clock()
+        optimizer.zero_grad()
+        marks.clear()
+        called = clock()
+        strategy.run(replica_step, args=inputs)
+        returned = clock()
+        optimizer.step()
+        end = clock()
+        first, forward, backward = marks
+        return [first - called, forward - first, backward - forward, returned - backward,
+                end - returned, end - start]
+
+    ddp = nn.parallel.DistributedDataParallel(Transformer())
+    ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    share = 32 // world
+    xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+    def ddp_step() -> list[float]:
+        start = clock()
+        ddp_optimizer.zero_grad()
+        called = clock()
+        loss = nn.functional.cross_entropy(ddp(xs), ys)
+        forward = clock()
+        loss.backward()  # type: ignore[no-untyped-call]
+        backward = clock()
+        ddp_optimizer.step()
+        end = clock()
+        return [0.0, forward - called, backward - forward, 0.0, end - backward, end - start]
+
+    steps_of = {"cs": cs_step, "ddp": ddp_step}
+    times: dict[str, list[list[float]]] = {name: [] for name in steps_of}
+    for _ in range(10):
+        for step in steps_of.values():
+            step()
+    draw = random.Random(0)  # the same order on every worker
+    for _ in range(steps):
+        order = list(steps_of)
+        draw.shuffle(order)
+        for name in order:
+            times[name].append(steps_of[name]())
+    return [
+        statistics.median(column) * 1e6
+        for name in steps_of for column in zip(*times[name], strict=True)
+    ]
+
+
 def count_package(step: Callable[[], None]) -> collections.Counter[str]:
     """centralstore's lines in one ``step`` (after 3 untimed ones), by function: every frame
     of the package, wherever it is called from, and nothing else."""
@@ -413,13 +501,17 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
-        result = worker_counts()
-        if os.environ["RANK"] == "0":
+        torch.set_num_threads(1)
+        result = worker_phases(options.phase_steps) if options.phases else worker_counts()
+        if options.phases or os.environ["RANK"] == "0":  # phases: each worker its row
             print(json.dumps(result))
         return
     torch.set_num_threads(1)
     if options.fake_gpus:
         fake_gpu_counts()
+        return
+    if options.phases and options.workers:
+        print_worker_phases(options.phase_steps)
         return
     if options.phases:
         phases(options.models, options.phase_steps)
@@ -450,14 +542,15 @@ def main() -> None:
         print(_launch_workers())
 
 
-def _launch_workers() -> str:
+def _worker_outputs(*flags: str) -> list[Any]:
+    """Start two gloo workers of this script (``--worker`` and ``flags``); each one's JSON."""
     from bench_multiworker import _free_port
 
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
     processes = [
         subprocess.Popen(
-            [sys.executable, __file__, "--worker"],
+            [sys.executable, __file__, "--worker", *flags],
             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, text=True,
         )
         for r in range(2)
@@ -465,7 +558,26 @@ def _launch_workers() -> str:
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     if any(p.returncode for p in processes):
         raise RuntimeError(f"a worker failed: {[p.returncode for p in processes]}")
-    result = json.loads(outputs[0])
+    return [json.loads(output) for output in outputs if output.strip()]
+
+
+def print_worker_phases(steps: int) -> None:
+    """The ``--phases --workers`` table (see the module's docstring)."""
+    print(f"small transformer, 2 gloo workers x 1 replica against DDP in the same processes; "
+          f"us, wall-clock medians of {steps} steps")
+    print(f"{'worker':<7} {'':<4} " + " ".join(f"{name:>10}" for name in WORKER_PHASES))
+    for rank, row in enumerate(_worker_outputs("--phases", "--phase-steps", str(steps))):
+        cs_row, ddp_row = row[:len(WORKER_PHASES)], row[len(WORKER_PHASES):]
+        for name, values in (("cs", cs_row), ("DDP", ddp_row)):
+            cells = [f"{v:>10.1f}" if v or name == "cs" else f"{'-':>10}" for v in values]
+            print(f"{rank:<7} {name:<4} " + " ".join(cells))
+        print(f"{rank:<7} {'diff':<4} " + " ".join(
+            f"{c - d:>10.1f}" for c, d in zip(cs_row, ddp_row, strict=True)
+        ))
+
+
+def _launch_workers() -> str:
+    (result,) = _worker_outputs()
     rows = [
         f"  {name:<4} {r['calls']:>6} calls {r['lines']:>6} lines" for name, r in result.items()
     ]
