@@ -225,10 +225,11 @@ class EarlyExchange:
     def plan(self) -> BucketPlan:
         return self._plan
 
-    def gradient_accumulated(self, view: View) -> None:
-        """A local replica's gradient of ``view`` has accumulated: when its bucket has all
-        of them, start it, and the ready buckets after it, in order. (Never raises into the
-        backward: a failed collective waits for the sync point.)"""
+    def gradient_accumulated(self, buckets: object, view: View, tensor: torch.Tensor) -> None:
+        """A local replica's gradient of ``view`` has accumulated (the views' hooks call this
+        as their receiver's ``on_gradient``; ``buckets`` and ``tensor`` are not needed):
+        when its bucket has all of them, start it, and the ready buckets after it, in order.
+        (Never raises into the backward: a failed collective waits for the sync point.)"""
         b = self._bucket_of.get(view.record.key)
         if b is None:
             return

@@ -174,10 +174,19 @@ class ProcessGroup(Collectives):
                 lambda flat: self.start_gradient_all_reduce("gradient all-reduce", flat),
                 self.device,
             )
+            # the views' hooks call the run's exchange itself: a method in between would
+            # cost a Python call per gradient, inside backward
+            self.on_gradient = self._early.gradient_accumulated  # type: ignore[method-assign]
 
     def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
-        if self._early is not None:
-            self._early.gradient_accumulated(view)
+        """No run may start buckets early now (``_arm`` binds the run's exchange instead)."""
+
+    def _disarm(self) -> EarlyExchange | None:
+        """The run's early exchange, taken off: a gradient arriving now waits for a sync
+        point."""
+        early, self._early = self._early, None
+        self.__dict__.pop("on_gradient", None)
+        return early
 
     def sync(self, store: VariableStore, error: BaseException | None) -> None:
         self._sync(store, error, Kind.SYNC)
@@ -200,7 +209,7 @@ class ProcessGroup(Collectives):
     def _sync(self, store: VariableStore, error: BaseException | None, kind: Kind) -> None:
         layout = _Layout(store, self._layout, self.bucket_bytes)
         self._layout = layout
-        early, self._early = self._early, None
+        early = self._disarm()
         try:
             flags = sync_across(self, store, layout, early, error, kind)
             self._follow(layout, flags, early)
