@@ -5,9 +5,9 @@ every visible GPU runs a replica on its slice of each global batch; the replicas
 come back to the CPU, where the optimizer updates the one copy of the weights. This is the
 placement TensorFlow's CentralStorageStrategy picks by default with several GPUs.
 
-The optimizer's update then runs on the host, once a step, over every weight: the optimizer's
-fused kernel (``fused=True``) does it in one pass per step instead of one per operation and
-tensor, several times faster for Adam on the CPU (docs/performance.md).
+The optimizer's update then runs on the host, once a step, over every weight: its fused
+kernel (``fused=True``) updates each tensor in one pass instead of one pass per operation,
+several times faster for Adam on the CPU (docs/performance.md).
 
 On a machine without GPUs the same program computes on two logical CPU devices (``cpu:0``,
 ``cpu:1``: two names for the host CPU) and says so; the code does not change.
