@@ -10,7 +10,11 @@ Three tables:
               turns step by step in an order drawn for every step (the same on every
               worker), so all see the same load on a shared machine; each round times
               ``--steps`` steps of each; the table gives the median over ``--rounds`` rounds
-              of the mean step, and the median over the rounds of each round's ratio.
+              of the mean step, and the median over the rounds of each round's ratio; then
+              the same ratios of the process's CPU time per step (every thread, gloo's
+              included), which a shared machine's load moves less: on 2 cores, CPU that a
+              step spends beyond DDP's costs wall time only when the cores are busy, so the
+              wall ratio moves with the machine's load and the CPU ratio says what is left.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -188,21 +192,28 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
             step()
     draw = random.Random(0)  # the same seed on every worker: they step in the same order
     means: dict[str, list[float]] = {name: [] for name in steps_of}
+    cpu: dict[str, list[float]] = {name: [] for name in steps_of}  # the process's, all threads
     for _ in range(rounds):
         times: dict[str, list[float]] = {name: [] for name in steps_of}
+        cpu_times: dict[str, list[float]] = {name: [] for name in steps_of}
         for _ in range(steps):  # step by step, in a drawn order, so all see one load
             order = list(steps_of)
             draw.shuffle(order)
             for name in order:
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 steps_of[name]()
                 times[name].append(1000 * (time.perf_counter() - start))
+                cpu_times[name].append(1000 * (time.process_time() - start_cpu))
         for name, values in times.items():
             means[name].append(statistics.fmean(values))
+            cpu[name].append(statistics.fmean(cpu_times[name]))
     result = {name: statistics.median(values) for name, values in means.items()}
     for name in ("cs", "again"):  # the median over the rounds of each round's ratio
         result[f"{name} / ddp"] = statistics.median(
             a / b for a, b in zip(means[name], means["ddp"], strict=True)
+        )
+        result[f"{name} / ddp cpu"] = statistics.median(
+            a / b for a, b in zip(cpu[name], cpu["ddp"], strict=True)
         )
     return result
 
@@ -257,15 +268,15 @@ def main() -> None:
     print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
           f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
     print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
-          f"{'cs / DDP':>9} {'DDP again / DDP':>16}")
+          f"{'cs / DDP':>9} {'DDP again / DDP':>16} {'CPU: cs / DDP':>14} {'again / DDP':>12}")
     for model_name in _DDP_MODELS:
         for local in (1, 2):
             row = _launch(
                 2, ["ddp", model_name, str(local), str(args.steps), str(args.rounds)], threads
             )
             print(f"{model_name:<12} {f'W=2 x R={local}':<14} {row['cs']:>11.2f} "
-                  f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x",
-                  flush=True)
+                  f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x "
+                  f"{row['cs / ddp cpu']:>13.3f}x {row['again / ddp cpu']:>11.3f}x", flush=True)
     print()
     parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
     print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
