@@ -74,7 +74,7 @@ import sys
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from bench_models import MODELS, make_step
@@ -190,14 +190,9 @@ def phase_steps(
         marks.append(clock())
 
     def cs_step() -> list[float]:
-        start = clock()
-        optimizer.zero_grad()
-        marks.clear()
-        called = clock()
-        strategy.run(replica_step, args=arguments)
-        returned = clock()
-        optimizer.step()
-        end = clock()
+        start, called, returned, end = _timed_step(
+            strategy, optimizer, replica_step, arguments, marks
+        )
         between = sum(marks[i + 1] - marks[i] for i in range(1, len(marks) - 1, 2))
         return [marks[0] - called, between, returned - marks[-1], end - returned, end - start]
 
@@ -231,9 +226,20 @@ def phases(models: list[str], steps: int) -> None:
                   f"{parts[2]:>7.1f} {parts[3]:>9.1f} {sum(parts):>7.1f} {c[4] - p[1]:>13.1f}")
 
 
-def worker_counts() -> dict[str, dict[str, Any]]:
-    """(In a worker process started by ``--workers``.) One step of the small transformer
-    with this strategy and with DDP."""
+class _Worker(NamedTuple):
+    """(In a worker process.) The small transformer under this strategy, and under DDP on
+    this worker's share of the same batch of 32."""
+
+    strategy: cs.Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    inputs: Any  # the strategy's distributed batch
+    ddp: nn.Module
+    ddp_optimizer: torch.optim.Optimizer
+    mine: tuple[torch.Tensor, torch.Tensor]  # DDP's share
+
+
+def _worker() -> _Worker:
     from bench_train import Transformer
 
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
@@ -246,6 +252,36 @@ def worker_counts() -> dict[str, dict[str, Any]]:
         model = Transformer()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    ddp = nn.parallel.DistributedDataParallel(Transformer())
+    ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    share = 32 // world
+    mine = (x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
+    return _Worker(strategy, model, optimizer, inputs, ddp, ddp_optimizer, mine)
+
+
+def _timed_step(
+    strategy: cs.Strategy, optimizer: torch.optim.Optimizer, fn: Callable[..., None],
+    args: Any, marks: list[float],
+) -> tuple[float, float, float, float]:
+    """One cs training step (``marks`` cleared before its run): the clock at its start, at
+    ``run``'s call and return, and at its end."""
+    clock = time.perf_counter
+    start = clock()
+    optimizer.zero_grad()
+    marks.clear()
+    called = clock()
+    strategy.run(fn, args=args)
+    returned = clock()
+    optimizer.step()
+    return start, called, returned, clock()
+
+
+def worker_counts() -> dict[str, dict[str, Any]]:
+    """(In a worker process started by ``--workers``.) One step of the small transformer
+    with this strategy and with DDP."""
+    from bench_train import Transformer
+
+    strategy, model, optimizer, inputs, ddp, ddp_optimizer, mine = _worker()
 
     def model_work(xs: torch.Tensor, ys: torch.Tensor) -> None:
         per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
@@ -255,11 +291,6 @@ def worker_counts() -> dict[str, dict[str, Any]]:
         optimizer.zero_grad()
         strategy.run(model_work, args=inputs)
         optimizer.step()
-
-    ddp = nn.parallel.DistributedDataParallel(Transformer())
-    ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    share = 32 // world
-    mine = (x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
 
     def ddp_step() -> None:  # DDP's forward wrapper and reducer hooks are counted
         ddp_optimizer.zero_grad()
@@ -287,19 +318,8 @@ def worker_phases(steps: int) -> list[float]:
     ``WORKER_PHASES`` for cs, then for DDP, over ``steps`` steps of each in drawn turns."""
     import random
 
-    from bench_train import Transformer
-
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
     clock = time.perf_counter
-    torch.manual_seed(0)
-    x, y = torch.randn(32, 16, 64), torch.randint(0, 10, (32,))
-    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
-    rank, world = strategy.worker_index, strategy.num_workers
-    with strategy.scope():
-        model = Transformer()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+    strategy, model, optimizer, inputs, ddp, ddp_optimizer, (xs, ys) = _worker()
     marks: list[float] = []  # the replica's first line, forward's end, backward's end
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
@@ -311,22 +331,12 @@ def worker_phases(steps: int) -> list[float]:
         marks.append(clock())
 
     def cs_step() -> list[float]:
-        start = clock()
-        optimizer.zero_grad()
-        marks.clear()
-        called = clock()
-        strategy.run(replica_step, args=inputs)
-        returned = clock()
-        optimizer.step()
-        end = clock()
+        start, called, returned, end = _timed_step(
+            strategy, optimizer, replica_step, inputs, marks
+        )
         first, forward, backward = marks
         return [first - called, forward - first, backward - forward, returned - backward,
                 end - returned, end - start]
-
-    ddp = nn.parallel.DistributedDataParallel(Transformer())
-    ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
-    share = 32 // world
-    xs, ys = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
 
     def ddp_step() -> list[float]:
         start = clock()

@@ -96,10 +96,16 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, tuple[int, ...], type]] = 
 }
 
 
-def make_optimizer(kind: type, model: nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(
+    kind: type, model: nn.Module, foreach: bool | None = None, fused: bool | None = None
+) -> torch.optim.Optimizer:
+    """The models' optimizer of ``kind``, in its default implementation or, with
+    ``foreach=True`` or ``fused=True``, in that one."""
     if kind is torch.optim.SGD:
-        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=1e-3)
+        return torch.optim.SGD(
+            model.parameters(), lr=0.01, momentum=0.9, foreach=foreach, fused=fused
+        )
+    return torch.optim.Adam(model.parameters(), lr=1e-3, foreach=foreach, fused=fused)
 
 
 def compiled_if(

@@ -116,6 +116,7 @@ class Config:
     fused: bool = False  # the optimizer's fused kernel instead of its default
 
 
+
 PLAIN = Config("plain cuda:0", None, ("cuda:0",))
 
 
@@ -249,15 +250,6 @@ class Built:
     update: Step
 
 
-def make_optimizer(config: Config, kind: type, model: nn.Module) -> torch.optim.Optimizer:
-    """bench_train's optimizer for ``kind``, with its fused kernel if ``config.fused``."""
-    if not config.fused:
-        return bench_train.make_optimizer(kind, model)
-    if kind is torch.optim.SGD:
-        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=True)
-    return torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-
-
 def build_step(config: Config, model_name: str) -> Built:
     """``model_name`` under ``config``, ready to time."""
     torch.manual_seed(0)
@@ -266,7 +258,9 @@ def build_step(config: Config, model_name: str) -> Built:
     if config.parameter_device is None:
         device = torch.device(config.compute_devices[0])
         model = make_model().to(device)
-        optimizer = make_optimizer(config, optimizer_kind, model)
+        optimizer = bench_train.make_optimizer(
+            optimizer_kind, model, fused=config.fused or None
+        )
         x, y = x.to(device), y.to(device)
 
         def plain_step() -> None:
@@ -278,7 +272,9 @@ def build_step(config: Config, model_name: str) -> Built:
     strategy = cs.CentralStorageStrategy(list(config.compute_devices), config.parameter_device)
     with strategy.scope():
         model = make_model()
-        optimizer = make_optimizer(config, optimizer_kind, model)
+        optimizer = bench_train.make_optimizer(
+            optimizer_kind, model, fused=config.fused or None
+        )
     args = per_replica((x, y), config.compute_devices)
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
@@ -460,14 +456,6 @@ HOST_UPDATE_ROUNDS = 30
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 
 
-def host_optimizer(kind: type, model: nn.Module, implementation: str) -> torch.optim.Optimizer:
-    """bench_train's optimizer for ``kind`` in one of ``IMPLEMENTATIONS``."""
-    options = {} if implementation == "default" else {implementation: True}
-    if kind is torch.optim.SGD:
-        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, **options)
-    return torch.optim.Adam(model.parameters(), lr=1e-3, **options)
-
-
 def host_update() -> None:
     """Print the median ms of one optimizer step on the host per model and implementation
     (``IMPLEMENTATIONS``), each over fixed gradients, the order alternating between rounds."""
@@ -483,7 +471,10 @@ def host_update() -> None:
             model = make_model()
             for parameter in model.parameters():
                 parameter.grad = torch.randn_like(parameter) * 1e-3
-            optimizers[implementation] = host_optimizer(kind, model, implementation)
+            optimizers[implementation] = bench_train.make_optimizer(
+                kind, model, foreach=implementation == "foreach" or None,
+                fused=implementation == "fused" or None,
+            )
         times: dict[str, list[float]] = {name: [] for name in optimizers}
         for optimizer in optimizers.values():
             for _ in range(WARMUP_STEPS):
