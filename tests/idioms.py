@@ -41,10 +41,15 @@ PATTERNS: dict[str, dict[str, Any]] = {
             [p for p in m.parameters() if p.requires_grad], lr=0.1
         ),
     ),
-    "gradient accumulation": dict(
+    "gradient accumulation over runs": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
         runs_per_step=3,
+    ),
+    "gradient accumulation inside the step": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+        step_of=lambda m: _micro_batches(m),
     ),
     "clipping after run": dict(
         make=lambda: nn.Linear(4, 2),
@@ -128,6 +133,16 @@ def _checkpointed(model: nn.Module) -> Callable[..., Any]:
     def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
         out = torch.utils.checkpoint.checkpoint(model, xs, use_reentrant=False)
         (((out - ys) ** 2).sum() / len(X)).backward()
+
+    return step
+
+
+def _micro_batches(model: nn.Module) -> Callable[..., Any]:
+    """One backward per micro-batch of the replica's slice, inside one run."""
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        for x, y in zip(xs.tensor_split(3), ys.tensor_split(3), strict=True):
+            (((model(x) - y) ** 2).sum() / len(X)).backward()
 
     return step
 
