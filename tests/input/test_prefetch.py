@@ -218,13 +218,25 @@ def test_a_consumer_that_only_iterates_never_starts_a_thread() -> None:
 
 def test_two_steps_in_a_row_worth_overlapping_move_the_source_to_a_thread() -> None:
     before = input_threads()
-    iterator, _ = overlap_steps([0.125, 0.125], verdict=paid())  # 1/8 of making, twice
-    assert not iterator.ahead  # the first item has no step before it
-    assert next(iterator) == 2
+    iterator, _ = overlap_steps([0.0] * 7 + [0.125, 0.125])  # 1/8 of making, twice
+    assert not iterator.ahead  # the baseline's 8 cycles, and one step worth it
+    assert next(iterator) == 9
     assert iterator.ahead
-    assert [next(iterator) for _ in range(3)] == [3, 4, 5]
+    assert [next(iterator) for _ in range(3)] == [10, 11, 12]
     assert len(input_threads() - before) == 1
     iterator.close()
+    assert wait_until(lambda: input_threads() <= before)
+
+
+def test_a_pass_after_one_where_making_ahead_paid_makes_every_item_ahead() -> None:
+    before = input_threads()
+    clock = Clock()
+    source = Timed(clock, 1.0, count=6)
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=paid())
+    assert next(iterator) == 0
+    assert iterator.ahead  # from the pass's first item: the first steps overlap too
+    assert list(iterator) == [1, 2, 3, 4, 5]
+    assert threading.current_thread() not in source.threads
     assert wait_until(lambda: input_threads() <= before)
 
 
@@ -248,7 +260,6 @@ def test_items_made_ahead_continue_the_source_in_order_and_end_it() -> None:
         clock.now += 1.0
     assert taken == list(range(6))
     assert iterator.ahead
-    assert source.threads[0] is threading.current_thread()
     assert source.threads[-1] is not threading.current_thread()
     with pytest.raises(StopIteration):
         next(iterator)

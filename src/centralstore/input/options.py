@@ -21,8 +21,9 @@ class InputOptions:
             ahead of the training loop (at least 1) when replicas compute on GPUs, so that
             the host-to-device copies overlap the step. For replicas on the host the first
             steps are made on the calling thread, and the thread starts once the loop's steps
-            take time (an eighth of a batch's making time, twice in a row), so that making the
-            next batch overlaps the step.
+            take time (an eighth of a batch's making time, twice in a row; at the first step
+            of the passes after one where that paid), so that making the next batch overlaps
+            the step.
         experimental_replication_mode: ``None`` or ``"PER_WORKER"`` (one input pipeline per
             process, TensorFlow's default); ``"PER_REPLICA"`` raises ``ValueError``.
         experimental_place_dataset_on_device: run the pipeline on the calling thread, placing

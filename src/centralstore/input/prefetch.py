@@ -181,11 +181,12 @@ class OverlapIterator(Iterator[Any]):
     time from one ``next`` to the next over the first 6 steps made ahead (after the first) is
     compared with that over the last steps made here, and unless it is shorter the source
     comes back to the calling thread. ``verdict`` keeps the outcome for later passes: after a
-    trial that paid they move after two steps worth it; after one that did not, another trial
-    may start once 64 steps have been made here, then 128, 256 and so on. A trial that paid is
-    checked the same way: after 64 steps made ahead (then 128, 256, ...) the source comes back
-    for a fresh baseline and a new trial. (A single trial can meet a moment of load that has
-    nothing to do with the step, in either direction.)
+    trial that paid they make every item ahead, from the first (waiting for two steps worth
+    it again would leave each pass's first three steps without overlap); after one that did
+    not, another trial may start once 64 steps have been made here, then 128, 256 and so on.
+    A trial that paid is checked the same way: after 64 steps made ahead (then 128, 256, ...)
+    the source comes back for a fresh baseline and a new trial. (A single trial can meet a
+    moment of load that has nothing to do with the step, in either direction.)
 
     >>> it = OverlapIterator(iter(range(3)), buffer_size=1)
     >>> list(it), it.ahead
@@ -239,6 +240,10 @@ class OverlapIterator(Iterator[Any]):
             if ended.error is not None:
                 raise ended.error
             raise StopIteration
+        verdict = self._verdict
+        if verdict.pays and self._returned is None:  # a pass after one where ahead paid
+            self._ahead = PrefetchIterator(self._source, self._buffer_size)
+            return self.__next__()
         clock = self._clock
         start = clock()
         item = next(self._source)
@@ -247,7 +252,6 @@ class OverlapIterator(Iterator[Any]):
         away, making = (start - returned if returned is not None else 0.0), made - start
         if returned is not None:
             self._here.append(made - returned)
-        verdict = self._verdict
         if verdict.wait:
             verdict.wait -= 1
         if away * _WORTH >= making and min(away, making) >= _WORTH_S:
