@@ -39,8 +39,10 @@ The configurations take turns step by step, each step timed alone, in an order d
 for every step; each round after the first (which times the instances of the warm-up tail)
 builds every eager configuration anew (models, optimizers, strategies, in a drawn order) and
 times it after a few warm-up steps (``bench_train.take_turns``). A configuration's
-ratio is the median over the rounds of its round's median over its baseline's. (Timing each
-configuration's steps in a block of its own, as a first version did, let the shared
+ratio is the median over the rounds of its round's median over its baseline's, printed with
+the quartiles of the rounds' ratios (how far the rounds stray: a target between them is a
+close call for the run). (Timing each configuration's steps in a block of its own, as a
+first version did, let the shared
 machine's drift between blocks move a ratio by 5-10% from run to run; keeping one instance
 of each configuration for the whole run, in a fixed order reversed every round, as the
 next did, read identical code in the cs rows at 0.976 to 1.039 of itself in four runs:
@@ -85,7 +87,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_train import fix_mmap_threshold, median_of_all, ratio, take_turns
+from bench_train import fix_mmap_threshold, median_of_all, quartiles, ratio, take_turns
 from torch import nn
 
 import centralstore as cs
@@ -343,6 +345,13 @@ RATIOS = {  # the ratio's row, its baseline, its target
 BOOKKEEPING = {"cs R=2": "apart", "cs R=2 x4": "apart x4"}
 
 
+def _against(times: list[list[float]], baseline: list[list[float]]) -> str:
+    """The ratio's column and its rounds' quartiles: a ratio whose quartiles hold its target,
+    or the noise row's span, is not told apart from it by this run."""
+    q1, q3 = quartiles(times, baseline)
+    return f"{ratio(times, baseline):7.3f} {f'[{q1:.3f}, {q3:.3f}]':>15}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -372,7 +381,7 @@ def main() -> None:
           f"mmap threshold "
           f"{'fixed' if fixed else 'dynamic'}; tail: first {FIRST} steps' median / steady\n")
     print(f"{'model':<6} {'mode':<8} {'P':>2} {'config':<17} {'ms/step':>8} {'ratio':>7} "
-          f"{'against':<10} {'target':>6} {'tail':>6} {'tail / its':>10}")
+          f"{'quartiles':>15} {'against':<10} {'target':>6} {'tail':>6} {'tail / its':>10}")
     groups: list[tuple[str, str, int, tuple[str, ...]]] = []
     for model_name in options.models:
         for size in options.sizes:
@@ -392,7 +401,7 @@ def main() -> None:
             against, target = RATIOS.get(config, (None, None))
             if against not in results:  # the compiled groups have no eager floor's row
                 against, target = None, None
-            shown = f"{ratio(times, results[against][2]):7.3f}" if against else f"{'':7}"
+            shown = _against(times, results[against][2]) if against else f"{'':23}"
             relative = f"{tail / results[against][1]:10.3f}" if against else f"{'':10}"
             goal = f"<={target:.2f}" if target else ""
             print(f"{model_name:<6} {mode:<8} {size:>2} {config:<17} {ms:8.2f} {shown} "
@@ -400,7 +409,7 @@ def main() -> None:
             floor = BOOKKEEPING.get(config)
             if floor in results:  # the same rounds against the floor of the semantics
                 print(f"{'':<6} {'':<8} {'':>2} {'':<17} {'':>8} "
-                      f"{ratio(times, results[floor][2]):7.3f} {floor}", flush=True)
+                      f"{_against(times, results[floor][2])} {floor}", flush=True)
 
 
 if __name__ == "__main__":

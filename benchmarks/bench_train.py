@@ -251,12 +251,23 @@ def take_turns(
     return times
 
 
-def ratio(times: list[list[float]], baseline: list[list[float]]) -> float:
-    """The median over the rounds of each round's median over its baseline's (a round's
-    configurations share the machine's state and the round's instances)."""
-    return statistics.median(
+def round_ratios(times: list[list[float]], baseline: list[list[float]]) -> list[float]:
+    """Each round's median over its baseline's (a round's configurations share the machine's
+    state and the round's instances)."""
+    return [
         statistics.median(t) / statistics.median(b) for t, b in zip(times, baseline, strict=True)
-    )
+    ]
+
+
+def ratio(times: list[list[float]], baseline: list[list[float]]) -> float:
+    """The median over the rounds of ``round_ratios``."""
+    return statistics.median(round_ratios(times, baseline))
+
+
+def quartiles(times: list[list[float]], baseline: list[list[float]]) -> tuple[float, float]:
+    """The first and third quartiles of ``round_ratios``: how far the rounds spread."""
+    q1, _, q3 = statistics.quantiles(round_ratios(times, baseline), n=4, method="inclusive")
+    return q1, q3
 
 
 def median_of_all(times: list[list[float]]) -> float:
