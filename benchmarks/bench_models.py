@@ -35,26 +35,24 @@ gradients to itself costs by itself: the sums run after backward, on memory gone
 where the halves add each gradient inside the engine as it is made. The line under ``cs R=2``
 gives it against ``apart`` in the same rounds: about what centralstore's own bookkeeping costs.
 
-The configurations take turns step by step, each step timed alone, in an order drawn afresh
-for every step; each round after the first (which times the instances of the warm-up tail)
-builds every eager configuration anew (models, optimizers, strategies, in a drawn order) and
-times it after a few warm-up steps (``bench_train.take_turns``). A configuration's
-ratio is the median over the rounds of its round's median over its baseline's, printed with
-the quartiles of the rounds' ratios (how far the rounds stray: a target between them is a
-close call for the run). (Timing each configuration's steps in a block of its own, as a
-first version did, let the shared
-machine's drift between blocks move a ratio by 5-10% from run to run; keeping one instance
-of each configuration for the whole run, in a fixed order reversed every round, as the
-next did, read identical code in the cs rows at 0.976 to 1.039 of itself in four runs:
-where an instance's memory lies, and which configuration runs before it, move a step by
-that much. With fresh instances and drawn orders the same check read 0.995 to 1.020.) ``plain
-again`` states each run's noise. A compiled configuration is built once (building it anew
-would compile again). The warm-up tail column is the median of each configuration's first
-50 steps after it is first built (the first, compiling one, included; the configurations
-take turns there too) over its
-steady median, and ``tail / its`` that tail over the tail of the configuration it is
-compared with: the machine and torch warm up plain PyTorch as well (allocator, caches), so
-a tail that centralstore adds shows as ``tail / its`` above 1. The machine is shared, so only
+The configurations take turns step by step, each step timed alone, in an order drawn afresh for
+every step; each round after the first (which times the instances of the warm-up tail) builds
+every eager configuration anew (models, optimizers, strategies, in a drawn order) and times it
+after a few warm-up steps (``bench_train.take_turns``). A configuration's ratio is the median
+over the rounds of its round's median over its baseline's, printed with the quartiles of the
+rounds' ratios (how far the rounds stray: a target between them is a close call for the run).
+(Timing each configuration's steps in a block of its own, as a first version did, let the
+shared machine's drift between blocks move a ratio by 5-10% from run to run; keeping one
+instance of each configuration for the whole run, in a fixed order reversed every round, as the
+next did, read identical code in the cs rows at 0.976 to 1.039 of itself in four runs: where an
+instance's memory lies, and which configuration runs before it, move a step by that much. With
+fresh instances and drawn orders the same check read 0.995 to 1.020.) ``plain again`` states
+each run's noise. A compiled configuration is built once (building it anew would compile
+again). The warm-up tail column is the median of each configuration's first 50 steps after it
+is first built (the first, compiling one, included; the configurations take turns there too)
+over its steady median, and ``tail / its`` that tail over the tail of the configuration it is
+compared with: the machine and torch warm up plain PyTorch as well (allocator, caches), so a
+tail that centralstore adds shows as ``tail / its`` above 1. The machine is shared, so only
 ratios within one run mean anything. One intra-op thread by default (``--threads``): with two
 on the two shared cores, OpenMP's spinning threads made a GPT-2 tiny step take ten times as
 long (200 ms instead of 20) and vary by as much from round to round. Times are the process's
@@ -346,8 +344,7 @@ BOOKKEEPING = {"cs R=2": "apart", "cs R=2 x4": "apart x4"}
 
 
 def _against(times: list[list[float]], baseline: list[list[float]]) -> str:
-    """The ratio's column and its rounds' quartiles: a ratio whose quartiles hold its target,
-    or the noise row's span, is not told apart from it by this run."""
+    """A ratio's columns: the ratio, and the quartiles of its rounds' ratios."""
     q1, q3 = quartiles(times, baseline)
     return f"{ratio(times, baseline):7.3f} {f'[{q1:.3f}, {q3:.3f}]':>15}"
 
