@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from bench_train import quartiles
 from torch.utils.data import DataLoader, TensorDataset
 
 from centralstore.input.dataset import Dataset
@@ -136,11 +137,6 @@ def sleeping(step: float, count: int) -> Timing:
     for _ in range(count):
         time.sleep(step)
     return Timing((time.perf_counter() - start) / count, (time.process_time() - cpu) / count)
-
-
-def quartiles(values: list[float]) -> tuple[float, float, float]:
-    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, median, q3
 
 
 def interleaved(cases: dict[str, Callable[[], Timing]], rounds: int) -> dict[str, list[Timing]]:

@@ -85,7 +85,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from bench_train import fix_mmap_threshold, median_of_all, quartiles, ratio, take_turns
+from bench_train import (
+    fix_mmap_threshold,
+    median_of_all,
+    quartiles,
+    round_ratios,
+    take_turns,
+)
 from torch import nn
 
 import centralstore as cs
@@ -256,11 +262,11 @@ def make_step(model_name: str, config: str, per_replica: int, compile_: bool) ->
     if replicas == 1:
         arguments = [slices[0]]
     elif config == "cs R=2 x4 one run":  # each replica's four micro-batches, in one run
-        xs_, ys_ = (
+        features, targets = (
             cs.PerReplica([torch.cat([slices[2 * k + r][i] for k in range(micro)]) for r in (0, 1)])
             for i in (0, 1)
         )
-        arguments = [(xs_, ys_)]
+        arguments = [(features, targets)]
     else:
         arguments = [
             (cs.PerReplica([slices[2 * k][0], slices[2 * k + 1][0]]),
@@ -344,9 +350,9 @@ BOOKKEEPING = {"cs R=2": "apart", "cs R=2 x4": "apart x4"}
 
 
 def _against(times: list[list[float]], baseline: list[list[float]]) -> str:
-    """A ratio's columns: the ratio, and the quartiles of its rounds' ratios."""
-    q1, q3 = quartiles(times, baseline)
-    return f"{ratio(times, baseline):7.3f} {f'[{q1:.3f}, {q3:.3f}]':>15}"
+    """A ratio's columns: the median of its rounds' ratios, and their quartiles."""
+    q1, median, q3 = quartiles(round_ratios(times, baseline))
+    return f"{median:7.3f} {f'[{q1:.3f}, {q3:.3f}]':>15}"
 
 
 def main() -> None:

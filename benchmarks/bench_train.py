@@ -264,10 +264,10 @@ def ratio(times: list[list[float]], baseline: list[list[float]]) -> float:
     return statistics.median(round_ratios(times, baseline))
 
 
-def quartiles(times: list[list[float]], baseline: list[list[float]]) -> tuple[float, float]:
-    """The first and third quartiles of ``round_ratios``: how far the rounds spread."""
-    q1, _, q3 = statistics.quantiles(round_ratios(times, baseline), n=4, method="inclusive")
-    return q1, q3
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """The first quartile, the median and the third quartile of ``values``."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
 
 
 def median_of_all(times: list[list[float]]) -> float:
