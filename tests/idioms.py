@@ -78,6 +78,28 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
         step_of=lambda m: _checkpointed(m),
     ),
+    "spectral norm (its power iteration writes buffers in forward)": dict(
+        make=lambda: nn.Sequential(
+            nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 2)
+        ),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
+    "spectral norm, the older forward pre-hook": dict(
+        make=lambda: nn.Sequential(
+            nn.utils.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 2)
+        ),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
+    "weight norm": dict(
+        make=lambda: nn.Sequential(
+            nn.utils.parametrizations.weight_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 2)
+        ),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
+    "multi-head attention": dict(
+        make=lambda: _Attention(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -127,6 +149,19 @@ class _Recurrent(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(x.view(len(x), 2, 2))
         return self.head(out[:, -1])
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(2, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.view(len(x), 2, 2))
+        mixed, _ = self.attention(tokens, tokens, tokens, need_weights=False)
+        return self.head(mixed.mean(1))
 
 
 def _checkpointed(model: nn.Module) -> Callable[..., Any]:

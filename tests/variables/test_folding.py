@@ -397,6 +397,39 @@ def test_writes_combined_together_match_each_variables_own_arithmetic(
     assert centrals[0][0].item() == pytest.approx(1.0 if aggregation == "SUM" else 1.0 / 3)
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
+def test_mean_writes_every_replica_left_alike_take_their_value_exactly(
+    assigned: bool, replicas: int, aligned: bool
+) -> None:
+    """Replicas that leave a MEAN variable at the same value (a power iteration's vector, a
+    constant), seen as assignments or, through a module slot, as moved counters: the
+    variable takes that value bit for bit, as on one device, where the mean of their moves
+    from the start, or the mean of three equal values, misses it in the last bit."""
+    kind = VariableAggregation.MEAN
+    starts = [torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0])]
+    alike = [torch.tensor([1e-8, 0.7, -2.9]), torch.tensor([0.1])]
+    moves = [written_value(kind, s, sum_in_order(
+        [write_term(kind, s, a, 1, False, False)] * replicas), replicas, False)
+        for s, a in zip(starts, alike, strict=True)]
+    assert not torch.equal(moves[0], alike[0])  # what the moves' mean would have given
+    centrals = [start.clone() for start in starts]
+    values = [[a.clone() for a in alike] for _ in range(replicas)]
+    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), replicas)
+    for central, value in zip(centrals, alike, strict=True):
+        assert torch.equal(central, value)
+    unlike = [[a.clone() for a in alike] for _ in range(replicas)]
+    unlike[-1][1] += 1.0  # one replica left one variable elsewhere: the mean, as before
+    centrals = [start.clone() for start in starts]
+    folding.apply_writes(_written(kind, centrals, unlike, assigned, aligned), replicas)
+    expected = [written_value(kind, s, sum_in_order([
+        write_term(kind, s, unlike[r][v], 1, assigned, assigned) for r in range(replicas)
+    ]), replicas, assigned) for v, s in enumerate(starts)]
+    for central, value in zip(centrals, expected, strict=True):
+        assert torch.equal(central, value)
+
+
 def test_values_on_gpus_come_to_their_variables_in_one_copy_per_device_and_dtype(
     fake_gpus: Any,
 ) -> None:

@@ -428,12 +428,17 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                 (aggregation, len(views), any_assigned, central.dtype), []
             ).append((central, views))
             continue
+        finals = [view.tensor.detach().to(central.device) for view in views]
+        if (
+            aggregation is _MEAN and (not any_assigned or len(views) > 2)
+            and central.is_floating_point() and central.layout is torch.strided
+            and _left_alike([[final] for final in finals])
+        ):
+            central.copy_(finals[0])
+            continue
         terms = [
-            write_term(
-                aggregation, central, view.tensor.detach().to(central.device), 1,
-                view.assigned, any_assigned,
-            )
-            for view in views
+            write_term(aggregation, central, final, 1, view.assigned, any_assigned)
+            for view, final in zip(views, finals, strict=True)
         ]
         central.copy_(
             written_value(aggregation, central, sum_in_order(terms), len(views), any_assigned)
@@ -521,7 +526,13 @@ def _apply_together(
     of them, each replica's values brought to the variables' device in one copy. Without
     an assignment each variable moves by the sum of the replicas' moves in replica order
     (over the writers for MEAN); with one (``assigned``: a kernel's write, batch norm's
-    statistics on a GPU) it becomes the sum of their values (their mean)."""
+    statistics on a GPU) it becomes the sum of their values (their mean). Under MEAN,
+    variables that every writer left at the same values take them (``_left_alike``)."""
+    if aggregation is _MEAN and (not assigned or len(values) > 2):
+        values = [_brought(centrals, replica_values) for replica_values in values]
+        if _left_alike(values):
+            torch._foreach_copy_(centrals, values[0])
+            return
     total: Sequence[torch.Tensor] = ()
     for replica_values in values:  # (out of place: a replica's values may be its own tensors)
         brought = _brought(centrals, replica_values)
@@ -533,6 +544,23 @@ def _apply_together(
         torch._foreach_copy_(centrals, list(total))
     else:
         torch._foreach_add_(centrals, list(total))
+
+
+def _left_alike(values: list[list[torch.Tensor]]) -> bool:
+    """Whether every replica (each one's ``values``, on one device) left the variables at the
+    same values, element for element: a write the replicas repeat alike (a power
+    iteration's vectors, a constant) then folds to its value exactly, as on one device,
+    whether it was seen as an assignment or, through a module slot, as a delta. The mean
+    of their moves, ``c + ((a - c) + (a - c)) / 2``, or of three equal values, can miss
+    ``a`` in the last bit. One comparison per replica, of its values laid end to end."""
+    if len(values) == 1:
+        return True
+    flats = [
+        torch.cat(list(map(torch.ravel, replica_values))) if len(replica_values) > 1
+        else replica_values[0].ravel()
+        for replica_values in values
+    ]
+    return all(map(torch.equal, repeat(flats[0]), flats[1:]))
 
 
 def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[torch.Tensor]:
