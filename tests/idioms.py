@@ -100,6 +100,10 @@ PATTERNS: dict[str, dict[str, Any]] = {
         make=lambda: _Attention(),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     ),
+    "a buffer that forward updates in place (an EMA of activations)": dict(
+        make=lambda: _EmaBuffer(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -149,6 +153,20 @@ class _Recurrent(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.lstm(x.view(len(x), 2, 2))
         return self.head(out[:, -1])
+
+
+class _EmaBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.register_buffer("ema", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layer(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(0.1 * out.mean(0))
+        return out
 
 
 class _Attention(nn.Module):
