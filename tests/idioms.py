@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 X = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
@@ -104,6 +105,24 @@ PATTERNS: dict[str, dict[str, Any]] = {
         make=lambda: _EmaBuffer(),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     ),
+    "gru, two layers, bidirectional": dict(
+        make=lambda: _Gru(),
+        optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    ),
+    "pruning (torch.nn.utils.prune: a mask buffer and a pre-hook)": dict(
+        make=lambda: _pruned(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
+    "ParameterList and ParameterDict, AdamW with amsgrad": dict(
+        make=lambda: _ParamList(),
+        optimizer_of=lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True),
+    ),
+    "orthogonal parametrization": dict(
+        make=lambda: nn.Sequential(
+            nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2)
+        ),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -167,6 +186,35 @@ class _EmaBuffer(nn.Module):
             with torch.no_grad():
                 self.ema.mul_(0.9).add_(0.1 * out.mean(0))
         return out
+
+
+class _Gru(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(2, 3, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x.view(len(x), 2, 2))
+        return self.head(out[:, -1])
+
+
+def _pruned() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+    return model
+
+
+class _ParamList(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(4, 4) / 2) for _ in range(2)])
+        self.out = nn.ParameterDict({"w": nn.Parameter(torch.randn(4, 2) / 2)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+        return x @ self.out["w"]
 
 
 class _Attention(nn.Module):
