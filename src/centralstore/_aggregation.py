@@ -71,10 +71,19 @@ def _member(cls: type[E], value: E | str, what: str) -> E:
 #
 # A *group* of writers is one replica, or one worker's replicas already combined. Each group
 # gives a term; the terms are summed (in order on one process, by an all-reduce across
-# workers); ``written_value`` turns the sum into the variable's new value. A group that only
-# added gives its change (a delta); once any writer assigned, SUM and MEAN combine final
-# values instead. Only the first group's term counts for ONLY_FIRST_REPLICA: the caller
+# workers); ``written_value`` turns the sum into the variable's new value. Under SUM a group
+# that only added gives its change (a delta), and once any writer assigned the groups give
+# final values instead. MEAN and ONLY_FIRST_REPLICA always combine final values: there the
+# two differ only in rounding, and a write read off a module slot cannot tell an assignment
+# (``out=``, ``copy_``) from an addition, so folding final values gives the same bits on
+# every replica path. Only the first group's term counts for ONLY_FIRST_REPLICA: the caller
 # leaves the others out (locally) or makes them zeros (across workers).
+
+
+def by_value(aggregation: VariableAggregation) -> bool:
+    """Whether writes under ``aggregation`` combine by their final values whatever their
+    kind (MEAN, ONLY_FIRST_REPLICA), rather than as changes unless one assigned (SUM)."""
+    return aggregation is not VariableAggregation.SUM
 
 
 def write_term(
@@ -95,13 +104,12 @@ def write_term(
     >>> write_term(VariableAggregation.SUM, c, torch.tensor(13.0), 2, False, True)  # 11 + 12
     tensor(23.)
     >>> write_term(VariableAggregation.MEAN, c, torch.tensor(11.5), 2, False, False)
-    tensor(3.)
+    tensor(23.)
     """
-    if not any_assigned:  # deltas; MEAN weights a group by its writers
-        delta = value - start
-        return delta * count if aggregation is VariableAggregation.MEAN and count != 1 else delta
-    if aggregation is VariableAggregation.MEAN:
+    if aggregation is VariableAggregation.MEAN:  # final values, a group weighted by its writers
         return value * count if count != 1 else value
+    if not any_assigned and not by_value(aggregation):  # SUM's deltas
+        return value - start
     if aggregation is VariableAggregation.SUM and not assigned and count != 1:
         return value + start * (count - 1)  # the sum of its writers' finals: start + delta each
     return value
@@ -117,17 +125,17 @@ def written_value(
     """The variable's value after its writes: ``total`` is the sum of every group's
     ``write_term`` and ``count`` the number of replicas that wrote (MEAN's denominator).
 
-    >>> c = torch.tensor(10.0)  # replicas writing 1 and 2 by add_, then by copy_
-    >>> [float(written_value(a, c, torch.tensor(3.0), 2, False)) for a in
-    ...  (VariableAggregation.SUM, VariableAggregation.MEAN)]
+    >>> c = torch.tensor(10.0)  # replicas writing 1 and 2 by add_ (SUM's deltas, MEAN's finals)
+    >>> [float(written_value(a, c, torch.tensor(t), 2, False)) for a, t in
+    ...  ((VariableAggregation.SUM, 3.0), (VariableAggregation.MEAN, 23.0))]
     [13.0, 11.5]
-    >>> [float(written_value(a, c, torch.tensor(3.0), 2, True)) for a in
+    >>> [float(written_value(a, c, torch.tensor(3.0), 2, True)) for a in  # then by copy_
     ...  (VariableAggregation.SUM, VariableAggregation.MEAN)]
     [3.0, 1.5]
     """
     if aggregation is VariableAggregation.MEAN:
         total = total / count
-    return total if any_assigned else start + total
+    return total if any_assigned or by_value(aggregation) else start + total
 
 
 def sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:

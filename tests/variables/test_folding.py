@@ -399,35 +399,55 @@ def test_writes_combined_together_match_each_variables_own_arithmetic(
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
 @pytest.mark.parametrize("replicas", [2, 3])
-@pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
-def test_mean_writes_every_replica_left_alike_take_their_value_exactly(
-    assigned: bool, replicas: int, aligned: bool
+def test_mean_and_first_replica_writes_fold_the_same_bits_as_assignments_or_moves(
+    replicas: int, aligned: bool
 ) -> None:
-    """Replicas that leave a MEAN variable at the same value (a power iteration's vector, a
-    constant), seen as assignments or, through a module slot, as moved counters: the
-    variable takes that value bit for bit, as on one device, where the mean of their moves
-    from the start, or the mean of three equal values, misses it in the last bit."""
-    kind = VariableAggregation.MEAN
+    """A write read off a module slot is a moved counter, the same write through the
+    variables' class an assignment (``out=``, ``copy_``): under MEAN and ONLY_FIRST_REPLICA
+    both fold the replicas' final values, bit for bit alike, where the mean of their moves
+    from the start, ``c + ((a0 - c) + (a1 - c)) / 2``, differs in the last bit."""
     starts = [torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0])]
-    alike = [torch.tensor([1e-8, 0.7, -2.9]), torch.tensor([0.1])]
-    moves = [written_value(kind, s, sum_in_order(
-        [write_term(kind, s, a, 1, False, False)] * replicas), replicas, False)
-        for s, a in zip(starts, alike, strict=True)]
-    assert not torch.equal(moves[0], alike[0])  # what the moves' mean would have given
+    values = [
+        [torch.tensor([1e-8, 0.7, -2.9]) * (r + 1), torch.tensor([0.1 + r])]
+        for r in range(replicas)
+    ]
+    moves = starts[0] + sum_in_order([v[0] - starts[0] for v in values]) / replicas
+    finals = sum_in_order([v[0] for v in values]) / replicas
+    assert not torch.equal(moves, finals)  # the arithmetic of moves would differ
+    for kind in (VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA):
+        folded = []
+        for assigned in (False, True):
+            centrals = [start.clone() for start in starts]
+            folding.apply_writes(_written(kind, centrals, values, assigned, aligned), replicas)
+            folded.append(centrals)
+        for moved, assigned_ in zip(*folded, strict=True):
+            assert torch.equal(moved, assigned_)
+        expected = finals if kind is VariableAggregation.MEAN else values[0][0]
+        assert torch.equal(folded[0][0], expected)
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
+@pytest.mark.parametrize("assigned", [False, True], ids=["moved", "assigned"])
+def test_mean_writes_three_replicas_left_alike_take_their_value_exactly(
+    assigned: bool, aligned: bool
+) -> None:
+    """Three replicas that leave a MEAN variable at the same value (a power iteration's
+    vector, a constant): the variable takes that value bit for bit, as on one device, where
+    the mean of three equal values misses it in the last bit; left apart, the mean."""
+    kind = VariableAggregation.MEAN
+    starts = [torch.tensor([1.0, -3.0, 0.5, 0.0]), torch.tensor([2.0])]
+    alike = [torch.tensor([1e-8, 0.7, -2.9, 0.1]), torch.tensor([0.1])]
+    assert not torch.equal(sum_in_order([alike[0]] * 3) / 3, alike[0])
     centrals = [start.clone() for start in starts]
-    values = [[a.clone() for a in alike] for _ in range(replicas)]
-    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), replicas)
+    values = [[a.clone() for a in alike] for _ in range(3)]
+    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), 3)
     for central, value in zip(centrals, alike, strict=True):
         assert torch.equal(central, value)
-    unlike = [[a.clone() for a in alike] for _ in range(replicas)]
-    unlike[-1][1] += 1.0  # one replica left one variable elsewhere: the mean, as before
+    values[-1][1] += 1.0  # one replica left one variable elsewhere: the mean, as before
     centrals = [start.clone() for start in starts]
-    folding.apply_writes(_written(kind, centrals, unlike, assigned, aligned), replicas)
-    expected = [written_value(kind, s, sum_in_order([
-        write_term(kind, s, unlike[r][v], 1, assigned, assigned) for r in range(replicas)
-    ]), replicas, assigned) for v, s in enumerate(starts)]
-    for central, value in zip(centrals, expected, strict=True):
-        assert torch.equal(central, value)
+    folding.apply_writes(_written(kind, centrals, values, assigned, aligned), 3)
+    for central, v in zip(centrals, range(2), strict=True):
+        assert torch.equal(central, sum_in_order([values[r][v] for r in range(3)]) / 3)
 
 
 def test_values_on_gpus_come_to_their_variables_in_one_copy_per_device_and_dtype(

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
+from .._aggregation import (
+    VariableAggregation,
+    by_value,
+    sum_in_order,
+    write_term,
+    written_value,
+)
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
 from .buckets import GradientBuckets, take_all
 from .records import Central
@@ -430,9 +436,8 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             continue
         finals = [view.tensor.detach().to(central.device) for view in views]
         if (
-            aggregation is _MEAN and (not any_assigned or len(views) > 2)
-            and central.is_floating_point() and central.layout is torch.strided
-            and _left_alike([[final] for final in finals])
+            aggregation is _MEAN and len(views) > 2 and central.is_floating_point()
+            and central.layout is torch.strided and _left_alike([[final] for final in finals])
         ):
             central.copy_(finals[0])
             continue
@@ -523,12 +528,13 @@ def _apply_together(
     to ``centrals``, of one dtype and aggregation (SUM, MEAN of floating point, or
     ONLY_FIRST_REPLICA: the first writer's): the arithmetic of ``write_term``,
     ``sum_in_order`` and ``written_value`` in a few ``_foreach`` kernels per replica for all
-    of them, each replica's values brought to the variables' device in one copy. Without
-    an assignment each variable moves by the sum of the replicas' moves in replica order
-    (over the writers for MEAN); with one (``assigned``: a kernel's write, batch norm's
-    statistics on a GPU) it becomes the sum of their values (their mean). Under MEAN,
-    variables that every writer left at the same values take them (``_left_alike``)."""
-    if aggregation is _MEAN and (not assigned or len(values) > 2):
+    of them, each replica's values brought to the variables' device in one copy. Under SUM
+    without an assignment each variable moves by the sum of the replicas' moves in replica
+    order; with one (``assigned``), and always under MEAN (``by_value``), it becomes the
+    sum of their values (their mean), and under MEAN variables that three or more writers
+    left at the same values take them (``_left_alike``)."""
+    assigned = assigned or by_value(aggregation)
+    if aggregation is _MEAN and len(values) > 2:
         values = [_brought(centrals, replica_values) for replica_values in values]
         if _left_alike(values):
             torch._foreach_copy_(centrals, values[0])
@@ -550,9 +556,9 @@ def _left_alike(values: list[list[torch.Tensor]]) -> bool:
     """Whether every replica (each one's ``values``, on one device) left the variables at the
     same values, element for element: a write the replicas repeat alike (a power
     iteration's vectors, a constant) then folds to its value exactly, as on one device,
-    whether it was seen as an assignment or, through a module slot, as a delta. The mean
-    of their moves, ``c + ((a - c) + (a - c)) / 2``, or of three equal values, can miss
-    ``a`` in the last bit. One comparison per replica, of its values laid end to end."""
+    where the mean of three equal values, ``((a + a) + a) / 3``, can miss ``a`` in the last
+    bit (the mean of two cannot). One comparison per replica, of its values laid end to
+    end."""
     if len(values) == 1:
         return True
     flats = [
