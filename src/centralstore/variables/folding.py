@@ -559,8 +559,6 @@ def _left_alike(values: list[list[torch.Tensor]]) -> bool:
     where the mean of three equal values, ``((a + a) + a) / 3``, can miss ``a`` in the last
     bit (the mean of two cannot). One comparison per replica, of its values laid end to
     end."""
-    if len(values) == 1:
-        return True
     flats = [
         torch.cat(list(map(torch.ravel, replica_values))) if len(replica_values) > 1
         else replica_values[0].ravel()
