@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.utils.parametrize as parametrize
 import torch.nn.utils.prune
 from torch import nn
 
@@ -123,6 +124,19 @@ PATTERNS: dict[str, dict[str, Any]] = {
         ),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     ),
+    "low-rank adapters (a parametrization on a frozen weight)": dict(
+        make=lambda: _lora(),
+        optimizer_of=lambda m: torch.optim.AdamW(_trained(m), lr=0.01),
+    ),
+    "low-rank adapters, the weight cached for two calls (parametrize.cached)": dict(
+        make=lambda: _lora(),
+        optimizer_of=lambda m: torch.optim.SGD(_trained(m), lr=0.1),
+        step_of=lambda m: _cached_twice(m),
+    ),
+    "instance norm with running statistics": dict(
+        make=lambda: _Inst(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -215,6 +229,50 @@ class _ParamList(nn.Module):
         for w in self.weights:
             x = torch.tanh(x @ w)
         return x @ self.out["w"]
+
+
+class _LoRA(nn.Module):
+    """``w + a @ b``: a weight's low-rank update, trained while the weight stays frozen."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(n, 2) / 4)
+        self.b = nn.Parameter(torch.randn(2, n) / 4)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + self.a @ self.b
+
+
+def _lora() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    parametrize.register_parametrization(model[0], "weight", _LoRA(4))
+    return model
+
+
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _cached_twice(model: nn.Module) -> Callable[..., Any]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        with parametrize.cached():
+            out = model(xs) + model(xs * 0.5)
+        (((out - ys) ** 2).sum() / len(X)).backward()
+
+    return step
+
+
+class _Inst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lift = nn.Linear(4, 8)
+        self.norm = nn.InstanceNorm1d(2, track_running_stats=True, affine=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.lift(x).view(len(x), 2, 4)).view(len(x), 8)
+        return self.head(h)
 
 
 class _Attention(nn.Module):
