@@ -137,6 +137,11 @@ PATTERNS: dict[str, dict[str, Any]] = {
         make=lambda: _Inst(),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     ),
+    "gradient penalty (WGAN-GP: an input gradient with create_graph)": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        step_of=lambda m: _gradient_penalty(m),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -273,6 +278,17 @@ class _Inst(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(self.lift(x).view(len(x), 2, 4)).view(len(x), 8)
         return self.head(h)
+
+
+def _gradient_penalty(model: nn.Module) -> Callable[..., Any]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        xs = xs.clone().requires_grad_(True)
+        out = model(xs)
+        (slope,) = torch.autograd.grad(out.sum(), xs, create_graph=True)
+        penalty = ((slope.norm(dim=1) - 1) ** 2).sum()
+        ((((out - ys) ** 2).sum() + penalty) / len(X)).backward()
+
+    return step
 
 
 class _Attention(nn.Module):
