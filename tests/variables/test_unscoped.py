@@ -169,6 +169,54 @@ def test_a_replica_registering_a_new_buffer_is_told_to_create_it_in_the_scope(pa
     assert id(model.scale) in strategy._store.records
 
 
+class LazyMask(nn.Module):
+    """Registers its buffer empty and fills it at its first call, as causal-mask caches do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+        self.register_buffer("mask", None, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mask is None:
+            self.mask = torch.tensor([1.0, 0.5])
+        return self.linear(x * self.mask).sum()
+
+
+@each_path
+def test_a_replica_filling_an_empty_buffer_is_told_to_create_it_in_the_scope(path: str) -> None:
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = LazyMask()
+    x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
+    with pytest.raises(ValueError, match=r"Replica 0 filled the empty buffer 'mask' with a "
+                       r"tensor of shape \(2,\) in LazyMask inside run.*call the module once"):
+        run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert model.mask is None
+    with strategy.scope():  # the advice: its first call in the scope makes the buffer central
+        model(torch.ones(1, 2))
+    run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
+    assert id(model.mask) in strategy._store.records
+
+
+def test_a_buffer_put_in_a_scoped_module_after_the_scope_is_refused_as_such() -> None:
+    """The module's other variables are central: the message says the buffer came after the
+    scope, not that the module was built outside it."""
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = LazyMask()
+    model.mask = torch.tensor([1.0, 0.5])  # after the scope: a plain buffer
+    x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
+    with pytest.raises(ValueError, match=r"holds the buffer 'mask' of shape \(2,\), which is "
+                       r"not a central variable .*, although the module's other variables are: "
+                       r"the buffer was put there after strategy.scope\(\) ended"):
+        strategy.run(lambda xs: model(xs).backward(), args=(x,))
+    with strategy.scope():  # the advice: assigned in the scope, it is central
+        model.mask = torch.tensor([1.0, 0.5])
+    strategy.run(lambda xs: model(xs).backward(), args=(x,))
+    assert id(model.mask) in strategy._store.records
+
+
 def test_a_layer_made_inside_run_is_refused_by_its_parameter() -> None:
     strategy = strategy_of(2)
     with pytest.raises(ValueError, match=r"registered a new parameter 'weight' of shape \(1, 2\) "

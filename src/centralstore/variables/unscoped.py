@@ -92,17 +92,20 @@ def _refuse_in_replica(module: torch.nn.Module, name: str, value: torch.Tensor |
     parameter = name in module._parameters or isinstance(value, torch.nn.Parameter)
     kind = "parameter" if parameter else "buffer"
     replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
-    if name not in table:
+    if table.get(name) is None:  # a new entry, or one registered empty (a lazy cache's)
         if value is None:
             return
+        made = (
+            f"registered a new {kind} {name!r} of shape" if name not in table
+            else f"filled the empty {kind} {name!r} with a tensor of shape"
+        )
         raise ValueError(
-            f"Replica {replica} registered a new {kind} {name!r} of shape "
-            f"{tuple(value.shape)} in {type(module).__name__} inside run: a variable is "
-            f"created in strategy.scope(), where it becomes a central variable of "
-            f"{entry.strategy!r}; made by a replica, the next replica would find it and no "
-            "sync point would combine it. Create it in the module's __init__, or, if the "
-            "module creates it at its first call, call the module once inside "
-            "`with strategy.scope():` before run."
+            f"Replica {replica} {made} {tuple(value.shape)} in {type(module).__name__} "
+            "inside run: a variable is created in strategy.scope(), where it becomes a "
+            f"central variable of {entry.strategy!r}; made by a replica, the next replica "
+            "would find it and no sync point would combine it. Create it in the module's "
+            "__init__, or, if the module creates it at its first call, call the module once "
+            "inside `with strategy.scope():` before run."
         )
     owned = getattr(entry.store, "owned", None)
     if owned is None or (id(module), name) not in owned()[1]:
@@ -177,17 +180,37 @@ def check(
                 if tensor is not None and id(tensor) not in records and (
                     (id(owner), name) not in slots
                 ) and not (traced and name.startswith(_CONSTANT)):
-                    _refuse(owner, kind, name, tensor, entry)
+                    _refuse(owner, kind, name, tensor, entry, _scoped(owner, slots))
+
+
+def _scoped(module: torch.nn.Module, slots: set[tuple[int, str]]) -> bool:
+    """Whether some slot of ``module`` or of its submodules holds a central variable: it was
+    built in a scope."""
+    return any(
+        (id(part), name) in slots
+        for part in module.modules() for name in (*part._parameters, *part._buffers)
+    )
 
 
 def _refuse(
-    module: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor, entry: _context.Entry
+    module: torch.nn.Module, kind: str, name: str, tensor: torch.Tensor,
+    entry: _context.Entry, scoped: bool,
 ) -> None:
     replica = getattr(entry.replica_context, "replica_id_in_sync_group", 0)
-    raise ValueError(
+    found = (
         f"The {type(module).__name__} module called in replica {replica} holds the {kind} "
         f"{name!r} of shape {tuple(tensor.shape)}, which is not a central variable of "
-        f"{entry.strategy!r}: the module was built (or copied or loaded) outside "
+        f"{entry.strategy!r}"
+    )
+    if scoped:  # (``module.mask = torch.ones(2)`` after the scope)
+        raise ValueError(
+            f"{found}, although the module's other variables are: the {kind} was put there "
+            "after strategy.scope() ended, so every replica would use it as it is, and a "
+            f"buffer would take one update per replica. Assign the {kind} inside `with "
+            "strategy.scope():`, or create it in the module's __init__."
+        )
+    raise ValueError(
+        f"{found}: the module was built (or copied or loaded) outside "
         "strategy.scope(), so every replica would use it as it is, and a buffer would take "
         "one update per replica. Build or load it inside `with strategy.scope():` "
         "(attaching it there to a module built in the scope, or `copy.deepcopy` of it "
