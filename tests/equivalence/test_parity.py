@@ -456,6 +456,37 @@ def test_gan_two_models_two_optimizers_and_detach(path: str) -> None:
 
 
 @each_path
+def test_an_optimizer_that_runs_its_closure_several_times_trains_like_one_device(
+    path: str,
+) -> None:
+    """L-BFGS calls its closure several times inside ``step``: each call is a whole run
+    whose loss ``reduce`` sums, and the line search reads ``.grad`` after each."""
+
+    def program(where: str) -> list[torch.Tensor]:
+        strategy: cs.Strategy = (
+            cs.OneDeviceStrategy("cpu") if where == "one" else strategy_on(where)
+        )
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            if where == "one":
+                return mse_step(model)(X, Y)
+            losses = run_on(where, strategy, mse_step(model), (halves(X), halves(Y)))
+            return strategy.reduce("SUM", losses)
+
+        for _ in range(3):
+            optimizer.step(closure)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in zip(program(path), program("one"), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@each_path
 def test_ema_of_the_weights_outside_run(path: str) -> None:
     strategy = strategy_on(path)
     model = build(strategy, lambda: nn.Linear(4, 2))
