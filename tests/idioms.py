@@ -142,6 +142,10 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
         step_of=lambda m: _gradient_penalty(m),
     ),
+    "module hooks that change values (a forward pre-hook, a forward hook)": dict(
+        make=lambda: _hooked(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -289,6 +293,13 @@ def _gradient_penalty(model: nn.Module) -> Callable[..., Any]:
         ((((out - ys) ** 2).sum() + penalty) / len(X)).backward()
 
     return step
+
+
+def _hooked() -> nn.Module:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model[1].register_forward_hook(lambda module, args, out: out * 2)
+    model[2].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    return model
 
 
 class _Attention(nn.Module):

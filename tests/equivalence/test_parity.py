@@ -487,6 +487,36 @@ def test_an_optimizer_that_runs_its_closure_several_times_trains_like_one_device
 
 
 @each_path
+def test_a_full_backward_hook_that_reverses_gradients_trains_like_one_device(path: str) -> None:
+    """A gradient-reversal layer made with ``register_full_backward_hook``, as domain
+    adaptation code does. (Not on the fake GPUs: torch's full backward hooks do not work on
+    their wrapper tensors in plain PyTorch either.)"""
+
+    def program(where: str) -> list[torch.Tensor]:
+        strategy: cs.Strategy = (
+            cs.OneDeviceStrategy("cpu") if where == "one" else strategy_on(where)
+        )
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model[1].register_full_backward_hook(
+            lambda module, grad_in, grad_out: tuple(-0.5 * g for g in grad_in)
+        )
+        for _ in range(3):
+            if where == "one":
+                mse_step(model)(X, Y)
+            else:
+                run_on(where, strategy, mse_step(model), (halves(X), halves(Y)))
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in zip(program(path), program("one"), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+@each_path
 def test_ema_of_the_weights_outside_run(path: str) -> None:
     strategy = strategy_on(path)
     model = build(strategy, lambda: nn.Linear(4, 2))
