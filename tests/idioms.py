@@ -146,6 +146,10 @@ PATTERNS: dict[str, dict[str, Any]] = {
         make=lambda: _hooked(),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
     ),
+    "gradient reversal (a full backward hook and a torch.autograd.Function)": dict(
+        make=lambda: _reversed(),
+        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+    ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
         optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
@@ -299,6 +303,30 @@ def _hooked() -> nn.Module:
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     model[1].register_forward_hook(lambda module, args, out: out * 2)
     model[2].register_forward_pre_hook(lambda module, args: (args[0] + 1,))
+    return model
+
+
+class _Reverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -2.0 * grad
+
+
+class _Reversed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Reverse.apply(x)  # type: ignore[no-any-return]
+
+
+def _reversed() -> nn.Module:
+    """Gradient-reversal layers as domain adaptation code makes them."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Reversed(), nn.Linear(8, 2))
+    model[1].register_full_backward_hook(
+        lambda module, grad_in, grad_out: tuple(-0.5 * g for g in grad_in)
+    )
     return model
 
 

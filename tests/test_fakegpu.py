@@ -180,6 +180,33 @@ def test_threads_have_their_own_current_device_and_stream() -> None:
     torch.cuda.set_device(0)
 
 
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 3  # not forward's derivative: the custom backward is the one used
+
+
+@uses_gpus
+def test_custom_functions_and_full_backward_hooks_record_their_graph() -> None:
+    """A ``torch.autograd.Function`` (and the full backward hooks torch builds on one) runs
+    on the CPU tensors inside, so its node is recorded; its outputs are on the fake device."""
+    x = torch.ones(3, device="cuda:1", requires_grad=True)
+    y = _Twice.apply(x)
+    assert y.device == torch.device("cuda:1") and y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad is not None and x.grad.device == torch.device("cuda:1")
+    assert torch.equal(x.grad.cpu(), torch.full((3,), 3.0))
+    layer = nn.Linear(3, 1).to("cuda:0")
+    seen: list[torch.Tensor] = []
+    layer.register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out[0]))
+    layer(torch.ones(2, 3, device="cuda:0", requires_grad=True)).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0].cpu(), torch.ones(2, 1))
+
+
 def _torch_state() -> dict[str, Any]:
     return {
         "cuda": {name: getattr(torch.cuda, name, None) for name in (
@@ -192,6 +219,7 @@ def _torch_state() -> dict[str, Any]:
         "factories": {name: getattr(torch, name) for name in ("empty", "zeros", "randn")},
         "constructors": set(_device_constructors()),
         "thread_run": threading.Thread.run,
+        "function_apply": torch.autograd.Function.__dict__["apply"],
         "device_context": DeviceContext.__dict__["__torch_function__"],
         "modes": len(_get_current_function_mode_stack()),
         "central": dict(views._CENTRAL_CLASS),

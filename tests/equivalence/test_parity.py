@@ -486,53 +486,6 @@ def test_an_optimizer_that_runs_its_closure_several_times_trains_like_one_device
         torch.testing.assert_close(got, want)
 
 
-class _Reverse(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return -2.0 * grad
-
-
-class _Reversed(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Reverse.apply(x)  # type: ignore[no-any-return]
-
-
-@each_path
-def test_gradient_reversal_by_a_backward_hook_and_a_custom_function_trains_like_one_device(
-    path: str,
-) -> None:
-    """Gradient-reversal layers as domain adaptation code makes them: a full backward hook,
-    and a ``torch.autograd.Function``. (Not on the fake GPUs, which record no graph through
-    an ``autograd.Function``, docs/design.md §8.1.)"""
-
-    def program(where: str) -> list[torch.Tensor]:
-        strategy: cs.Strategy = (
-            cs.OneDeviceStrategy("cpu") if where == "one" else strategy_on(where)
-        )
-        torch.manual_seed(0)
-        with strategy.scope():
-            model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Reversed(), nn.Linear(8, 2))
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        model[1].register_full_backward_hook(
-            lambda module, grad_in, grad_out: tuple(-0.5 * g for g in grad_in)
-        )
-        for _ in range(3):
-            if where == "one":
-                mse_step(model)(X, Y)
-            else:
-                run_on(where, strategy, mse_step(model), (halves(X), halves(Y)))
-            optimizer.step()
-            optimizer.zero_grad()
-        return [p.detach().clone() for p in model.parameters()]
-
-    for got, want in zip(program(path), program("one"), strict=True):
-        torch.testing.assert_close(got, want)
-
-
 @each_path
 def test_ema_of_the_weights_outside_run(path: str) -> None:
     strategy = strategy_on(path)

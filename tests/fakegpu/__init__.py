@@ -12,10 +12,8 @@ counts the CUDA runtime calls made, by kind and stream, and ``gpus.pinned`` mode
 memory torch's caching host allocator would hold.
 
 The fake GPUs check placement and synchronization, not numerics or speed: kernels are the
-CPU's, every stream runs at once, and there is no NCCL. Nor do they record a graph through a
-``torch.autograd.Function`` (its ``apply`` sees the wrappers, which never require grad), so
-custom Functions, and the full backward hooks torch builds on one, are tested on the CPU
-replica paths only. See docs/design.md, "The fake-GPU model".
+CPU's, every stream runs at once, and there is no NCCL. See docs/design.md, "The fake-GPU
+model".
 
 Usage (``tests/conftest.py`` has the ``fake_gpus`` fixture, which checks at teardown)::
 

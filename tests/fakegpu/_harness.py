@@ -12,6 +12,8 @@ Entering installs, and leaving removes, in reverse order and also when the block
   thread) is seen too (a factory imported by name before activation is not);
 * ``threading.Thread.run``, so that threads started meanwhile (input prefetching, replica
   threads) run with the mode, which does nothing once the context has ended;
+* ``torch.autograd.Function.apply``, so that a custom Function (and the full backward hooks
+  torch builds on one) records its node on the CPU tensors, as every other call does;
 * the centralstore adapter (``_centralstore``), when centralstore is importable.
 
 One ``FakeGPUs`` may be active at a time in a process; nesting raises.
@@ -30,8 +32,9 @@ from typing import Any
 import torch
 from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
 from torch.utils._device import DeviceContext, _device_constructors
+from torch.utils._pytree import tree_leaves, tree_map
 
-from . import _centralstore, _cuda, _ops
+from . import _centralstore, _cuda, _ops, _tensor
 from ._order import Hazard
 from ._pinned import PinnedPool
 
@@ -118,6 +121,27 @@ def _host_function(orig: Any) -> Any:
     return factory
 
 
+def _function_apply(orig: Any) -> Any:
+    """``torch.autograd.Function.apply`` that runs a custom Function on the CPU tensors the
+    fake ones hold, so that autograd records its node there as for every other call (given
+    the wrappers, which never require grad, it would record none), and wraps the outputs
+    back on the inputs' fake device."""
+
+    def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        index = next(
+            (i for i in map(_tensor.index_of, tree_leaves((args, kwargs))) if i is not None),
+            None,
+        )
+        if index is None:
+            return orig.__func__(cls, *args, **kwargs)
+        out = orig.__func__(cls, *_tensor.unwrap(args), **_tensor.unwrap(kwargs))
+        return tree_map(
+            lambda x: _tensor.wrap(x, index) if isinstance(x, torch.Tensor) else x, out
+        )
+
+    return classmethod(functools.wraps(orig.__func__)(apply))
+
+
 def _thread_run(orig: Any) -> Any:
     """``Thread.run`` with the fake-GPU mode active on the new thread while it runs (it is
     inert once the context has ended)."""
@@ -163,6 +187,10 @@ class FakeGPUs:
             for name in _FACTORIES:
                 patches.setattr(torch, name, _host_function(getattr(torch, name)))
             patches.setattr(threading.Thread, "run", _thread_run(threading.Thread.run))
+            patches.setattr(
+                torch.autograd.Function, "apply",
+                _function_apply(torch.autograd.Function.__dict__["apply"]),
+            )
             _centralstore.install(patches)
             self._mode = _ops.Interceptor()
             _push_mode(self._mode)  # type: ignore[no-untyped-call]
