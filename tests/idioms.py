@@ -15,6 +15,10 @@ X = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(6, 2, generator=torch.Generator().manual_seed(1))
 
 
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def mse_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         loss = ((model(xs) - ys) ** 2).sum() / len(X)
@@ -45,7 +49,7 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "gradient accumulation over runs": dict(
         make=lambda: nn.Linear(4, 2),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
         runs_per_step=3,
     ),
     "gradient accumulation inside the step": dict(
@@ -69,7 +73,7 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "tied weights": dict(
         make=lambda: _Tied(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "lstm": dict(
         make=lambda: _Recurrent(),
@@ -77,34 +81,34 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "gradient checkpointing": dict(
         make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
         step_of=lambda m: _checkpointed(m),
     ),
     "spectral norm (its power iteration writes buffers in forward)": dict(
         make=lambda: nn.Sequential(
             nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 2)
         ),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "spectral norm, the older forward pre-hook": dict(
         make=lambda: nn.Sequential(
             nn.utils.spectral_norm(nn.Linear(4, 8)), nn.ReLU(), nn.Linear(8, 2)
         ),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "weight norm": dict(
         make=lambda: nn.Sequential(
             nn.utils.parametrizations.weight_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 2)
         ),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "multi-head attention": dict(
         make=lambda: _Attention(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "a buffer that forward updates in place (an EMA of activations)": dict(
         make=lambda: _EmaBuffer(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "gru, two layers, bidirectional": dict(
         make=lambda: _Gru(),
@@ -112,7 +116,7 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "pruning (torch.nn.utils.prune: a mask buffer and a pre-hook)": dict(
         make=lambda: _pruned(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "ParameterList and ParameterDict, AdamW with amsgrad": dict(
         make=lambda: _ParamList(),
@@ -122,7 +126,7 @@ PATTERNS: dict[str, dict[str, Any]] = {
         make=lambda: nn.Sequential(
             nn.utils.parametrizations.orthogonal(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2)
         ),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "low-rank adapters (a parametrization on a frozen weight)": dict(
         make=lambda: _lora(),
@@ -135,24 +139,24 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "instance norm with running statistics": dict(
         make=lambda: _Inst(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "gradient penalty (WGAN-GP: an input gradient with create_graph)": dict(
         make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
         step_of=lambda m: _gradient_penalty(m),
     ),
     "module hooks that change values (a forward pre-hook, a forward hook)": dict(
         make=lambda: _hooked(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "gradient reversal (a full backward hook and a torch.autograd.Function)": dict(
         make=lambda: _reversed(),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
     ),
     "two backward passes, retain_graph": dict(
         make=lambda: nn.Linear(4, 2),
-        optimizer_of=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        optimizer_of=_sgd,
         step_of=lambda m: _twice(m),
     ),
 }

@@ -153,22 +153,6 @@ class LazyScale(nn.Module):
         return self.linear(x * self.scale).sum()
 
 
-@each_path
-def test_a_replica_registering_a_new_buffer_is_told_to_create_it_in_the_scope(path: str) -> None:
-    strategy = strategy_on(path)
-    with strategy.scope():
-        model = LazyScale()
-    x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
-    with pytest.raises(ValueError, match=r"Replica 0 registered a new buffer 'scale' of shape "
-                       r"\(2,\) in LazyScale inside run.*call the module once inside"):
-        run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
-    assert not hasattr(model, "scale")
-    with strategy.scope():  # the advice: its first call in the scope makes the buffer central
-        model(torch.ones(1, 2))
-    run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
-    assert id(model.scale) in strategy._store.records
-
-
 class LazyMask(nn.Module):
     """Registers its buffer empty and fills it at its first call, as causal-mask caches do."""
 
@@ -184,19 +168,27 @@ class LazyMask(nn.Module):
 
 
 @each_path
-def test_a_replica_filling_an_empty_buffer_is_told_to_create_it_in_the_scope(path: str) -> None:
+@pytest.mark.parametrize("lazy, name, made", [
+    (LazyScale, "scale", r"registered a new buffer 'scale' of shape"),
+    (LazyMask, "mask", r"filled the empty buffer 'mask' with a tensor of shape"),
+], ids=["new", "empty"])
+def test_a_replica_making_a_buffer_is_told_to_create_it_in_the_scope(
+    path: str, lazy: type[nn.Module], name: str, made: str
+) -> None:
+    """A buffer a module creates at its first call, under a new name or in an entry
+    registered empty (``None``), is no central variable when a replica makes it."""
     strategy = strategy_on(path)
     with strategy.scope():
-        model = LazyMask()
+        model = lazy()
     x = cs.PerReplica([torch.ones(1, 2), torch.ones(1, 2)])
-    with pytest.raises(ValueError, match=r"Replica 0 filled the empty buffer 'mask' with a "
-                       r"tensor of shape \(2,\) in LazyMask inside run.*call the module once"):
+    with pytest.raises(ValueError, match=rf"Replica 0 {made} \(2,\) in {lazy.__name__} "
+                       r"inside run.*call the module once inside"):
         run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
-    assert model.mask is None
+    assert getattr(model, name, None) is None
     with strategy.scope():  # the advice: its first call in the scope makes the buffer central
         model(torch.ones(1, 2))
     run_on(path, strategy, lambda xs: model(xs).backward(), args=(x,))
-    assert id(model.mask) in strategy._store.records
+    assert id(getattr(model, name)) in strategy._store.records
 
 
 def test_a_buffer_put_in_a_scoped_module_after_the_scope_is_refused_as_such() -> None:
