@@ -207,6 +207,27 @@ def test_custom_functions_and_full_backward_hooks_record_their_graph() -> None:
     assert len(seen) == 1 and torch.equal(seen[0].cpu(), torch.ones(2, 1))
 
 
+@uses_gpus
+def test_a_function_that_calls_layers_it_captured_runs_on_their_cpu_tensors() -> None:
+    """A reentrant ``torch.utils.checkpoint`` is a Function whose forward and backward call
+    the layers it was given, not only its arguments: their fake parameters stand for the CPU
+    tensors they hold there, and the layers' gradients come out as without checkpointing."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to("cuda:1")
+    x = torch.randn(2, 3).to("cuda:1").requires_grad_()
+    grads = []
+    for checkpointed in (False, True):
+        layer.zero_grad()
+        out = (
+            torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+            if checkpointed else layer(x)
+        )
+        assert out.device == torch.device("cuda:1")
+        out.sum().backward()
+        grads.append([p.grad.cpu() for p in layer.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def _torch_state() -> dict[str, Any]:
     return {
         "cuda": {name: getattr(torch.cuda, name, None) for name in (

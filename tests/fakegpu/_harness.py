@@ -13,7 +13,8 @@ Entering installs, and leaving removes, in reverse order and also when the block
 * ``threading.Thread.run``, so that threads started meanwhile (input prefetching, replica
   threads) run with the mode, which does nothing once the context has ended;
 * ``torch.autograd.Function.apply``, so that a custom Function (and the full backward hooks
-  torch builds on one) records its node on the CPU tensors, as every other call does;
+  torch builds on one) records its node on the CPU tensors, as every other call does, and
+  the layers its body calls (a reentrant checkpoint's) compute on their CPU tensors too;
 * the centralstore adapter (``_centralstore``), when centralstore is importable.
 
 One ``FakeGPUs`` may be active at a time in a process; nesting raises.
@@ -125,7 +126,9 @@ def _function_apply(orig: Any) -> Any:
     """``torch.autograd.Function.apply`` that runs a custom Function on the CPU tensors the
     fake ones hold, so that autograd records its node there as for every other call (given
     the wrappers, which never require grad, it would record none), and wraps the outputs
-    back on the inputs' fake device."""
+    back on the inputs' fake device. Its ``forward`` and ``backward`` run as host code
+    (``_ops.host_body``): a fake tensor they reach by other ways than their arguments (the
+    layers a reentrant ``torch.utils.checkpoint`` calls) stands for the CPU tensor it holds."""
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         index = next(
@@ -134,12 +137,30 @@ def _function_apply(orig: Any) -> Any:
         )
         if index is None:
             return orig.__func__(cls, *args, **kwargs)
-        out = orig.__func__(cls, *_tensor.unwrap(args), **_tensor.unwrap(kwargs))
+        out = orig.__func__(_on_host(cls), *_tensor.unwrap(args), **_tensor.unwrap(kwargs))
         return tree_map(
             lambda x: _tensor.wrap(x, index) if isinstance(x, torch.Tensor) else x, out
         )
 
     return classmethod(functools.wraps(orig.__func__)(apply))
+
+
+@functools.cache
+def _on_host(cls: Any) -> Any:
+    """``cls`` with its ``forward`` and ``backward`` run as host code."""
+
+    def hosted(method: Callable[..., Any]) -> Any:
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _ops.host_body():
+                return method(*args, **kwargs)
+
+        return staticmethod(run)
+
+    return type(cls.__name__, (cls,), {
+        "forward": hosted(cls.forward), "backward": hosted(cls.backward),
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+    })
 
 
 def _thread_run(orig: Any) -> Any:

@@ -68,6 +68,7 @@ _NATIVE_GETTERS = frozenset({"device", "is_cuda", "is_cpu"})
 
 class _Local(threading.local):
     inside = False  # this thread is inside a call the handler is running on CPU tensors
+    host_body = False  # ... inside a custom Function's forward or backward (``host_body``)
 
 
 _local = _Local()
@@ -125,16 +126,31 @@ def _outside() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def host_body() -> Iterator[None]:
+    """A custom Function's ``forward`` or ``backward``, which ``Function.apply`` runs on the
+    CPU tensors its fake arguments hold: a call there that mixes those with fake tensors it
+    reached otherwise (the layers a reentrant checkpoint calls) runs on the CPU tensors the
+    fake ones hold and returns CPU tensors (unseen by the stream checker); the others run as
+    anywhere."""
+    previous, _local.host_body = _local.host_body, True
+    try:
+        yield
+    finally:
+        _local.host_body = previous
+
+
+@contextlib.contextmanager
 def user_code() -> Iterator[None]:
     """Run user code called back from inside a handled call (a hook) with the fake-GPU
     mode active again on this thread."""
-    previous, _local.inside = _local.inside, False
+    previous = _local.inside, _local.host_body
+    _local.inside = _local.host_body = False
     mode = Interceptor()
     try:
         with mode:
             yield
     finally:
-        _local.inside = previous
+        _local.inside, _local.host_body = previous
 
 
 class Interceptor(TorchFunctionMode):
@@ -167,6 +183,9 @@ def _ambient_device() -> torch.device | None:
 def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run one torch call on the fake GPUs (see the module docstring)."""
     rt = _cuda._runtime
+    if _local.host_body and not _local.inside and _mixes((args, kwargs)):
+        with _running_inside(), torch._C.DisableTorchFunctionSubclass():
+            return func(*unwrap(args), **unwrap(kwargs))
     if _local.inside:  # a call made while running one on CPU tensors
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -178,6 +197,12 @@ def handle(func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any])
                 return _forward(func, args, kwargs, None)
             return func(*args, **kwargs)
         return Call(rt, func, args, kwargs).run()
+
+
+def _mixes(tree: Any) -> bool:
+    """Whether ``tree`` holds both fake tensors and host tensors of one dimension or more."""
+    leaves = [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+    return any(map(is_fake, leaves)) and any(not is_fake(x) and x.dim() > 0 for x in leaves)
 
 
 def _forward(func: Any, args: Any, kwargs: Any, index: int | None) -> Any:
