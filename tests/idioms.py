@@ -159,6 +159,11 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=_sgd,
         step_of=lambda m: _twice(m),
     ),
+    "mixture of experts, an expert without rows skipped (two runs a step, Adam)": dict(
+        make=lambda: _Experts(),
+        optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+        runs_per_step=2,
+    ),
 }
 
 
@@ -278,6 +283,27 @@ def _cached_twice(model: nn.Module) -> Callable[..., Any]:
         (((out - ys) ** 2).sum() / len(X)).backward()
 
     return step
+
+
+class _Experts(nn.Module):
+    """Experts routed by the signs of each row's first two inputs, each called on its rows
+    only, as a loop over experts skips one that got none. On X's rows the choices are 0, 3, 2,
+    3, 3, 2: expert 0 has a gradient from the first replica's slice alone, expert 1 never."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(4, 4)
+        self.experts = nn.ModuleList(nn.Linear(4, 2) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+        weight = self.gate(x).softmax(-1).gather(1, choice[:, None])
+        out = x.new_zeros(len(x), 2)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if len(rows):
+                out = out.index_add(0, rows, weight[rows] * expert(x[rows]))
+        return out
 
 
 class _Inst(nn.Module):
