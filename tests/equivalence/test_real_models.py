@@ -1,25 +1,33 @@
-"""Real models, built inside ``scope()``, trained by a hand-written loop at R = 2 and 3 against
-plain PyTorch on the same global batches, in float64.
+"""Real models, built inside ``scope()``, trained by a hand-written loop at R = 2 and 3 on every
+replica path (``paths.py``: direct, views, threads) and on two fake GPUs, against plain
+PyTorch on the same global batches, in float64.
 
-Hugging Face transformers' GPT-2, BERT and ViT (tiny configs; no timm or torchvision, whose
-wheels here do not import beside this torch), and a small ResNet-like CNN with BatchNorm2d.
-The loop is the README's: ``experimental_distribute_dataset`` over a DataLoader of global
-batches, ``strategy.run`` of a step whose loss is divided by the global batch (or the global
-token count), one ``optimizer.step()`` per batch. The last global batch is short, so at R = 3
-a replica gets no row. Measured max weight gaps: GPT-2 1.1e-13 (R = 2) and 5.6e-14 (R = 3),
-BERT 3.7e-14 and 4.1e-14, ViT 1.6e-13 and 1.9e-13; the CNN with BatchNorm 0.0 against its
-per-slice reference (0.04 against full-batch BatchNorm). 1e-10 is asserted. GPT-2's loss is
-also compiled (``torch.compile``, first called inside ``run``) at R = 2.
+Hugging Face transformers' GPT-2, BERT, ViT, Llama (rotary positions, RMSNorm, grouped-query
+attention), Llama with gradient checkpointing, Mixtral (a router choosing experts per token),
+T5 (encoder-decoder, relative position biases), BART, DistilBERT and RoBERTa (position ids
+made from the padding), tiny configs (no timm or torchvision, whose wheels here do not import
+beside this torch), and a small ResNet-like CNN with BatchNorm2d. The loop is the README's:
+``experimental_distribute_dataset`` over a DataLoader of global batches, ``strategy.run`` of a
+step whose loss is divided by the global batch (or the global token count, summed across the
+replicas by ``all_reduce`` on the threads path), one ``optimizer.step()`` per batch. The last
+global batch is short, so at R = 3 a replica gets no row. Measured max weight gaps: 3.7e-15
+(T5) to 3.2e-13 (ViT), for each model and R the same on every path and on the fake GPUs;
+the CNN with BatchNorm 0.0 against its per-slice reference (0.04 against full-batch
+BatchNorm). 1e-10 is asserted. GPT-2's loss is also compiled (``torch.compile``, first
+called inside ``run``) at R = 2 on each path. A dynamic rotary embedding, which replaces a
+buffer in forward, is refused inside ``run`` and trains once grown in the scope.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+from paths import FakePlacement, each_path, step_on, strategy_on
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -71,6 +79,83 @@ def vit() -> nn.Module:
         attention_probs_dropout_prob=0.0, num_labels=CLASSES,
     )
     return transformers.ViTForImageClassification(config).double()
+
+
+def llama(reentrant: bool | None = None) -> Callable[[], nn.Module]:
+    """Llama; with gradient checkpointing when ``reentrant`` is given (Hugging Face's default
+    is the non-reentrant kind, ``torch.utils.checkpoint``'s older one reentrant)."""
+
+    def build() -> nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
+            bos_token_id=1, eos_token_id=1, pad_token_id=0,
+        )
+        model = transformers.LlamaForCausalLM(config).double()
+        if reentrant is not None:  # each layer's forward runs again in backward
+            model.activation_checkpointing_enable({"use_reentrant": reentrant})
+        return model
+
+    return build
+
+
+def mixtral() -> nn.Module:
+    # "eager" experts: the default grouped matrix product takes no float64
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
+        num_local_experts=4, num_experts_per_tok=1, experts_implementation="eager",
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )
+    return transformers.MixtralForCausalLM(config).double()
+
+
+class Seq2Seq(nn.Module):
+    """An encoder-decoder whose decoder reads the input ids, so that the causal LM loss fits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, decoder_input_ids=input_ids).logits
+
+
+def t5() -> nn.Module:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )
+    return Seq2Seq(transformers.T5ForConditionalGeneration(config).double())
+
+
+def bart() -> nn.Module:
+    config = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=LENGTH, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=1,
+        decoder_start_token_id=1, forced_eos_token_id=None,
+    )
+    return Seq2Seq(transformers.BartForConditionalGeneration(config).double())
+
+
+def distilbert() -> nn.Module:
+    config = transformers.DistilBertConfig(
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+        max_position_embeddings=LENGTH, dropout=0.0, attention_dropout=0.0,
+        seq_classif_dropout=0.0, num_labels=CLASSES, pad_token_id=0,
+    )
+    return transformers.DistilBertForSequenceClassification(config).double()
+
+
+def roberta() -> nn.Module:
+    config = transformers.RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=LENGTH + 2, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, num_labels=CLASSES, pad_token_id=0,
+    )
+    return transformers.RobertaForSequenceClassification(config).double()
 
 
 class Block(nn.Module):
@@ -188,13 +273,16 @@ def train_plain(model: nn.Module, loader: DataLoader[Any], tokens: bool) -> None
 
 
 def train_replicated(
-    build: Callable[[], nn.Module], loader: DataLoader[Any], replicas: int, tokens: bool,
-    backend: str | None = None,
-) -> nn.Module:
-    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    strategy: cs.CentralStorageStrategy, build: Callable[[], nn.Module], loader: DataLoader[Any],
+    tokens: bool, path: str = "direct", backend: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model's state on the host after ``strategy`` trained it from ``build``'s seeded
+    initial state (drawn on the host: fake GPUs draw otherwise)."""
     torch.manual_seed(0)
+    initial = build().state_dict()
     with strategy.scope():
         model = build()
+        model.load_state_dict(initial)
         optimizer = optimizer_for(model)
     assert all(strategy.extended.variable_created_in_scope(p) for p in model.parameters())
     model.train()
@@ -202,11 +290,13 @@ def train_replicated(
     if backend is not None:  # first called, and so compiled, inside run
         loss_of = torch.compile(loss_of, backend=backend)
 
-    def step(batch: dict[str, torch.Tensor], size: int) -> torch.Tensor:
+    def step(batch: dict[str, torch.Tensor], size: int, count: Any) -> torch.Tensor:
         context = cs.get_replica_context()
         assert context is not None
-        if tokens:  # the global token count, from every replica's slice (a rendezvous)
-            divisor = context.all_reduce(cs.ReduceOp.SUM, (targets(batch) != -100).sum())
+        if tokens:
+            if path == "threads":  # the global token count from every replica's slice
+                count = context.all_reduce(cs.ReduceOp.SUM, (targets(batch) != -100).sum())
+            divisor = count
         else:
             divisor = size
         if len(batch["labels"]) == 0:  # a short last batch leaves this replica no row
@@ -217,51 +307,133 @@ def train_replicated(
 
     for global_batch, batch in zip(loader, strategy.experimental_distribute_dataset(loader)):
         optimizer.zero_grad()
-        strategy.run(step, args=(batch, len(global_batch["labels"])))
+        count = int((targets(global_batch) != -100).sum()) if tokens else 0
+        strategy.run(step_on(path, step), args=(batch, len(global_batch["labels"]), count))
         optimizer.step()
-    return model
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-def gap(a: nn.Module, b: nn.Module) -> float:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    return max(float((sa[k].double() - sb[k].double()).abs().max()) for k in sa)
-
-
-def check(build: Callable[[], nn.Module], loader: DataLoader[Any], replicas: int,
-          tokens: bool = False, backend: str | None = None) -> None:
-    torch.manual_seed(0)
-    plain = build()
-    trained = copy.deepcopy(plain)
-    train_plain(trained, loader, tokens)
-    model = train_replicated(build, loader, replicas, tokens, backend)
-    assert gap(plain, trained) > 1e-3  # it trained
-    assert gap(model, trained) < TOLERANCE
+def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 # 14 examples in global batches of 6: 6, 6, 2 (R = 3: slices 1 / 1 / 0 in the last step).
 N, BATCH = 14, 6
+# a model, its batches, and whether its loss is over tokens (the causal LM's)
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, int], DataLoader[Any]], bool]] = {
+    "gpt2": (gpt2, token_batches, True),
+    "bert": (bert(0), sequence_batches, False),
+    "vit": (vit, image_batches, False),
+    "llama": (llama(), token_batches, True),
+    "llama, gradient checkpointing": (llama(reentrant=False), token_batches, True),
+    "llama, reentrant gradient checkpointing": (llama(reentrant=True), token_batches, True),
+    "mixtral": (mixtral, token_batches, True),
+    "t5": (t5, token_batches, True),
+    "bart": (bart, token_batches, True),
+    "distilbert": (distilbert, sequence_batches, False),
+    "roberta": (roberta, sequence_batches, False),
+}
 
 
+@functools.cache
+def one_device(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``name``'s initial state and its state after plain PyTorch trained it on all N."""
+    build, batches, tokens = MODELS[name]
+    torch.manual_seed(0)
+    model = build()
+    initial = copy.deepcopy(model.state_dict())
+    train_plain(model, batches(N, BATCH), tokens)
+    return initial, model.state_dict()
+
+
+def check(name: str, strategy: cs.CentralStorageStrategy, path: str = "direct",
+          backend: str | None = None) -> None:
+    build, batches, tokens = MODELS[name]
+    initial, trained = one_device(name)
+    got = train_replicated(strategy, build, batches(N, BATCH), tokens, path, backend)
+    assert gap(initial, trained) > 1e-3  # it trained
+    assert gap(got, trained) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("replicas", [2, 3])
-def test_gpt2(replicas: int) -> None:
-    check(gpt2, token_batches(N, BATCH), replicas, tokens=True)
+@each_path
+def test_trains_like_one_device(name: str, replicas: int, path: str) -> None:
+    check(name, strategy_on(path, replicas), path)
 
 
-def test_gpt2_compiled_inside_run() -> None:
+@pytest.mark.parametrize("name", MODELS)
+def test_trains_like_one_device_on_two_gpus(
+    name: str, fake_gpu_placement: FakePlacement
+) -> None:
+    check(name, gpu_strategy(fake_gpu_placement))
+
+
+@each_path
+def test_gpt2_compiled_inside_run(path: str) -> None:
     # torch.compile's graph modules are built in the replica that first calls the loss; its
     # constants are their buffers (aot_eager: the joint graph, without inductor's codegen)
-    check(gpt2, token_batches(N, BATCH), 2, tokens=True, backend="aot_eager")
+    check("gpt2", strategy_on(path), path, backend="aot_eager")
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_bert(replicas: int) -> None:
-    check(bert(0), sequence_batches(N, BATCH), replicas)
+def dynamic_llama() -> nn.Module:
+    """Llama whose rotary embedding registers a new ``inv_freq`` in forward once a sequence is
+    longer than ``max_position_embeddings`` (here half of ``LENGTH``)."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH // 2,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+        bos_token_id=1, eos_token_id=1, pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config).double()
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_vit(replicas: int) -> None:
-    check(vit, image_batches(N, BATCH), replicas)
+def train_dynamic(
+    path: str, initial: dict[str, torch.Tensor], grown: bool
+) -> dict[str, torch.Tensor]:
+    """``dynamic_llama`` trained from ``initial`` on ``path``, after one call in the scope
+    with the longest sequence if ``grown``."""
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = dynamic_llama()
+        model.load_state_dict(initial)
+        optimizer = optimizer_for(model)
+        if grown:
+            with torch.no_grad():
+                model(input_ids=torch.ones(1, LENGTH, dtype=torch.long))
+
+    def step(batch: dict[str, torch.Tensor], count: int) -> None:
+        token_loss(model, batch, count).backward()
+
+    loader = token_batches(N, BATCH)
+    for global_batch, batch in zip(loader, strategy.experimental_distribute_dataset(loader)):
+        optimizer.zero_grad()
+        count = int((targets(global_batch) != -100).sum())
+        strategy.run(step_on(path, step), args=(batch, count))
+        optimizer.step()
+    return model.state_dict()
+
+
+@each_path
+def test_a_dynamic_rotary_embedding_grows_in_scope_not_in_run(path: str) -> None:
+    """Inside run its new ``inv_freq`` is refused, naming the buffer (the next replica would
+    find the length cached and compute with its own old frequencies); grown by one call in
+    the scope, the model trains like plain PyTorch, which grows it at its first step."""
+    torch.manual_seed(0)
+    model = dynamic_llama()
+    initial = copy.deepcopy(model.state_dict())
+    train_plain(model, token_batches(N, BATCH), tokens=True)
+    with pytest.raises(ValueError, match=r"assigned a new tensor .* buffer 'inv_freq'"):
+        train_dynamic(path, initial, grown=False)
+    assert gap(initial, model.state_dict()) > 1e-3
+    assert gap(train_dynamic(path, initial, grown=True), model.state_dict()) < TOLERANCE
+
+
+def gpu_strategy(placement: FakePlacement) -> cs.CentralStorageStrategy:
+    return cs.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    )
 
 
 # ---- BatchNorm ---------------------------------------------------------------------------
@@ -297,20 +469,27 @@ def train_plain_per_slice(model: ResNet, loader: DataLoader[Any], replicas: int)
         optimizer.step()
 
 
-@pytest.mark.parametrize("replicas", [2, 3])
-def test_resnet_with_batchnorm(replicas: int) -> None:
+def check_batch_norm(strategy: cs.CentralStorageStrategy, replicas: int, path: str) -> None:
     # 16 examples in global batches of 8: R = 3 cuts 3 / 3 / 2, no slice empty (BatchNorm in
     # training mode needs rows).
     loader = image_batches(16, 8)
     torch.manual_seed(0)
-    trained = ResNet().double()
-    start = copy.deepcopy(trained.state_dict())
-    train_plain_per_slice(trained, loader, replicas)
-    model = train_replicated(lambda: ResNet().double(), loader, replicas, tokens=False)
-    assert gap(model, trained) < TOLERANCE  # parameters and buffers (state_dict holds both)
-    moved = max(float((trained.state_dict()[k] - v).abs().max()) for k, v in start.items()
-                if "running" in k)
+    model = ResNet().double()
+    start = copy.deepcopy(model.state_dict())
+    train_plain_per_slice(model, loader, replicas)
+    trained = model.state_dict()
+    got = train_replicated(strategy, lambda: ResNet().double(), loader, False, path)
+    assert gap(got, trained) < TOLERANCE  # parameters and buffers (state_dict holds both)
+    moved = max(float((trained[k] - v).abs().max()) for k, v in start.items() if "running" in k)
     assert moved > 1e-3  # the running statistics did change
-    assert all(
-        int(v) == 2 for k, v in model.state_dict().items() if k.endswith("num_batches_tracked")
-    )
+    assert all(int(v) == 2 for k, v in got.items() if k.endswith("num_batches_tracked"))
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+@each_path
+def test_resnet_with_batchnorm(replicas: int, path: str) -> None:
+    check_batch_norm(strategy_on(path, replicas), replicas, path)
+
+
+def test_resnet_with_batchnorm_on_two_gpus(fake_gpu_placement: FakePlacement) -> None:
+    check_batch_norm(gpu_strategy(fake_gpu_placement), 2, "direct")
