@@ -556,7 +556,7 @@ def restart_scenario(out_dir: str) -> dict[str, Any]:
 def patterns_scenario() -> dict[str, Any]:
     """Every everyday idiom of the parity matrix (``tests/idioms.py``) on the workers' path:
     each worker's replicas take their slices of the same global batch, 3 optimizer steps."""
-    from idioms import PATTERNS, X, Y, mse_step
+    from idioms import PATTERNS, X, Y, mse_step, step_optimizer
 
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
@@ -573,7 +573,7 @@ def patterns_scenario() -> dict[str, Any]:
         for _ in range(3):
             for _ in range(spec.get("runs_per_step", 1)):
                 strategy.run(step, args=mine)
-            optimizer.step()
+            step_optimizer(spec, model, optimizer)
             spec.get("after_step", lambda m, o: None)(model, optimizer)
             optimizer.zero_grad()
         results[name] = model.state_dict()

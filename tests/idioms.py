@@ -19,6 +19,13 @@ def _sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def step_optimizer(
+    spec: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """The pattern's optimizer step: ``optimizer.step()``, or its own ``optimizer_step``."""
+    spec.get("optimizer_step", lambda m, o: o.step())(model, optimizer)
+
+
 def mse_step(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         loss = ((model(xs) - ys) ** 2).sum() / len(X)
@@ -159,6 +166,12 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=_sgd,
         step_of=lambda m: _twice(m),
     ),
+    "mixed precision's GradScaler, its scale on the parameter device; step 2 overflows": dict(
+        make=lambda: _Scaled(),
+        optimizer_of=_sgd,
+        step_of=lambda m: _scaled_step(m),
+        optimizer_step=lambda m, o: m.step_scaler(o),
+    ),
     "mixture of experts, an expert without rows skipped (two runs a step, Adam)": dict(
         make=lambda: _Experts(),
         optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
@@ -281,6 +294,34 @@ def _cached_twice(model: nn.Module) -> Callable[..., Any]:
         with parametrize.cached():
             out = model(xs) + model(xs * 0.5)
         (((out - ys) ** 2).sum() / len(X)).backward()
+
+    return step
+
+
+class _Scaled(nn.Sequential):
+    """A model and its ``torch.amp.GradScaler``, whose scale is made on the parameter device
+    (the variables' in a scope): made by the first ``scale(loss)`` on replica 0's device, it
+    would be copied to the gradients' device without waiting (docs/porting.md)."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        self.scaler.scale(torch.zeros((), device=self[0].weight.device))
+        self.steps = 0
+
+    def step_scaler(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.step(optimizer)  # skipped when a gradient is not finite
+        self.scaler.update()
+        self.steps += 1
+
+
+def _scaled_step(model: _Scaled) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        loss = ((model(xs) - ys) ** 2).sum() / len(X)
+        if model.steps == 1 and bool((xs == X[0].to(xs.device)).all(1).any()):
+            loss = loss * float("inf")  # the slice holding X's first row overflows
+        model.scaler.scale(loss).backward()
+        return loss.detach()
 
     return step
 

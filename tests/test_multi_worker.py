@@ -199,7 +199,7 @@ def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) 
         for _ in range(3):
             for _ in range(spec.get("runs_per_step", 1)):
                 step(idioms.X, idioms.Y)
-            optimizer.step()
+            idioms.step_optimizer(spec, model, optimizer)
             spec.get("after_step", lambda m, o: None)(model, optimizer)
             optimizer.zero_grad()
         for rank, result in enumerate(results):

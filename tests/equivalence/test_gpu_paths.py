@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from idioms import PATTERNS, X, Y, mse_step
+from idioms import PATTERNS, X, Y, mse_step, step_optimizer
 from paths import FakePlacement
 from replicas import context, local
 from torch import nn
@@ -50,7 +50,7 @@ def train_on_gpus(
     for _ in range(steps):
         for _ in range(spec.get("runs_per_step", 1)):
             strategy.run(step_of(model), args=(xs, ys))
-        optimizer.step()
+        step_optimizer(spec, model, optimizer)
         spec.get("after_step", lambda m, o: None)(model, optimizer)
         optimizer.zero_grad()
     return host_state(model)
@@ -64,7 +64,7 @@ def train_on_one_device(spec: dict[str, Any], steps: int = 3) -> dict[str, torch
     for _ in range(steps):
         for _ in range(spec.get("runs_per_step", 1)):
             step_of(model)(X, Y)
-        optimizer.step()
+        step_optimizer(spec, model, optimizer)
         spec.get("after_step", lambda m, o: None)(model, optimizer)
         optimizer.zero_grad()
     return host_state(model)

@@ -379,6 +379,7 @@ def _train(
     step_of: Callable[[nn.Module], Callable[..., Any]] = mse_step,
     after_step: Callable[[nn.Module, torch.optim.Optimizer], None] = lambda m, o: None,
     runs_per_step: int = 1,
+    optimizer_step: Callable[[nn.Module, torch.optim.Optimizer], None] = lambda m, o: o.step(),
 ) -> nn.Module:
     """``steps`` optimizer steps on the replicas of ``path`` (``path`` None: one device)."""
     strategy: cs.Strategy = cs.OneDeviceStrategy("cpu") if path == "one" else strategy_on(path)
@@ -391,7 +392,7 @@ def _train(
                 step_of(model)(X, Y)
             else:
                 run_on(path, strategy, step_of(model), (halves(X), halves(Y)))
-        optimizer.step()
+        optimizer_step(model, optimizer)
         after_step(model, optimizer)
         optimizer.zero_grad()
     return model
