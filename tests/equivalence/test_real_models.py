@@ -313,6 +313,12 @@ def train_replicated(
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def gpu_strategy(placement: FakePlacement) -> cs.CentralStorageStrategy:
+    return cs.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    )
+
+
 def gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -428,12 +434,6 @@ def test_a_dynamic_rotary_embedding_grows_in_scope_not_in_run(path: str) -> None
         train_dynamic(path, initial, grown=False)
     assert gap(initial, model.state_dict()) > 1e-3
     assert gap(train_dynamic(path, initial, grown=True), model.state_dict()) < TOLERANCE
-
-
-def gpu_strategy(placement: FakePlacement) -> cs.CentralStorageStrategy:
-    return cs.CentralStorageStrategy(
-        list(placement.compute_devices), parameter_device=placement.parameter_device
-    )
 
 
 # ---- BatchNorm ---------------------------------------------------------------------------
