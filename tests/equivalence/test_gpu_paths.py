@@ -592,9 +592,6 @@ def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePla
 
 
 def test_sparse_gradients_fold(fake_gpu_placement: FakePlacement) -> None:
-    if fake_gpu_placement.gpus is not None:
-        pytest.skip("the fake GPUs hold no sparse tensors; folding.start_copy's unit test and "
-                    "benchmarks/gpu_check.py (real GPUs) cover this")
     strategy = strategy_for(fake_gpu_placement)
     torch.manual_seed(0)
     initial = nn.Embedding(10, 3, sparse=True).state_dict()

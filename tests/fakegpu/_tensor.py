@@ -78,11 +78,13 @@ def wrap(inner: torch.Tensor, index: int) -> FakeCudaTensor:
         return existing
     layout = inner.layout
     strides = inner.stride() if layout == torch.strided else None
+    where: dict[str, Any] = {}  # a sparse tensor has neither strides nor a storage offset
+    if strides is not None:
+        where = {"strides": strides, "storage_offset": inner.storage_offset()}
     wrapper = torch.Tensor._make_wrapper_subclass(
         FakeCudaTensor,
         inner.size(),
-        strides=strides,
-        storage_offset=inner.storage_offset() if strides is not None else 0,
+        **where,
         dtype=inner.dtype,
         layout=layout,
         device=torch.device("cuda", index),
