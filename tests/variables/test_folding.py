@@ -249,6 +249,21 @@ def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradien
     assert empty[0] is None and empty[1] is grad
 
 
+def test_add_in_order_adds_sparse_and_dense_in_either_order() -> None:
+    """A sparse sum held and a dense gradient (a table looked up on one replica and also
+    read densely on the next) add up dense, as autograd accumulates them: torch adds the
+    two only as dense + sparse."""
+    rows = torch.sparse_coo_tensor(
+        torch.tensor([[0, 2, 0]]), torch.ones(3, 2), (4, 2), check_invariants=True
+    )
+    dense = torch.arange(8.0).view(4, 2)
+    for held, grad in ((rows, dense), (dense.clone(), rows), (rows, rows)):
+        sums: list[torch.Tensor | None] = [held]
+        add_in_order(sums, [grad])
+        assert sums[0] is not None and sums[0].is_sparse == (held.is_sparse and grad.is_sparse)
+        torch.testing.assert_close(sums[0].to_dense(), held.to_dense() + grad.to_dense())
+
+
 @pytest.mark.parametrize("lent", ["all", "some", "none", "gradients only"])
 def test_add_in_order_never_writes_a_borrowed_sum(lent: str) -> None:
     """A sum that is a view of a gradient bucket (``borrowed``), which the next step

@@ -35,7 +35,7 @@ from .._autograd import no_grad, set_grads
 from .._autograd import requires_grad_of as _requires_grad
 from .._autograd import some as _any
 from .._autograd import version_of as _version
-from .folding import HeldHooks, add_in_order, all_dense
+from .folding import HeldHooks, add_in_order, all_dense, plus
 from .records import Central
 
 _NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
@@ -360,7 +360,7 @@ class DirectReplicas:
             if last is None:
                 tensor.grad = total
             elif last.is_sparse or total.is_sparse:
-                tensor.grad = total + last
+                tensor.grad = plus(total, last)
             else:
                 targets.append(last)
                 sources.append(total)

@@ -91,6 +91,15 @@ def all_dense(first: list[torch.Tensor | None], second: list[torch.Tensor | None
 _is_sparse = attrgetter("is_sparse")
 
 
+def plus(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``held + grad`` as a new tensor, either of them sparse: a dense tensor plus a sparse
+    one is dense, and torch adds them only in that order (autograd's accumulation does the
+    same); each element's sum is the same in either order."""
+    if held.is_sparse and not grad.is_sparse:
+        return grad + held
+    return held + grad
+
+
 def add_in_order(
     sums: list[torch.Tensor | None], grads: list[torch.Tensor | None],
     borrowed: frozenset[int] | set[int] = frozenset(),
@@ -123,7 +132,7 @@ def add_in_order(
         if held is None:
             sums[i] = grad
         elif held.is_sparse or grad.is_sparse:
-            sums[i] = held + grad
+            sums[i] = plus(held, grad)
         elif id(held) in borrowed:
             fresh.append(i)
         else:
