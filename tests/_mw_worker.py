@@ -581,6 +581,75 @@ def patterns_scenario() -> dict[str, Any]:
     return results
 
 
+# ids of a global batch of 8 rows: the first ids below 3 come in the first half only, the
+# 9s in the second, so that worker 1 of 2 never uses the "rare" table, and only it reads
+# the "mixed" one densely
+SPARSE_IDS = torch.tensor([[1, 2, 4], [2, 2, 5], [0, 7, 8], [3, 1, 1],
+                           [4, 5, 6], [9, 9, 8], [3, 7, 5], [6, 4, 8]])
+
+
+class SparseTables(nn.Module):
+    """Sparse-gradient tables as recommenders use them: an ``Embedding`` and an
+    ``EmbeddingBag`` every slice uses, a ``rare`` table only slices with ids below 3 use, and
+    a ``mixed`` table looked up sparsely everywhere and also read densely for rows with an
+    id 9 (its gradient dense where a slice has one: sparse plus dense is dense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(10, 3, sparse=True)
+        self.items = nn.EmbeddingBag(10, 3, mode="sum", sparse=True)
+        self.rare = nn.Embedding(3, 3, sparse=True)
+        self.mixed = nn.Embedding(10, 3, sparse=True)
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.users(ids[:, 0]) + self.items(ids[:, 1:]) + self.mixed(ids[:, 2])
+        rare = ids[:, 0] < 3
+        if bool(rare.any()):
+            out = out + torch.zeros_like(out).index_add(0, rare.nonzero()[:, 0],
+                                                        self.rare(ids[rare][:, 0]))
+        nines = (ids == 9).any(1, keepdim=True)
+        if bool(nines.any()):
+            out = out + nines * self.mixed.weight.sum() * 0.01
+        return self.head(out).sum() / len(SPARSE_IDS)
+
+
+def sparse_scenario(local: int) -> dict[str, Any]:
+    """``SparseTables`` on W workers of ``local`` replicas: the gradients after one run, and
+    the weights after 3 steps of SparseAdam beside Adam, two runs a step."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(
+        [f"cpu:{i}" for i in range(local)], timeout=60
+    )
+    workers = strategy.num_workers
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = SparseTables()
+        sparse = torch.optim.SparseAdam(
+            [*model.users.parameters(), *model.items.parameters(), *model.rare.parameters()],
+            lr=0.05,
+        )
+        dense = torch.optim.Adam([*model.mixed.parameters(), *model.head.parameters()], lr=0.05)
+    mine = strategy.experimental_distribute_values_from_function(  # global replica ids
+        lambda ctx: SPARSE_IDS.tensor_split(workers * local)[ctx.replica_id_in_sync_group]
+    )
+    out: dict[str, Any] = {}
+    strategy.run(lambda ids: model(ids).backward(), args=(mine,))
+    out["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
+    sparse.zero_grad()
+    dense.zero_grad()
+    for _ in range(3):
+        strategy.run(lambda ids: model(ids).backward(), args=(mine,))
+        strategy.run(lambda ids: model(ids).backward(), args=(mine,))
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+    out["state"] = model.state_dict()
+    return out
+
+
 def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
     """Rows of the parity table on the workers' path: ``requires_grad`` read when a run
     begins, tensor hooks on every replica's gradient, ``inference_mode`` around ``run``."""
@@ -630,6 +699,8 @@ def main() -> None:
         results = restart_scenario(out_dir)
     elif scenario == "patterns":
         results = patterns_scenario()
+    elif scenario == "sparse":
+        results = sparse_scenario(int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

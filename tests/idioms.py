@@ -177,6 +177,11 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
         runs_per_step=2,
     ),
+    "sparse embeddings, one also read densely (SparseAdam beside Adam, two runs a step)": dict(
+        make=lambda: _Recommender(),
+        optimizer_of=lambda m: _SparseAndDense(m),
+        runs_per_step=2,
+    ),
 }
 
 
@@ -441,3 +446,46 @@ def _twice(model: nn.Module) -> Callable[..., Any]:
     return step
 
 
+
+
+class _Recommender(nn.Module):
+    """A recommender's shape: ids looked up in sparse-gradient tables (``sparse=True``:
+    each gradient a sparse tensor of the rows used), then a dense layer. The ids come from
+    the inputs, so replicas use different rows, and some rows twice. The ``mixed`` table is
+    also read densely for the rows whose third input passes 1.7 (one row, on the last
+    replica or worker): there its gradient is dense, and the sum over the slices too, as
+    sparse plus dense is on one device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(10, 3, sparse=True)
+        self.items = nn.EmbeddingBag(10, 3, mode="sum", sparse=True)
+        self.mixed = nn.Embedding(10, 3, sparse=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 3).long() % 10
+        looked_up = self.users(ids[:, 0]) + self.mixed(ids[:, 3])
+        dense_rows = x[:, 2:3] > 1.7
+        if bool(dense_rows.any()):
+            looked_up = looked_up + dense_rows * self.mixed.weight.sum() * 0.1
+        return self.head(torch.cat([looked_up, self.items(ids[:, 1:3])], 1))
+
+
+class _SparseAndDense:
+    """SparseAdam for the tables whose gradients are sparse and Adam for the rest, stepped
+    and zeroed together, as recommender training loops pair them."""
+
+    def __init__(self, model: _Recommender) -> None:
+        tables = [*model.users.parameters(), *model.items.parameters()]
+        self.sparse = torch.optim.SparseAdam(tables, lr=0.05)
+        self.dense = torch.optim.Adam([*model.mixed.parameters(), *model.head.parameters()],
+                                      lr=0.05)
+
+    def step(self) -> None:
+        self.sparse.step()
+        self.dense.step()
+
+    def zero_grad(self) -> None:
+        self.sparse.zero_grad()
+        self.dense.zero_grad()

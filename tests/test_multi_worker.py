@@ -186,6 +186,43 @@ def test_three_workers_of_one_replica_with_an_explicit_process_group(tmp_path: P
     check_traffic(results)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int) -> None:
+    """A sparse gradient is exchanged as the entries of every worker, so that ``.grad`` is
+    sparse as on one device (SparseAdam refuses a dense one), also on a worker that never
+    used the table; a table whose gradient is dense on some worker sums densely, as sparse
+    plus dense does on one device. Trained with SparseAdam beside Adam, two runs a step,
+    the weights equal one device's."""
+    results = launch(tmp_path, 2, "sparse", str(tmp_path), str(local))
+    torch.manual_seed(0)
+    model = helper.SparseTables()
+    model(helper.SPARSE_IDS).backward()
+    for rank, result in enumerate(results):
+        for name, expected in ((n, p.grad) for n, p in model.named_parameters()):
+            got = result["grads"][name]
+            assert expected is not None and got is not None, (rank, name)
+            assert got.is_sparse == expected.is_sparse, (rank, name)
+            torch.testing.assert_close(got.to_dense(), expected.to_dense(), msg=f"{rank} {name}")
+    assert model.rare.weight.grad is not None and model.rare.weight.grad.is_sparse
+    assert not model.mixed.weight.grad.is_sparse  # type: ignore[union-attr]
+    torch.manual_seed(0)
+    model = helper.SparseTables()
+    sparse = torch.optim.SparseAdam(
+        [*model.users.parameters(), *model.items.parameters(), *model.rare.parameters()],
+        lr=0.05,
+    )
+    dense = torch.optim.Adam([*model.mixed.parameters(), *model.head.parameters()], lr=0.05)
+    for _ in range(3):
+        model(helper.SPARSE_IDS).backward()
+        model(helper.SPARSE_IDS).backward()
+        sparse.step()
+        dense.step()
+        sparse.zero_grad()
+        dense.zero_grad()
+    for rank, result in enumerate(results):
+        assert_state_close(result["state"], model.state_dict(), f"rank {rank}")
+
+
 def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) -> None:
     """The parity matrix's idioms (fused optimizers, freezing, accumulation, clipping after
     run, tied weights, an LSTM, checkpointing, two backwards) on the path every GPU job of

@@ -66,13 +66,15 @@ if TYPE_CHECKING:
     from ..variables.views import View
 
 _ref = attrgetter("ref")
+_is_sparse = attrgetter("is_sparse")
 _private_of = attrgetter("private")
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
 # start early (every worker alike), this worker's early buckets passed their check, and this
-# worker started buckets (then every worker starts them all).
-ARMED, VALID, STARTED = 1, 2, 4
+# worker started buckets (then every worker starts them all); and, apart from the early
+# exchange, some gradient this worker folded is sparse.
+ARMED, VALID, STARTED, SPARSE = 1, 2, 4, 8
 
 
 class _Layout:
@@ -267,7 +269,8 @@ def sync_across(
     fresh = list(map(grad_of, trainable))
     have = sum(map(is_not, fresh, repeat(None)))
     state = NONE if not have else ALL if have == len(fresh) else 1
-    flags = 0
+    present = compress(fresh, map(is_not, fresh, repeat(None)))
+    flags = SPARSE if have and any(map(_is_sparse, present)) else 0
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     try:
         if early is not None:
@@ -276,7 +279,7 @@ def sync_across(
                 raise early.error
             if early.started or (have and run_error is None):
                 early.start_rest(fresh if fits else None)  # travels during the agreement
-            flags = ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
+            flags |= ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
         table = workers.agree(
             kind, layout.signature, state, len(writes), flags,
             failed=run_error is not None,
@@ -316,16 +319,22 @@ def sync_across(
             early.wait()
         _add_back(trainable, stash, fresh)
         return all_flags
-    if not any(counts) and all(s == ALL for s in states):
-        has_grad, writers, assigned = [True] * len(trainable), None, None
+    sparse = any(f & SPARSE for f in all_flags)
+    if not any(counts) and all(s == ALL for s in states) and not sparse:
+        has_grad, writers, assigned, kept = [True] * len(trainable), None, None, None
     else:
-        has_grad, writers, assigned = _flags(workers, layout, fresh, writes)
+        has_grad, writers, assigned, kept = _flags(workers, layout, fresh, writes, sparse)
+    dense = has_grad if kept is None else [h and j not in kept for j, h in enumerate(has_grad)]
     if early is not None and started and all(f & VALID for f in all_flags):
-        _add_back(trainable, stash, early.exchanged(has_grad))
+        exchanged = early.exchanged(dense)
     else:
         if early is not None and started:
             early.wait()  # left early but not what the fold produced somewhere: again
-        _exchange_gradients(workers, trainable, stash, fresh, has_grad)
+        exchanged = _exchange_gradients(workers, trainable, fresh, dense)
+    if kept:
+        for j, total in _exchange_sparse(workers, trainable, fresh, kept).items():
+            exchanged[j] = total
+    _add_back(trainable, stash, exchanged)
     if writers is not None and assigned is not None and writers.any():
         _exchange_writes(workers, layout, before, writers, assigned)
     # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
@@ -334,31 +343,57 @@ def sync_across(
     return all_flags
 
 
+def _kind(grad: torch.Tensor | None) -> int:
+    """A gradient's kind in the flags: 0 none, 1 dense, 1 + its sparse dimensions if sparse."""
+    if grad is None:
+        return 0
+    return 1 + grad.sparse_dim() if grad.is_sparse else 1
+
+
 def _flags(
-    workers: Collectives, layout: _Layout, fresh: list[Any], writes: dict[int, tuple[int, bool]]
-) -> tuple[list[bool], torch.Tensor, torch.Tensor]:
+    workers: Collectives, layout: _Layout, fresh: list[Any], writes: dict[int, tuple[int, bool]],
+    sparse: bool = False,
+) -> tuple[list[bool], torch.Tensor, torch.Tensor, dict[int, tuple[int, list[int]]] | None]:
     """Every worker's per-variable flags: which trainable variables got a gradient, and how
-    many replicas wrote each variable (and whether any assigned)."""
-    n = len(layout.records)
-    row = torch.zeros(len(fresh) + 2 * n, dtype=torch.int32)
-    row[: len(fresh)] = torch.tensor([g is not None for g in fresh], dtype=torch.int32)
+    many replicas wrote each variable (and whether any assigned). With ``sparse`` (some
+    worker folded a sparse gradient) also the trainable variables whose gradient stays
+    sparse, each with its sparse dimensions and every worker's number of entries: those
+    whose gradient is sparse, of
+    the same sparse dimensions, on every worker that has one. (A gradient dense on some
+    worker makes the sum dense, as a dense gradient added to a sparse one does.)"""
+    n, m = len(layout.records), len(fresh)
+    row = torch.zeros(m + 2 * n + (m if sparse else 0), dtype=torch.int32)
+    row[:m] = torch.tensor(list(map(_kind, fresh)), dtype=torch.int32)
     for i, (count, assigned) in writes.items():
-        row[len(fresh) + i] = count
-        row[len(fresh) + n + i] = int(assigned)
+        row[m + i] = count
+        row[m + n + i] = int(assigned)
+    if sparse:
+        for j, grad in enumerate(fresh):
+            if grad is not None and grad.is_sparse:
+                row[m + 2 * n + j] = grad._nnz()
     table = workers.all_gather("sync point's flags", row.to(workers.device)).cpu()
-    has_grad = table[:, : len(fresh)].any(dim=0).tolist()
-    return has_grad, table[:, len(fresh) : len(fresh) + n], table[:, len(fresh) + n :]
+    kinds = table[:, :m]
+    has_grad = kinds.any(dim=0).tolist()
+    kept = None
+    if sparse:
+        entries = table[:, m + 2 * n :]
+        kept = {}
+        for j in kinds.max(dim=0).values.ge(2).nonzero().flatten().tolist():
+            present = kinds[:, j][kinds[:, j] != 0]
+            if bool((present == present[0]).all()):
+                kept[j] = (int(present[0]) - 1, entries[:, j].tolist())
+    return has_grad, table[:, m : m + n], table[:, m + n : m + 2 * n], kept
 
 
 def _exchange_gradients(
     workers: Collectives,
     trainable: list[torch.Tensor],
-    stash: list[Any],
     fresh: list[Any],
     has_grad: list[bool],
-) -> None:
+) -> list[torch.Tensor | None]:
     """SUM all-reduce of the fresh gradients in flat buckets (the plan's order and sizes,
-    over the variables some worker has a gradient for), then the stash added back."""
+    over the variables ``has_grad`` names); per trainable variable, its sum (None where
+    there is none)."""
     buckets = bucket_indices(
         trainable, has_grad, min(FIRST_BUCKET_BYTES, workers.bucket_bytes), workers.bucket_bytes
     )
@@ -378,7 +413,59 @@ def _exchange_gradients(
         pieces = torch.split(flat.to(home), [trainable[i].numel() for i in bucket])
         for i, piece in zip(bucket, pieces, strict=True):
             exchanged[i] = piece.view(trainable[i].shape)  # a view of the bucket: no copy
-    _add_back(trainable, stash, exchanged)
+    return exchanged
+
+
+def _exchange_sparse(
+    workers: Collectives,
+    trainable: list[torch.Tensor],
+    fresh: list[Any],
+    kept: dict[int, tuple[int, list[int]]],
+) -> dict[int, torch.Tensor]:
+    """The sums of the gradients that stay sparse (``kept``: variable -> its sparse
+    dimensions and every worker's number of entries), as one process would make them: every
+    worker's entries, in worker order, in one uncoalesced sparse tensor, as the gradients of
+    the slices of one batch add up on one device. Each worker's entries, padded to the
+    most any worker has, travel in one all-gather of the indices and one of the values per
+    dtype."""
+    indices: list[torch.Tensor] = []
+    values: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    for j, (dims, counts) in kept.items():
+        variable, grad, longest = trainable[j], fresh[j], max(counts)
+        mine_indices = torch.zeros(dims, longest, dtype=torch.int64)
+        mine_values = torch.zeros(longest, *variable.shape[dims:], dtype=variable.dtype)
+        if grad is not None:
+            mine_indices[:, : grad._nnz()] = grad._indices()
+            mine_values[: grad._nnz()] = grad._values()
+        indices.append(mine_indices.reshape(-1))
+        values.setdefault(variable.dtype, []).append((j, mine_values.reshape(-1)))
+    every_index = workers.all_gather(
+        "sparse gradients' indices", torch.cat(indices).to(workers.device)
+    ).cpu()
+    every_value: dict[int, torch.Tensor] = {}
+    for group in values.values():
+        gathered = workers.all_gather(
+            "sparse gradients' values", torch.cat([v for _, v in group]).to(workers.device)
+        )
+        offset = 0
+        for j, mine in group:
+            every_value[j] = gathered[:, offset : offset + mine.numel()]
+            offset += mine.numel()
+    sums: dict[int, torch.Tensor] = {}
+    offset = 0
+    for j, (dims, counts) in kept.items():
+        variable, longest = trainable[j], max(counts)
+        block = every_index[:, offset : offset + dims * longest]
+        offset += dims * longest
+        rows = block.reshape(len(counts), dims, longest)
+        entries = every_value[j].reshape(len(counts), longest, *variable.shape[dims:])
+        sums[j] = torch.sparse_coo_tensor(
+            torch.cat([rows[w, :, :n] for w, n in enumerate(counts)], dim=1),
+            torch.cat([entries[w, :n] for w, n in enumerate(counts)]),
+            variable.shape,
+            check_invariants=False,  # every worker's entries were a valid sparse tensor's
+        ).to(variable.device)
+    return sums
 
 
 def _exchange_writes(
