@@ -358,9 +358,9 @@ def _flags(
     many replicas wrote each variable (and whether any assigned). With ``sparse`` (some
     worker folded a sparse gradient) also the trainable variables whose gradient stays
     sparse, each with its sparse dimensions and every worker's number of entries: those
-    whose gradient is sparse, of
-    the same sparse dimensions, on every worker that has one. (A gradient dense on some
-    worker makes the sum dense, as a dense gradient added to a sparse one does.)"""
+    whose gradient is sparse, of the same sparse dimensions, on every worker that has one.
+    (A gradient dense on some worker makes the sum dense, as a dense gradient added to a
+    sparse one does.)"""
     n, m = len(layout.records), len(fresh)
     row = torch.zeros(m + 2 * n + (m if sparse else 0), dtype=torch.int32)
     row[:m] = torch.tensor(list(map(_kind, fresh)), dtype=torch.int32)
