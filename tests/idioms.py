@@ -446,8 +446,6 @@ def _twice(model: nn.Module) -> Callable[..., Any]:
     return step
 
 
-
-
 class _Recommender(nn.Module):
     """A recommender's shape: ids looked up in sparse-gradient tables (``sparse=True``:
     each gradient a sparse tensor of the rows used), then a dense layer. The ids come from
