@@ -441,7 +441,7 @@ def _exchange_sparse(
         values.setdefault(variable.dtype, []).append((j, mine_values.reshape(-1)))
     every_index = workers.all_gather(
         "sparse gradients' indices", torch.cat(indices).to(workers.device)
-    ).cpu()
+    )
     every_value: dict[int, torch.Tensor] = {}
     for group in values.values():
         gathered = workers.all_gather(
@@ -460,11 +460,11 @@ def _exchange_sparse(
         rows = block.reshape(len(counts), dims, longest)
         entries = every_value[j].reshape(len(counts), longest, *variable.shape[dims:])
         sums[j] = torch.sparse_coo_tensor(
-            torch.cat([rows[w, :, :n] for w, n in enumerate(counts)], dim=1),
-            torch.cat([entries[w, :n] for w, n in enumerate(counts)]),
+            torch.cat([rows[w, :, :n] for w, n in enumerate(counts)], dim=1).to(variable.device),
+            torch.cat([entries[w, :n] for w, n in enumerate(counts)]).to(variable.device),
             variable.shape,
             check_invariants=False,  # every worker's entries were a valid sparse tensor's
-        ).to(variable.device)
+        )
     return sums
 
 
