@@ -179,7 +179,10 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
     "sparse embeddings, one also read densely (SparseAdam beside Adam, two runs a step)": dict(
         make=lambda: _Recommender(),
-        optimizer_of=lambda m: _SparseAndDense(m),
+        optimizer_of=lambda m: SparseAndDense(
+            [*m.users.parameters(), *m.items.parameters()],
+            [*m.mixed.parameters(), *m.head.parameters()],
+        ),
         runs_per_step=2,
     ),
 }
@@ -470,15 +473,13 @@ class _Recommender(nn.Module):
         return self.head(torch.cat([looked_up, self.items(ids[:, 1:3])], 1))
 
 
-class _SparseAndDense:
+class SparseAndDense:
     """SparseAdam for the tables whose gradients are sparse and Adam for the rest, stepped
     and zeroed together, as recommender training loops pair them."""
 
-    def __init__(self, model: _Recommender) -> None:
-        tables = [*model.users.parameters(), *model.items.parameters()]
+    def __init__(self, tables: list[torch.Tensor], rest: list[torch.Tensor]) -> None:
         self.sparse = torch.optim.SparseAdam(tables, lr=0.05)
-        self.dense = torch.optim.Adam([*model.mixed.parameters(), *model.head.parameters()],
-                                      lr=0.05)
+        self.dense = torch.optim.Adam(rest, lr=0.05)
 
     def step(self) -> None:
         self.sparse.step()

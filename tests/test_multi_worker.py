@@ -207,18 +207,12 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
     assert not model.mixed.weight.grad.is_sparse  # type: ignore[union-attr]
     torch.manual_seed(0)
     model = helper.SparseTables()
-    sparse = torch.optim.SparseAdam(
-        [*model.users.parameters(), *model.items.parameters(), *model.rare.parameters()],
-        lr=0.05,
-    )
-    dense = torch.optim.Adam([*model.mixed.parameters(), *model.head.parameters()], lr=0.05)
+    optimizer = model.optimizer()
     for _ in range(3):
         model(helper.SPARSE_IDS).backward()
         model(helper.SPARSE_IDS).backward()
-        sparse.step()
-        dense.step()
-        sparse.zero_grad()
-        dense.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
     for rank, result in enumerate(results):
         assert_state_close(result["state"], model.state_dict(), f"rank {rank}")
 
