@@ -621,9 +621,35 @@ class SparseTables(nn.Module):
         return SparseAndDense(tables, [*self.mixed.parameters(), *self.head.parameters()])
 
 
+class WideTable(nn.Module):
+    """A 50,000 x 8 table with sparse gradients (1.6 MB dense) and a head: a run touches a
+    few rows, so its traffic across workers is far below the table's size unless the table
+    travels densified. With ``dense``, the rows with an id 9 (one, in the second half of
+    ``SPARSE_IDS``) also read the whole table, which makes that slice's gradient dense."""
+
+    ROWS = 50_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(self.ROWS, 8, sparse=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor, dense: bool = False) -> torch.Tensor:
+        out = self.table(ids[:, 0])
+        nines = ids[:, :1] == 9
+        if dense and bool(nines.any()):
+            out = out + nines * self.table.weight.sum() * 1e-3
+        return self.head(out).sum() / len(SPARSE_IDS)
+
+
+WIDE_RUNS = (False, True, False)  # ``dense`` of WideTable's runs, one after another
+
+
 def sparse_scenario(local: int) -> dict[str, Any]:
     """``SparseTables`` on W workers of ``local`` replicas: the gradients after one run, and
-    the weights after 3 steps of SparseAdam beside Adam, two runs a step."""
+    the weights after 3 steps of SparseAdam beside Adam, two runs a step. Then
+    ``WideTable``'s ``WIDE_RUNS``: each run's gradients and the bytes this worker gave to
+    collectives."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     strategy = MultiWorkerCentralStorageStrategy(
@@ -647,6 +673,16 @@ def sparse_scenario(local: int) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
     out["state"] = model.state_dict()
+    torch.manual_seed(1)
+    with strategy.scope():
+        wide = WideTable()
+    out["wide"] = []
+    for dense in WIDE_RUNS:
+        before = strategy.traffic["bytes"]
+        strategy.run(lambda ids, dense=dense: wide(ids, dense).backward(), args=(mine,))
+        grads = {name: p.grad.clone() for name, p in wide.named_parameters()}  # type: ignore[union-attr]
+        out["wide"].append((strategy.traffic["bytes"] - before, grads))
+        wide.zero_grad()
     return out
 
 

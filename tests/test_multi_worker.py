@@ -192,7 +192,8 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
     sparse as on one device (SparseAdam refuses a dense one), also on a worker that never
     used the table; a table whose gradient is dense on some worker sums densely, as sparse
     plus dense does on one device. Trained with SparseAdam beside Adam, two runs a step,
-    the weights equal one device's."""
+    the weights equal one device's. A wide table's runs move far less than the table
+    across workers, but for the run that reads it densely on one worker."""
     results = launch(tmp_path, 2, "sparse", str(tmp_path), str(local))
     torch.manual_seed(0)
     model = helper.SparseTables()
@@ -215,6 +216,22 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
         optimizer.zero_grad()
     for rank, result in enumerate(results):
         assert_state_close(result["state"], model.state_dict(), f"rank {rank}")
+    torch.manual_seed(1)
+    wide = helper.WideTable()
+    table_bytes = 4 * wide.table.weight.numel()
+    for i, dense in enumerate(helper.WIDE_RUNS):
+        wide(helper.SPARSE_IDS, dense).backward()
+        for rank, result in enumerate(results):
+            sent, grads = result["wide"][i]
+            for name, p in wide.named_parameters():
+                assert p.grad is not None and grads[name].is_sparse == p.grad.is_sparse
+                torch.testing.assert_close(
+                    grads[name].to_dense(), p.grad.to_dense(), msg=f"rank {rank}, run {i}"
+                )
+            # a sparse table travels as its entries, also in the runs whose buckets leave
+            # during backward; dense on worker 1 it travels dense
+            assert (sent >= table_bytes) == dense, (rank, i, sent)
+        wide.zero_grad()
 
 
 def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) -> None:
@@ -444,3 +461,19 @@ def test_gradient_buckets_are_cut_as_ddp_cuts_them(seed: int) -> None:
     )
     assert ours == [[order[j] for j in bucket] for bucket in theirs]
     assert len(ours) > 3  # several buckets, so the rule is exercised
+
+
+def test_a_plan_leaves_the_sparse_variables_out_of_its_buckets() -> None:
+    """Variables whose sums stayed sparse travel as entries at the sync point: the plan's
+    buckets and the gradients it waits for during backward hold only the others."""
+    from types import SimpleNamespace
+
+    from centralstore.strategies._buckets import BucketPlan
+
+    tensors = [torch.zeros(n) for n in (300, 10, 200, 5)]
+    records: Any = [SimpleNamespace(key=k) for k in "abcd"]
+    plan = BucketPlan(records, [True] * 4, tensors, 512, 512, sparse=frozenset({0, 2}))
+    assert plan.buckets == [[3, 1]]
+    assert plan.bucket_of == {"d": 0, "b": 0}
+    every = BucketPlan(records, [True] * 4, tensors, 512, 512)
+    assert every.buckets == [[3, 2], [1, 0]] and len(every.bucket_of) == 4

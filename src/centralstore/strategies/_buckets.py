@@ -88,22 +88,18 @@ def bucket_indices(
     return buckets
 
 
-class _Slot(NamedTuple):
-    """Where a trainable variable's gradient travels: its bucket, and its shape."""
-
-    bucket: int
-    shape: torch.Size
-
-
 @final
 class BucketPlan:
     """The buckets of the trainable central variables of one agreed layout (``records``,
     ``trainable_flags``: which of them required grad), indices into its trainable ones.
-    ``usable`` turns False when early exchanges keep failing their check (``strike``)."""
+    ``sparse``: the trainable variables left out, whose gradients the workers summed sparse
+    at some sync point (they travel as indices and values at the sync point, never
+    densified into a bucket). ``usable`` turns False when early exchanges keep failing
+    their check (``strike``)."""
 
     __slots__ = (
         "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records", "bucket_shapes", "buckets",
-        "devices", "dtypes", "numels", "records", "shapes", "slots", "strikes",
+        "devices", "dtypes", "numels", "records", "shapes", "sparse", "strikes",
         "trainable_flags", "trainable_records", "usable",
     )
 
@@ -112,22 +108,23 @@ class BucketPlan:
     def __init__(
         self, records: list[Central], trainable_flags: list[bool],
         trainable: list[torch.Tensor], first_bytes: int, bucket_bytes: int,
+        sparse: frozenset[int] = frozenset(),
     ) -> None:
         self.records = records
         self.trainable_flags = trainable_flags
+        self.sparse = sparse
         self.buckets = bucket_indices(
-            trainable, [True] * len(trainable), min(first_bytes, bucket_bytes), bucket_bytes
+            trainable, [j not in sparse for j in range(len(trainable))],
+            min(first_bytes, bucket_bytes), bucket_bytes,
         )
         self.trainable_records = [
             r for r, flag in zip(records, trainable_flags, strict=True) if flag
         ]
-        self.slots = [_Slot(0, t.shape) for t in trainable]
-        for b, bucket in enumerate(self.buckets):
-            for j in bucket:
-                self.slots[j] = _Slot(b, trainable[j].shape)
-        # key of a trainable variable -> its bucket (looked up at each gradient's arrival)
+        # key of a trainable variable in a bucket -> its bucket (looked up at each
+        # gradient's arrival)
         self.bucket_of = {
-            r.key: slot.bucket for r, slot in zip(self.trainable_records, self.slots, strict=True)
+            self.trainable_records[j].key: b
+            for b, bucket in enumerate(self.buckets) for j in bucket
         }
         self.numels = [t.numel() for t in trainable]
         self.dtypes = [t.dtype for t in trainable]
@@ -345,7 +342,7 @@ class EarlyExchange:
 
     def exchanged(self, has_grad: Sequence[bool]) -> list[torch.Tensor | None]:
         """Per trainable variable, its sum over the workers (a view of its bucket), or None
-        where no worker has a gradient."""
+        where no worker has a gradient and for the variables left out of the plan."""
         plan = self._plan
         out: list[torch.Tensor | None] = [None] * len(plan.numels)
         every = all(has_grad)  # the usual case: each piece goes to its place in one C pass

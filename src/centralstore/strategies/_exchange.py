@@ -25,7 +25,9 @@ while its backward still runs, as soon as every local replica's gradients in the
 (``EarlyExchange``); the sync point starts the rest before the agreement and only waits.
 The agreement row says whether each worker's early buckets are what its fold produced; if
 any is not, every worker exchanges again from the fold, in step 4's order. The numbers are
-those of the exchange after the fold: the same local sums, the same buckets.
+those of the exchange after the fold: the same local sums, the same buckets. A gradient the
+workers summed sparse stays out of the next runs' buckets: it travels as indices and values
+at the sync point, and, should it be dense somewhere later, in buckets of its own there.
 
 When the run failed on any worker, every worker puts back its set-aside ``.grad`` and the
 values its replicas' writes replaced, and raises: the run is discarded everywhere.
@@ -40,10 +42,10 @@ at all (``ProcessGroup.sync_step``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, call, is_, is_not
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
 
@@ -75,6 +77,14 @@ NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: non
 # worker started buckets (then every worker starts them all); and, apart from the early
 # exchange, some gradient this worker folded is sparse.
 ARMED, VALID, STARTED, SPARSE = 1, 2, 4, 8
+
+
+class Agreed(NamedTuple):
+    """What a sync point settled, the same on every worker: every worker's agreement
+    ``flags``, and the trainable variables whose sums stayed ``sparse``."""
+
+    flags: Sequence[int]
+    sparse: Collection[int] = ()
 
 
 class _Layout:
@@ -213,29 +223,33 @@ class ProcessGroup(Collectives):
         self._layout = layout
         early = self._disarm()
         try:
-            flags = sync_across(self, store, layout, early, error, kind)
-            self._follow(layout, flags, early)
+            agreed = sync_across(self, store, layout, early, error, kind)
+            self._follow(layout, agreed, early)
         finally:
             layout.forget_tensors()
         if store.in_run:  # a merge_call's sync point: the rest of the run may start early too
             self._arm(store)
 
-    def _follow(
-        self, layout: _Layout, flags: Sequence[int], early: EarlyExchange | None
-    ) -> None:
-        """After a sync point every worker passed (the same agreement ``flags``, one per
-        worker, everywhere): the plan of the agreed layout, and how its early exchange
-        fared."""
+    def _follow(self, layout: _Layout, agreed: Agreed, early: EarlyExchange | None) -> None:
+        """After a sync point every worker passed (``agreed`` the same everywhere): the plan
+        of the agreed layout, without the variables whose sums stay sparse, and how its
+        early exchange fared."""
         if self.gradient_group is None or not layout.trainable:
             return
+        flags = agreed.flags
         if early is not None and any(f & STARTED for f in flags):
             early.plan.strike(not all(f & VALID for f in flags))
         plan = self._plan
         if plan is None or not plan.fits(layout.records, layout.trainable_flags):
-            self._plan = BucketPlan(
-                layout.records, layout.trainable_flags, layout.trainable,
-                FIRST_BUCKET_BYTES, self.bucket_bytes,
-            )
+            sparse = frozenset(agreed.sparse)
+        elif plan.sparse.issuperset(agreed.sparse):
+            return
+        else:  # once sparse, out of the buckets for good: a dense read of a table is rare
+            sparse = plan.sparse.union(agreed.sparse)
+        self._plan = BucketPlan(
+            layout.records, layout.trainable_flags, layout.trainable,
+            FIRST_BUCKET_BYTES, self.bucket_bytes, sparse,
+        )
 
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         store.pending.append(view)  # exchanged at the next sync point, by every worker
@@ -248,12 +262,12 @@ def sync_across(
     early: EarlyExchange | None,
     run_error: BaseException | None,
     kind: Kind = Kind.SYNC,
-) -> Sequence[int]:
+) -> Agreed:
     """The sync point of ``store`` (its variables: ``layout``) across ``workers``
     (``early``: the run's buckets that may have left already; ``run_error``: this worker's
     ``run`` failed; the workers still agree, then every worker discards the run and raises;
     ``kind``: the agreement's, ``Kind.STEP`` for an optimizer step's). Returns every
-    worker's agreement flags."""
+    worker's agreement flags, and which gradients were summed sparse."""
     writes = {} if run_error is not None else _local_writes(store, layout)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
@@ -318,7 +332,7 @@ def sync_across(
         if early is not None and started:
             early.wait()
         _add_back(trainable, stash, fresh)
-        return all_flags
+        return Agreed(all_flags)
     sparse = any(f & SPARSE for f in all_flags)
     if not any(counts) and all(s == ALL for s in states) and not sparse:
         has_grad, writers, assigned, kept = [True] * len(trainable), None, None, None
@@ -327,6 +341,12 @@ def sync_across(
     dense = has_grad if kept is None else [h and j not in kept for j, h in enumerate(has_grad)]
     if early is not None and started and all(f & VALID for f in all_flags):
         exchanged = early.exchanged(dense)
+        left_out = early.plan.sparse
+        if left_out and any(dense[j] for j in left_out):  # in buckets of their own
+            outside = [j in left_out and d for j, d in enumerate(dense)]
+            for j, total in enumerate(_exchange_gradients(workers, trainable, fresh, outside)):
+                if outside[j]:
+                    exchanged[j] = total
     else:
         if early is not None and started:
             early.wait()  # left early but not what the fold produced somewhere: again
@@ -340,7 +360,7 @@ def sync_across(
     # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
     # for the same variables: an optimizer step in one keeps the workers' copies equal.
     run_post_accumulate_hooks(list(compress(trainable, has_grad)))
-    return all_flags
+    return Agreed(all_flags, kept or ())
 
 
 def _kind(grad: torch.Tensor | None) -> int:
