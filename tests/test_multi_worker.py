@@ -477,3 +477,34 @@ def test_a_plan_leaves_the_sparse_variables_out_of_its_buckets() -> None:
     assert plan.bucket_of == {"d": 0, "b": 0}
     every = BucketPlan(records, [True] * 4, tensors, 512, 512)
     assert every.buckets == [[3, 2], [1, 0]] and len(every.bucket_of) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_sparse_entries_travel_as_bytes_of_every_dtype(dtype: torch.dtype) -> None:
+    """The indices and values of tables of several dtypes and odd row sizes share one
+    gathered byte buffer: each comes back whole, as two workers holding the same entries
+    add up on one device."""
+    from types import SimpleNamespace
+
+    from centralstore.strategies._exchange import _exchange_sparse
+
+    tables = [torch.zeros(7, 3, dtype=dtype), torch.zeros(5, 1, dtype=torch.float32),
+              torch.zeros(4, 5, dtype=dtype)]
+    grads = [
+        torch.sparse_coo_tensor(
+            torch.tensor([[1, 6, 1]]), torch.randn(3, 3).to(dtype), (7, 3), check_invariants=True
+        ),
+        torch.sparse_coo_tensor(torch.tensor([[4]]), torch.ones(1, 1), (5, 1),
+                                check_invariants=True),
+        None,  # this worker has no entries for it; the other, none either
+    ]
+    two_alike: Any = SimpleNamespace(
+        device=torch.device("cpu"), all_gather=lambda what, flat: torch.stack([flat, flat])
+    )
+    kept = {0: (1, [3, 3]), 1: (1, [1, 1]), 2: (1, [0, 0])}
+    sums = _exchange_sparse(two_alike, tables, grads, kept)
+    for j in (0, 1):
+        expected = grads[j]
+        assert expected is not None and sums[j].dtype == tables[j].dtype
+        torch.testing.assert_close(sums[j].to_dense(), 2 * expected.to_dense())
+    assert sums[2].is_sparse and sums[2]._nnz() == 0
