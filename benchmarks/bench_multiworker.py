@@ -3,18 +3,21 @@
 Three tables:
   vs DDP      MultiWorkerCentralStorageStrategy against torch.nn.parallel.DistributedDataParallel
               in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
-              SGD) and on bench_train.py's small transformer (global batch 32, Adam): W = 2
-              workers of R = 1 and of R = 2 local replicas (DDP always runs one model per
-              process on the worker's half of the batch), and a second DDP model in the same
-              processes ("DDP again": its ratio to DDP states the run's noise). They take
-              turns step by step in an order drawn for every step (the same on every
-              worker), so all see the same load on a shared machine; each round times
-              ``--steps`` steps of each; the table gives the median over ``--rounds`` rounds
-              of the mean step, and the median over the rounds of each round's ratio; then
-              the same ratios of the process's CPU time per step (every thread, gloo's
-              included), which a shared machine's load moves less: on 2 cores, CPU that a
-              step spends beyond DDP's costs wall time only when the cores are busy, so the
-              wall ratio moves with the machine's load and the CPU ratio says what is left.
+              SGD), on bench_train.py's small transformer (global batch 32, Adam) and on a
+              recommender whose two 100,000 x 32 tables have sparse gradients (global batch
+              512, SGD, which steps sparse gradients as they are; DDP sends their entries
+              only): W = 2 workers of R = 1 and of R = 2 local replicas (DDP always runs
+              one model per process on the worker's half of the batch), and a second DDP
+              model in the same processes ("DDP again": its ratio to DDP states the run's
+              noise). They take turns step by step in an order drawn for every step (the
+              same on every worker), so all see the same load on a shared machine; each
+              round times ``--steps`` steps of each; the table gives the median over
+              ``--rounds`` rounds of the mean step, and the median over the rounds of each
+              round's ratio; then the same ratios of the process's CPU time per step (every
+              thread, gloo's included), which a shared machine's load moves less: on 2
+              cores, CPU that a step spends beyond DDP's costs wall time only when the cores
+              are busy, so the wall ratio moves with the machine's load and the CPU ratio
+              says what is left.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -23,6 +26,7 @@ Three tables:
               1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
 
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
+                                           [--models mlp transformer recommender]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
@@ -139,10 +143,34 @@ def _worker_steps(config: str, steps: int, local: int) -> dict[str, float]:
     return result
 
 
+class _Recommender(nn.Module):
+    """Users' and items' tables of 100,000 x 32 with sparse gradients (12.8 MB each, dense)
+    and a small MLP over the pair: each step touches a few hundred rows of each table."""
+
+    ROWS = 100_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.Embedding(self.ROWS, 32, sparse=True)
+        self.items = nn.Embedding(self.ROWS, 32, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.users(ids[:, 0]), self.items(ids[:, 1])], dim=1))
+
+
+def _inputs(shape: tuple[int, ...], batch: int) -> torch.Tensor:
+    """The global batch: ids for the recommender (shape ``(2,)``), else normal floats."""
+    if shape == (2,):
+        return torch.randint(0, _Recommender.ROWS, (batch, 2))
+    return torch.randn(batch, *shape)
+
+
 # name -> (model, global batch, one example's shape, optimizer)
 _DDP_MODELS: dict[str, tuple[Any, int, tuple[int, ...], Any]] = {
     "mlp": (_mlp, BATCH, (784,), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
     "transformer": (Transformer, 32, (16, 64), lambda p: torch.optim.Adam(p, lr=1e-3)),
+    "recommender": (_Recommender, 512, (2,), lambda p: torch.optim.SGD(p, lr=0.1)),
 }
 
 
@@ -150,7 +178,7 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
     """This strategy and DDP in the same processes, alternating: ms per step of each."""
     build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
     torch.manual_seed(0)
-    x, y = torch.randn(batch, *shape), torch.randint(0, 10, (batch,))
+    x, y = _inputs(shape, batch), torch.randint(0, 10, (batch,))
     strategy = MultiWorkerCentralStorageStrategy(
         [f"cpu:{i}" for i in range(local)], timeout=120
     )
@@ -262,6 +290,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
+    parser.add_argument("--models", nargs="+", choices=list(_DDP_MODELS), default=list(_DDP_MODELS),
+                        help="the models of the table against DDP")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     threads = max(cores // 2, 1)
@@ -269,7 +299,7 @@ def main() -> None:
           f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
     print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
           f"{'cs / DDP':>9} {'DDP again / DDP':>16} {'CPU: cs / DDP':>14} {'again / DDP':>12}")
-    for model_name in _DDP_MODELS:
+    for model_name in args.models:
         for local in (1, 2):
             row = _launch(
                 2, ["ddp", model_name, str(local), str(args.steps), str(args.rounds)], threads
