@@ -447,9 +447,8 @@ def _exchange_sparse(
     dimensions and every worker's number of entries), as one process would make them: every
     worker's entries, in worker order, in one uncoalesced sparse tensor, as the gradients of
     the slices of one batch add up on one device. Each worker's indices and values, padded
-    to the most entries any worker has, travel as bytes in one all-gather (one collective
-    where the indices and each dtype's values took one each: a step of two tables 0.2 ms
-    less)."""
+    to the most entries any worker has, travel as bytes in one all-gather: one collective
+    for every table, where the indices and each dtype's values took one each."""
     pieces: list[torch.Tensor] = []
     for j, (dims, counts) in kept.items():
         variable, grad, longest = trainable[j], fresh[j], max(counts)
