@@ -3,8 +3,10 @@
 ``BucketPlan`` cuts the trainable central variables into buckets as DDP does: in reverse
 registration order (backward produces the last layers' gradients first), each bucket closed
 once it holds its size, the first's small (DDP's 1 MB) so that the first all-reduce starts
-early, the others' ``bucket_bytes``. It is built from a
-layout every worker agreed on at a sync point, so every worker holds the same buckets.
+early, the others' ``bucket_bytes``. It is built from a layout every worker agreed on at
+a sync point, so every worker holds the same buckets. The variables whose gradients the
+workers summed sparse stay out of them (DDP too gives each sparse gradient a bucket of its
+own): their entries travel at the sync point.
 
 ``EarlyExchange`` is one run's use of the plan. Each local replica's view of a variable has
 a post-accumulate-grad hook (the store's gradient receiver); once every local replica holds
