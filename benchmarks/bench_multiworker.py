@@ -1,6 +1,6 @@
 """Multi-worker cost on gloo over loopback: against DDP, step time, bytes per step, all-reduce.
 
-Three tables:
+Four tables:
   vs DDP      MultiWorkerCentralStorageStrategy against torch.nn.parallel.DistributedDataParallel
               in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
               SGD), on bench_train.py's small transformer (global batch 32, Adam) and on a
@@ -18,6 +18,14 @@ Three tables:
               cores, CPU that a step spends beyond DDP's costs wall time only when the cores
               are busy, so the wall ratio moves with the machine's load and the CPU ratio
               says what is left.
+  accumulation
+              the MLP and the transformer (of ``--models``) at W = 2 x R = 1, each step
+              accumulating 4 global batches before the optimizer step: this strategy with a
+              ``run`` per micro-batch (each run's sync point exchanges) and with one ``run``
+              whose step function loops over the micro-batches (docs/porting.md: one
+              exchange a step), against DDP under ``no_sync`` for all but the last
+              micro-batch and DDP exchanging each; in drawn turns as above, ratios to DDP
+              under ``no_sync``.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -35,6 +43,7 @@ MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -156,7 +165,10 @@ class _Recommender(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.mlp(torch.cat([self.users(ids[:, 0]), self.items(ids[:, 1])], dim=1))
+        scores: torch.Tensor = self.mlp(
+            torch.cat([self.users(ids[:, 0]), self.items(ids[:, 1])], dim=1)
+        )
+        return scores
 
 
 def _inputs(shape: tuple[int, ...], batch: int) -> torch.Tensor:
@@ -246,6 +258,98 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
     return result
 
 
+MICRO_BATCHES = 4
+
+
+def _worker_accumulate(model_name: str, steps: int, rounds: int) -> dict[str, float]:
+    """Steps that accumulate ``MICRO_BATCHES`` global batches, in turns: this strategy with a
+    ``run`` per micro-batch (each exchanges) and with one ``run`` whose step loops over the
+    micro-batches (one exchange), DDP under ``no_sync`` for all but the last micro-batch and
+    DDP exchanging every one. ms per step (median over the rounds of each round's mean)."""
+    build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
+    torch.manual_seed(0)
+    micro = [(_inputs(shape, batch), torch.randint(0, 10, (batch,)))
+             for _ in range(MICRO_BATCHES)]
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
+    rank, world = strategy.worker_index, strategy.num_workers
+    torch.manual_seed(1)
+    with strategy.scope():
+        model = build()
+        optimizer = make_optimizer(model.parameters())
+    each = [next(iter(strategy.experimental_distribute_dataset([mb]))) for mb in micro]
+    share = batch // world
+    # one global batch whose worker slices are the worker's slices of every micro-batch
+    joined = tuple(
+        torch.cat([torch.cat([mb[k][w * share : (w + 1) * share] for mb in micro])
+                   for w in range(world)])
+        for k in (0, 1)
+    )
+    whole = next(iter(strategy.experimental_distribute_dataset([joined])))
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        loss = cs.compute_average_loss(per_example, global_batch_size=batch * MICRO_BATCHES)
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def looping_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        for x_part, y_part in zip(xs.tensor_split(MICRO_BATCHES), ys.tensor_split(MICRO_BATCHES),
+                                  strict=True):
+            replica_step(x_part, y_part)
+
+    def cs_runs() -> None:
+        optimizer.zero_grad()
+        for inputs in each:
+            strategy.run(replica_step, args=inputs)
+        optimizer.step()
+
+    def cs_one_run() -> None:
+        optimizer.zero_grad()
+        strategy.run(looping_step, args=whole)
+        optimizer.step()
+
+    mine = [(x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])
+            for x, y in micro]
+    torch.manual_seed(1)
+    ddp = nn.parallel.DistributedDataParallel(build())
+    ddp_optimizer = make_optimizer(ddp.parameters())
+
+    def ddp_step(no_sync: bool) -> None:
+        ddp_optimizer.zero_grad()
+        for i, (x, y) in enumerate(mine):
+            last = i == len(mine) - 1
+            with ddp.no_sync() if no_sync and not last else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(ddp(x), y) / MICRO_BATCHES
+                loss.backward()  # type: ignore[no-untyped-call]
+        ddp_optimizer.step()
+
+    steps_of: dict[str, Callable[[], None]] = {
+        "cs runs": cs_runs, "cs one run": cs_one_run,
+        "ddp no_sync": lambda: ddp_step(True), "ddp each": lambda: ddp_step(False),
+    }
+    for _ in range(2):
+        for step in steps_of.values():
+            step()
+    draw = random.Random(0)  # the same seed on every worker: they step in the same order
+    means: dict[str, list[float]] = {name: [] for name in steps_of}
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {name: [] for name in steps_of}
+        for _ in range(steps):
+            order = list(steps_of)
+            draw.shuffle(order)
+            for name in order:
+                start = time.perf_counter()
+                steps_of[name]()
+                times[name].append(1000 * (time.perf_counter() - start))
+        for name, values in times.items():
+            means[name].append(statistics.fmean(values))
+    result = {name: statistics.median(values) for name, values in means.items()}
+    for name in ("cs runs", "cs one run", "ddp each"):
+        result[f"{name} / no_sync"] = statistics.median(
+            a / b for a, b in zip(means[name], means["ddp no_sync"], strict=True)
+        )
+    return result
+
+
 def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rows = {}
@@ -268,6 +372,8 @@ def _worker(argv: list[str]) -> None:
         result = _worker_steps(argv[1], int(argv[2]), int(argv[3]))
     elif argv[0] == "ddp":
         result = _worker_ddp(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
+    elif argv[0] == "accumulate":
+        result = _worker_accumulate(argv[1], int(argv[2]), int(argv[3]))
     else:
         result = _worker_allreduce([float(s) for s in argv[2:]], int(argv[1]))
     if os.environ.get("RANK", "0") == "0":
@@ -307,6 +413,18 @@ def main() -> None:
             print(f"{model_name:<12} {f'W=2 x R={local}':<14} {row['cs']:>11.2f} "
                   f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x "
                   f"{row['cs / ddp cpu']:>13.3f}x {row['again / ddp cpu']:>11.3f}x", flush=True)
+    print(f"\naccumulating {MICRO_BATCHES} global batches a step, W=2 x R=1, in drawn turns: "
+          f"ms/step (median of {args.rounds} rounds of {args.steps} steps) and the ratio to "
+          "DDP under no_sync")
+    print(f"{'model':<12} {'cs, a run each':>15} {'cs, one run':>12} {'DDP no_sync':>12} "
+          f"{'DDP each':>9} {'runs / no_sync':>15} {'one run / no_sync':>18} "
+          f"{'each / no_sync':>15}")
+    for model_name in [m for m in args.models if m != "recommender"]:
+        row = _launch(2, ["accumulate", model_name, str(args.steps), str(args.rounds)], threads)
+        print(f"{model_name:<12} {row['cs runs']:>15.2f} {row['cs one run']:>12.2f} "
+              f"{row['ddp no_sync']:>12.2f} {row['ddp each']:>9.2f} "
+              f"{row['cs runs / no_sync']:>14.3f}x {row['cs one run / no_sync']:>17.3f}x "
+              f"{row['ddp each / no_sync']:>14.3f}x", flush=True)
     print()
     parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
     print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
