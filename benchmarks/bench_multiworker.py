@@ -24,8 +24,8 @@ Four tables:
               ``run`` per micro-batch (each run's sync point exchanges) and with one ``run``
               whose step function loops over the micro-batches (docs/porting.md: one
               exchange a step), against DDP under ``no_sync`` for all but the last
-              micro-batch and DDP exchanging each; in drawn turns as above, ratios to DDP
-              under ``no_sync``.
+              micro-batch and DDP exchanging each; in drawn turns as above (each way of this
+              strategy in processes of its own), ratios to DDP under ``no_sync``.
   steps       the MLP with W = 1 and W = 2 worker processes (R local replicas each, the host's
               cores split between them), against a plain PyTorch loop; milliseconds per step
               (median), and what each worker gives to collectives per step (payload; a ring
@@ -261,11 +261,14 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
 MICRO_BATCHES = 4
 
 
-def _worker_accumulate(model_name: str, steps: int, rounds: int) -> dict[str, float]:
+def _worker_accumulate(model_name: str, looping: bool, steps: int, rounds: int) -> dict[str, float]:
     """Steps that accumulate ``MICRO_BATCHES`` global batches, in turns: this strategy with a
-    ``run`` per micro-batch (each exchanges) and with one ``run`` whose step loops over the
-    micro-batches (one exchange), DDP under ``no_sync`` for all but the last micro-batch and
-    DDP exchanging every one. ms per step (median over the rounds of each round's mean)."""
+    ``run`` per micro-batch (each exchanges) or, ``looping``, with one ``run`` whose step
+    loops over the micro-batches (one exchange), DDP under ``no_sync`` for all but the last
+    micro-batch and DDP exchanging every one. ms per step (median over the rounds of each
+    round's mean). The two ways of this strategy run in processes of their own: a run that
+    calls backward several times leaves no bucket to start early, and its strategy learns
+    to stop trying, which the other way would pay."""
     build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
     torch.manual_seed(0)
     micro = [(_inputs(shape, batch), torch.randint(0, 10, (batch,)))
@@ -296,15 +299,13 @@ def _worker_accumulate(model_name: str, steps: int, rounds: int) -> dict[str, fl
                                   strict=True):
             replica_step(x_part, y_part)
 
-    def cs_runs() -> None:
+    def cs_step() -> None:
         optimizer.zero_grad()
-        for inputs in each:
-            strategy.run(replica_step, args=inputs)
-        optimizer.step()
-
-    def cs_one_run() -> None:
-        optimizer.zero_grad()
-        strategy.run(looping_step, args=whole)
+        if looping:
+            strategy.run(looping_step, args=whole)
+        else:
+            for inputs in each:
+                strategy.run(replica_step, args=inputs)
         optimizer.step()
 
     mine = [(x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])
@@ -323,8 +324,7 @@ def _worker_accumulate(model_name: str, steps: int, rounds: int) -> dict[str, fl
         ddp_optimizer.step()
 
     steps_of: dict[str, Callable[[], None]] = {
-        "cs runs": cs_runs, "cs one run": cs_one_run,
-        "ddp no_sync": lambda: ddp_step(True), "ddp each": lambda: ddp_step(False),
+        "cs": cs_step, "ddp no_sync": lambda: ddp_step(True), "ddp each": lambda: ddp_step(False),
     }
     for _ in range(2):
         for step in steps_of.values():
@@ -343,7 +343,7 @@ def _worker_accumulate(model_name: str, steps: int, rounds: int) -> dict[str, fl
         for name, values in times.items():
             means[name].append(statistics.fmean(values))
     result = {name: statistics.median(values) for name, values in means.items()}
-    for name in ("cs runs", "cs one run", "ddp each"):
+    for name in ("cs", "ddp each"):
         result[f"{name} / no_sync"] = statistics.median(
             a / b for a, b in zip(means[name], means["ddp no_sync"], strict=True)
         )
@@ -373,7 +373,7 @@ def _worker(argv: list[str]) -> None:
     elif argv[0] == "ddp":
         result = _worker_ddp(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
     elif argv[0] == "accumulate":
-        result = _worker_accumulate(argv[1], int(argv[2]), int(argv[3]))
+        result = _worker_accumulate(argv[1], argv[2] == "loop", int(argv[3]), int(argv[4]))
     else:
         result = _worker_allreduce([float(s) for s in argv[2:]], int(argv[1]))
     if os.environ.get("RANK", "0") == "0":
@@ -416,15 +416,16 @@ def main() -> None:
     print(f"\naccumulating {MICRO_BATCHES} global batches a step, W=2 x R=1, in drawn turns: "
           f"ms/step (median of {args.rounds} rounds of {args.steps} steps) and the ratio to "
           "DDP under no_sync")
-    print(f"{'model':<12} {'cs, a run each':>15} {'cs, one run':>12} {'DDP no_sync':>12} "
-          f"{'DDP each':>9} {'runs / no_sync':>15} {'one run / no_sync':>18} "
-          f"{'each / no_sync':>15}")
+    print(f"{'model':<12} {'cs':<15} {'cs ms/step':>11} {'DDP no_sync':>12} {'DDP each':>9} "
+          f"{'cs / no_sync':>13} {'DDP each / no_sync':>19}")
     for model_name in [m for m in args.models if m != "recommender"]:
-        row = _launch(2, ["accumulate", model_name, str(args.steps), str(args.rounds)], threads)
-        print(f"{model_name:<12} {row['cs runs']:>15.2f} {row['cs one run']:>12.2f} "
-              f"{row['ddp no_sync']:>12.2f} {row['ddp each']:>9.2f} "
-              f"{row['cs runs / no_sync']:>14.3f}x {row['cs one run / no_sync']:>17.3f}x "
-              f"{row['ddp each / no_sync']:>14.3f}x", flush=True)
+        for way, label in (("runs", "a run each"), ("loop", "one run, loop")):
+            row = _launch(
+                2, ["accumulate", model_name, way, str(args.steps), str(args.rounds)], threads
+            )
+            print(f"{model_name:<12} {label:<15} {row['cs']:>11.2f} {row['ddp no_sync']:>12.2f} "
+                  f"{row['ddp each']:>9.2f} {row['cs / no_sync']:>12.3f}x "
+                  f"{row['ddp each / no_sync']:>18.3f}x", flush=True)
     print()
     parameters = (784 * 1024 + 1024) + (1024 * 1024 + 1024) + (1024 * 10 + 10)
     print(f"MLP 784-1024-1024-10 ({parameters:,} parameters, {4 * parameters / MB:.2f} MB of "
