@@ -492,7 +492,8 @@ def test_sparse_entries_travel_as_bytes_of_every_dtype(dtype: torch.dtype) -> No
               torch.zeros(4, 5, dtype=dtype)]
     grads = [
         torch.sparse_coo_tensor(
-            torch.tensor([[1, 6, 1]]), torch.randn(3, 3).to(dtype), (7, 3), check_invariants=True
+            torch.tensor([[1, 6, 1]]), torch.arange(-4.0, 5.0).reshape(3, 3).to(dtype), (7, 3),
+            check_invariants=True,
         ),
         torch.sparse_coo_tensor(torch.tensor([[4]]), torch.ones(1, 1), (5, 1),
                                 check_invariants=True),
