@@ -315,6 +315,22 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
     del model, step, optimizer
     gc.collect()
     results["freed"] = parameter() is None
+    # Batch norm alone: every run writes the running statistics on every worker alike, so
+    # the per-variable flags stay home; each run's collectives, and the plan's buckets.
+    strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
+    torch.manual_seed(200)
+    with strategy.scope():
+        model = bn_model()
+    strategy.run(lambda: None)  # the first run's broadcast; its sync point plans the buckets
+    counts = []
+    for size in BN_STEPS:
+        for x, y in strategy.experimental_distribute_dataset(batches([size], 7)):
+            count = strategy.traffic["collectives"]
+            strategy.run(lambda x, y: nn.functional.cross_entropy(model(x), y).backward(),
+                         args=(x, y))
+            counts.append(strategy.traffic["collectives"] - count)
+    results["bn_collectives"] = counts
+    results["bn_buckets"] = len(strategy._collectives._plan.buckets)  # type: ignore[union-attr]
     return results
 
 

@@ -252,13 +252,15 @@ class Collectives(Workers):
     # -- agreements --------------------------------------------------------------------------
 
     def agree(
-        self, kind: Kind, signature: int = 0, a: int = 0, b: int = 0, c: int = 0,
+        self, kind: Kind, signature: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
         failed: bool = False,
     ) -> torch.Tensor:
-        """Every worker's row for the operation ``kind`` (a [W, 6] int64 tensor on the CPU);
-        raises when the workers are in different operations."""
+        """Every worker's row for the operation ``kind`` (a [W, 7] int64 tensor on the CPU:
+        ``kind``, ``failed``, ``signature``, ``a`` to ``d``); raises when the workers are in
+        different operations."""
         row = torch.tensor(
-            [int(kind), int(failed), signature, a, b, c], dtype=torch.int64, device=self.device
+            [int(kind), int(failed), signature, a, b, c, d], dtype=torch.int64,
+            device=self.device,
         )
         table = self.all_gather(f"agreement on {_KIND_NAMES[kind]}", row).cpu()
         kinds = table[:, 0].tolist()

@@ -8,8 +8,10 @@ At every sync point (the end of ``run``, ``merge_call``, ``optimizer.step()``) e
    (the local sync point), so that accumulation over several ``run`` calls exchanges only
    what is new;
 3. agrees with the other workers on the layout and on what there is to exchange (one small
-   all-gather; a second, of per-variable flags, only when some worker lacks a gradient or
-   wrote a variable);
+   all-gather; a second, of per-variable flags, only when some worker lacks a gradient,
+   wrote a variable or folded a sparse gradient, and the workers' flags differ: the
+   agreement carries a digest of each worker's, so that workers whose replicas wrote the
+   same variables, as batch norm's do every run, skip it);
 4. all-reduces (SUM) the fresh gradients in flat buckets (``_buckets.py``: reverse
    registration order, a small first bucket), with zeros where a worker has none: the
    traffic is one gradient per worker whatever its number of replicas (hierarchical
@@ -287,6 +289,8 @@ def sync_across(
     present = compress(fresh, map(is_not, fresh, repeat(None)))
     flags = SPARSE if have and any(map(_is_sparse, present)) else 0
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
+    # this worker's per-variable flags, where they are not implied by ``state`` alone
+    mine = _flag_row(fresh, writes, len(layout.records)) if writes or state == 1 else None
     try:
         if early is not None:
             valid = valid and fits and early.check_fold(fresh)
@@ -297,9 +301,10 @@ def sync_across(
             flags |= ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
         table = workers.agree(
             kind, layout.signature, state, len(writes), flags,
+            0 if mine is None else signature(mine) | 1,  # odd: never the 0 of no flags
             failed=run_error is not None,
         )
-        _, failures, signatures, states, counts, all_flags = zip(*table.tolist())
+        _, failures, signatures, states, counts, all_flags, digests = zip(*table.tolist())
         if len(set(signatures)) > 1:
             workers.mark_broken("the workers' central variables differ")
             raise RuntimeError(
@@ -338,7 +343,10 @@ def sync_across(
     if not any(counts) and all(s == ALL for s in states) and not sparse:
         has_grad, writers, assigned, kept = [True] * len(trainable), None, None, None
     else:
-        has_grad, writers, assigned, kept = _flags(workers, layout, fresh, writes, sparse)
+        alike = mine is not None and not sparse and len(set(digests)) == 1
+        has_grad, writers, assigned, kept = _flags(
+            workers, layout, fresh, writes, sparse, mine if alike else None
+        )
     dense = has_grad if kept is None else [h and j not in kept for j, h in enumerate(has_grad)]
     if early is not None and started and all(f & VALID for f in all_flags):
         exchanged = early.exchanged(dense)
@@ -371,9 +379,20 @@ def _kind(grad: torch.Tensor | None) -> int:
     return 1 + grad.sparse_dim() if grad.is_sparse else 1
 
 
+def _flag_row(fresh: list[Any], writes: dict[int, tuple[int, bool]], n: int) -> list[int]:
+    """This worker's per-variable flags: each trainable variable's gradient kind, then for
+    each of the ``n`` variables how many replicas wrote it, then whether any assigned."""
+    m = len(fresh)
+    row = [*map(_kind, fresh), *repeat(0, 2 * n)]
+    for i, (count, assigned) in writes.items():
+        row[m + i] = count
+        row[m + n + i] = int(assigned)
+    return row
+
+
 def _flags(
     workers: Collectives, layout: _Layout, fresh: list[Any], writes: dict[int, tuple[int, bool]],
-    sparse: bool = False,
+    sparse: bool = False, alike: list[int] | None = None,
 ) -> tuple[list[bool], torch.Tensor, torch.Tensor, dict[int, tuple[int, list[int]]] | None]:
     """Every worker's per-variable flags: which trainable variables got a gradient, and how
     many replicas wrote each variable (and whether any assigned). With ``sparse`` (some
@@ -381,18 +400,17 @@ def _flags(
     sparse, each with its sparse dimensions and every worker's number of entries: those
     whose gradient is sparse, of the same sparse dimensions, on every worker that has one.
     (A gradient dense on some worker makes the sum dense, as a dense gradient added to a
-    sparse one does.)"""
+    sparse one does.) ``alike``: this worker's flags (``_flag_row``), when the agreement
+    showed every worker's to be the same: then nothing travels."""
     n, m = len(layout.records), len(fresh)
-    row = torch.zeros(m + 2 * n + (m if sparse else 0), dtype=torch.int32)
-    row[:m] = torch.tensor(list(map(_kind, fresh)), dtype=torch.int32)
-    for i, (count, assigned) in writes.items():
-        row[m + i] = count
-        row[m + n + i] = int(assigned)
-    if sparse:
-        for j, grad in enumerate(fresh):
-            if grad is not None and grad.is_sparse:
-                row[m + 2 * n + j] = grad._nnz()
-    table = workers.all_gather("sync point's flags", row.to(workers.device)).cpu()
+    if alike is not None:
+        table = torch.tensor(alike, dtype=torch.int32).expand(workers.num_workers, -1)
+    else:
+        row = _flag_row(fresh, writes, n)
+        if sparse:
+            row += [g._nnz() if g is not None and g.is_sparse else 0 for g in fresh]
+        flat = torch.tensor(row, dtype=torch.int32, device=workers.device)
+        table = workers.all_gather("sync point's flags", flat).cpu()
     kinds = table[:, :m]
     has_grad = kinds.any(dim=0).tolist()
     kept = None
@@ -504,18 +522,21 @@ def _exchange_writes(
     its value, from the common value before the run; the terms are summed across workers."""
     rank = workers.worker_index
     plan, terms = [], []
-    for i in writers.sum(dim=0).nonzero().flatten().tolist():
+    written = writers.sum(dim=0).nonzero().flatten().tolist()
+    # per written variable, every worker's writers and assignment flags, as Python lists
+    every_count = writers[:, written].t().tolist()
+    every_assigned = assigned[:, written].t().tolist()
+    for i, counts, assignments in zip(written, every_count, every_assigned, strict=True):
         record, tensor = layout.records[i], layout.tensors[i].detach()
-        counts = writers[:, i].tolist()
         mine, start = counts[rank], before.get(i, tensor)
         aggregation = record.aggregation
-        any_assigned = bool(assigned[:, i].any())
+        any_assigned = any(assignments)
         first = next(r for r, n in enumerate(counts) if n)
         if not mine or (aggregation is VariableAggregation.ONLY_FIRST_REPLICA and rank != first):
             terms.append(torch.zeros_like(tensor))
         else:
             terms.append(write_term(
-                aggregation, start, tensor, mine, bool(assigned[rank, i]), any_assigned
+                aggregation, start, tensor, mine, bool(assignments[rank]), any_assigned
             ))
         writers_everywhere = (
             1 if aggregation is VariableAggregation.ONLY_FIRST_REPLICA else sum(counts)
