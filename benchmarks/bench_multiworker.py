@@ -1,23 +1,24 @@
 """Multi-worker cost on gloo over loopback: against DDP, step time, bytes per step, all-reduce.
 
 Four tables:
-  vs DDP      MultiWorkerCentralStorageStrategy against torch.nn.parallel.DistributedDataParallel
-              in the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512,
-              SGD), on bench_train.py's small transformer (global batch 32, Adam) and on a
-              recommender whose two 100,000 x 32 tables have sparse gradients (global batch
-              512, SGD, which steps sparse gradients as they are; DDP sends their entries
-              only): W = 2 workers of R = 1 and of R = 2 local replicas (DDP always runs
-              one model per process on the worker's half of the batch), and a second DDP
-              model in the same processes ("DDP again": its ratio to DDP states the run's
-              noise). They take turns step by step in an order drawn for every step (the
-              same on every worker), so all see the same load on a shared machine; each
-              round times ``--steps`` steps of each; the table gives the median over
-              ``--rounds`` rounds of the mean step, and the median over the rounds of each
-              round's ratio; then the same ratios of the process's CPU time per step (every
-              thread, gloo's included), which a shared machine's load moves less: on 2
-              cores, CPU that a step spends beyond DDP's costs wall time only when the cores
-              are busy, so the wall ratio moves with the machine's load and the CPU ratio
-              says what is left.
+  vs DDP      MultiWorkerCentralStorageStrategy against torch.nn.parallel.DistributedDataParallel in
+              the same two worker processes, on the MLP 784-1024-1024-10 (global batch 512, SGD), on
+              bench_train.py's small transformer (global batch 32, Adam), on a recommender whose two
+              100,000 x 32 tables have sparse gradients (global batch 512, SGD, which steps sparse
+              gradients as they are; DDP sends their entries only) and on a CNN of twenty
+              convolutions with batch norm (global batch 32 of 16 x 16 images, SGD; its running
+              statistics are combined across the workers by their aggregation, where DDP broadcasts
+              worker 0's before each forward): W = 2 workers of R = 1 and of R = 2 local replicas
+              (DDP always runs one model per process on the worker's half of the batch), and a
+              second DDP model in the same processes ("DDP again": its ratio to DDP states the run's
+              noise). They take turns step by step in an order drawn for every step (the same on
+              every worker), so all see the same load on a shared machine; each round times
+              ``--steps`` steps of each; the table gives the median over ``--rounds`` rounds of the
+              mean step, and the median over the rounds of each round's ratio; then the same ratios
+              of the process's CPU time per step (every thread, gloo's included), which a shared
+              machine's load moves less: on 2 cores, CPU that a step spends beyond DDP's costs wall
+              time only when the cores are busy, so the wall ratio moves with the machine's load and
+              the CPU ratio says what is left.
   accumulation
               the MLP and the transformer (of ``--models``) at W = 2 x R = 1, each step
               accumulating 4 global batches before the optimizer step: this strategy with a
@@ -34,7 +35,7 @@ Four tables:
               1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
 
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
-                                           [--models mlp transformer recommender]
+                                           [--models mlp transformer recommender bn]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
@@ -171,6 +172,15 @@ class _Recommender(nn.Module):
         return scores
 
 
+def _batch_norm_cnn() -> nn.Module:
+    """Twenty 3x3 convolutions of 16 channels, each followed by batch norm (whose running
+    statistics every run writes) and a ReLU, on 16 x 16 images."""
+    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()]
+    for _ in range(19):
+        layers += [nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+
 def _inputs(shape: tuple[int, ...], batch: int) -> torch.Tensor:
     """The global batch: ids for the recommender (shape ``(2,)``), else normal floats."""
     if shape == (2,):
@@ -183,6 +193,7 @@ _DDP_MODELS: dict[str, tuple[Any, int, tuple[int, ...], Any]] = {
     "mlp": (_mlp, BATCH, (784,), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
     "transformer": (Transformer, 32, (16, 64), lambda p: torch.optim.Adam(p, lr=1e-3)),
     "recommender": (_Recommender, 512, (2,), lambda p: torch.optim.SGD(p, lr=0.1)),
+    "bn": (_batch_norm_cnn, 32, (3, 16, 16), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
 }
 
 
@@ -418,7 +429,7 @@ def main() -> None:
           "DDP under no_sync")
     print(f"{'model':<12} {'cs':<15} {'cs ms/step':>11} {'DDP no_sync':>12} {'DDP each':>9} "
           f"{'cs / no_sync':>13} {'DDP each / no_sync':>19}")
-    for model_name in [m for m in args.models if m != "recommender"]:
+    for model_name in [m for m in args.models if m in ("mlp", "transformer")]:
         for way, label in (("runs", "a run each"), ("loop", "one run, loop")):
             row = _launch(
                 2, ["accumulate", model_name, way, str(args.steps), str(args.rounds)], threads
