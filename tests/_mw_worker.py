@@ -331,7 +331,36 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
             counts.append(strategy.traffic["collectives"] - count)
     results["bn_collectives"] = counts
     results["bn_buckets"] = len(strategy._collectives._plan.buckets)  # type: ignore[union-attr]
+    # An integer buffer beyond float64's exact integers: the writes' sums keep their dtypes.
+    strategy = MultiWorkerCentralStorageStrategy(devices, **settings)
+    with strategy.scope():
+        counter = BigCounter()
+    strategy.run(lambda: None)
+    count = strategy.traffic["collectives"]
+    strategy.run(lambda x: counter(x).sum().backward(), args=(
+        strategy.experimental_distribute_values_from_function(lambda c: torch.ones(2, 6)),
+    ))
+    results["big_collectives"] = strategy.traffic["collectives"] - count
+    results["big_buckets"] = len(strategy._collectives._plan.buckets)  # type: ignore[union-attr]
+    results["big"] = (int(counter.big), float(counter.seen))
     return results
+
+
+class BigCounter(nn.Module):
+    """A layer that counts its calls in an int64 buffer starting at 2**60 + 1 (float64 holds
+    it only as 2**60) and in a float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.register_buffer("big", torch.tensor(2**60 + 1))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.big.add_(1)
+        self.seen.add_(1)
+        out: torch.Tensor = self.linear(x)
+        return out
 
 
 def errors_scenario() -> dict[str, Any]:

@@ -117,13 +117,16 @@ def check_traffic(results: list[dict[str, Any]]) -> None:
     """Hierarchical reduction: one training ``run`` sends one agreement row and one gradient
     per worker (here in 3 buckets, each closed once it holds 64 bytes), whatever the number
     of local replicas; the buckets leave during the last local replica's backward, not at
-    the sync point. A batch-norm run adds one sum of the writes per dtype (the statistics'
-    float32, the batch count's int64), and no per-variable flags: every worker's are the
-    same, which the agreement shows."""
+    the sync point. A batch-norm run adds one sum of the writes (the statistics' float32
+    and the batch count's int64 together, as float64) and no per-variable flags: every
+    worker's are the same, which the agreement shows. An integer beyond float64's exact
+    range keeps its dtype, in a sum of its own, and its exact value."""
     parameters = sum(p.numel() for p in helper.mlp().parameters())
     for result in results:
         assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 7 * 8 + 4 * parameters}
-        assert result["bn_collectives"] == [1 + result["bn_buckets"] + 2] * 3, result
+        assert result["bn_collectives"] == [1 + result["bn_buckets"] + 1] * 3, result
+        assert result["big_collectives"] == 1 + result["big_buckets"] + 2, result
+        assert result["big"] == (2**60 + 2, 1.0)  # the first replica's count; the replicas' mean
         *earlier, last = result["started_in_backward"]
         assert last == 3 and all(n == 0 for n in earlier), result["started_in_backward"]
         assert result["step_collectives"] == 0, result  # the step after run: none

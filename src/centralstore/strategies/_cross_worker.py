@@ -228,18 +228,28 @@ class Collectives(Workers):
             flat,
         )
 
-    def sum_across(self, what: str, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Element-wise sums over the workers, one flat all-reduce per dtype."""
+    def sum_across(
+        self, what: str, tensors: Sequence[torch.Tensor], widen: bool = False
+    ) -> list[torch.Tensor]:
+        """Element-wise sums over the workers, one flat all-reduce per dtype. With ``widen``
+        (the caller knows every sum to be exact in float64, the same on every worker), the
+        real floating and integer tensors travel together as float64, in one all-reduce,
+        and come back in their own dtypes."""
         results: list[torch.Tensor] = list(tensors)
         groups: dict[torch.dtype, list[int]] = {}
         for i, tensor in enumerate(tensors):
-            groups.setdefault(tensor.dtype, []).append(i)
-        for indices in groups.values():
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(self.device) for i in indices])
+            dtype = tensor.dtype
+            if widen and not dtype.is_complex and dtype != torch.bool:
+                dtype = torch.float64
+            groups.setdefault(dtype, []).append(i)
+        for dtype, indices in groups.items():
+            flat = torch.cat([
+                tensors[i].detach().reshape(-1).to(self.device, dtype) for i in indices
+            ])
             self.all_reduce(what, flat)
             pieces = torch.split(flat, [tensors[i].numel() for i in indices])
             for i, piece in zip(indices, pieces, strict=True):
-                results[i] = piece.view(tensors[i].shape).to(tensors[i].device)
+                results[i] = piece.view(tensors[i].shape).to(tensors[i].device, tensors[i].dtype)
         return results
 
     def texts(self, text: str) -> list[str]:

@@ -78,8 +78,10 @@ NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: non
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
 # start early (every worker alike), this worker's early buckets passed their check, and this
 # worker started buckets (then every worker starts them all); and, apart from the early
-# exchange, some gradient this worker folded is sparse.
-ARMED, VALID, STARTED, SPARSE = 1, 2, 4, 8
+# exchange, some gradient this worker folded is sparse, and some integer variable this
+# worker's replicas wrote may sum beyond float64's exact integers (then the writes' sums
+# travel in their own dtypes, not all as float64 in one all-reduce).
+ARMED, VALID, STARTED, SPARSE, WIDE = 1, 2, 4, 8, 16
 
 
 class Agreed(NamedTuple):
@@ -288,6 +290,8 @@ def sync_across(
     state = NONE if not have else ALL if have == len(fresh) else 1
     present = compress(fresh, map(is_not, fresh, repeat(None)))
     flags = SPARSE if have and any(map(_is_sparse, present)) else 0
+    if writes and _wide(layout, writes, before, workers.num_workers):
+        flags |= WIDE
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     # this worker's per-variable flags, where they are not implied by ``state`` alone
     mine = _flag_row(fresh, writes, len(layout.records)) if writes or state == 1 else None
@@ -365,7 +369,8 @@ def sync_across(
             exchanged[j] = total
     _add_back(trainable, stash, exchanged)
     if writers is not None and assigned is not None and writers.any():
-        _exchange_writes(workers, layout, before, writers, assigned)
+        widen = not any(f & WIDE for f in all_flags)
+        _exchange_writes(workers, layout, before, writers, assigned, widen)
     # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
     # for the same variables: an optimizer step in one keeps the workers' copies equal.
     run_post_accumulate_hooks(list(compress(trainable, has_grad)))
@@ -510,16 +515,37 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(_padded(flat.numel()) - flat.numel())])
 
 
+def _wide(
+    layout: _Layout, writes: dict[int, tuple[int, bool]], before: dict[int, torch.Tensor],
+    workers: int,
+) -> bool:
+    """Whether a write term of this worker's integer variables (a value, a change from
+    ``before``, or a value plus ``before`` times the writers, ``write_term``), summed over
+    ``workers`` such, may pass 2**53, where float64 stops holding every integer."""
+    ints = [i for i in writes if not layout.tensors[i].dtype.is_floating_point
+            and not layout.tensors[i].dtype.is_complex and layout.tensors[i].dtype != torch.bool]
+    if not ints:
+        return False
+    values = torch.cat([layout.tensors[i].detach().reshape(-1) for i in ints]).double()
+    starts = torch.cat([before[i].reshape(-1) for i in ints]).double()
+    most = max(writes[i][0] for i in ints)
+    bound = float(values.abs().max()) + float(starts.abs().max()) * most
+    return bound * workers >= 2.0**53
+
+
 def _exchange_writes(
     workers: Collectives,
     layout: _Layout,
     before: dict[int, torch.Tensor],
     writers: torch.Tensor,
     assigned: torch.Tensor,
+    widen: bool = False,
 ) -> None:
     """Combine the writes of every worker's replicas by aggregation (docs/design.md §3.6),
     each worker one group of ``_aggregation.write_term``: its writers already combined into
-    its value, from the common value before the run; the terms are summed across workers."""
+    its value, from the common value before the run; the terms are summed across workers,
+    with ``widen`` (no worker's integer terms can pass float64's exact range, ``_wide``) in
+    one float64 all-reduce, else one per dtype."""
     rank = workers.worker_index
     plan, terms = [], []
     written = writers.sum(dim=0).nonzero().flatten().tolist()
@@ -542,7 +568,7 @@ def _exchange_writes(
             1 if aggregation is VariableAggregation.ONLY_FIRST_REPLICA else sum(counts)
         )
         plan.append((tensor, aggregation, writers_everywhere, any_assigned, start))
-    totals = workers.sum_across("exchange of variable writes", terms)
+    totals = workers.sum_across("exchange of variable writes", terms, widen)
     with no_grad():
         for (tensor, aggregation, count, any_assigned, start), total in zip(
             plan, totals, strict=True
