@@ -40,6 +40,7 @@ from .._reduce import (
     reduce_components,
 )
 from .._workers import Workers
+from ._buckets import pack, unflatten
 
 if TYPE_CHECKING:
     from ..variables.records import Central
@@ -231,25 +232,36 @@ class Collectives(Workers):
     def sum_across(
         self, what: str, tensors: Sequence[torch.Tensor], widen: bool = False
     ) -> list[torch.Tensor]:
-        """Element-wise sums over the workers, one flat all-reduce per dtype. With ``widen``
-        (the caller knows every sum to be exact in float64, the same on every worker), the
-        real floating and integer tensors travel together as float64, in one all-reduce,
-        and come back in their own dtypes."""
+        """Element-wise sums over the workers, one flat all-reduce per dtype, each group of a
+        dtype and device packed and unpacked in one C call. With ``widen`` (the caller knows
+        every sum to be exact in float64, the same on every worker), the real floating and
+        integer tensors travel together as float64, in one all-reduce, and come back in
+        their own dtypes."""
         results: list[torch.Tensor] = list(tensors)
-        groups: dict[torch.dtype, list[int]] = {}
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, tensor in enumerate(tensors):
-            dtype = tensor.dtype
-            if widen and not dtype.is_complex and dtype != torch.bool:
-                dtype = torch.float64
-            groups.setdefault(dtype, []).append(i)
-        for dtype, indices in groups.items():
-            flat = torch.cat([
-                tensors[i].detach().reshape(-1).to(self.device, dtype) for i in indices
-            ])
-            self.all_reduce(what, flat)
-            pieces = torch.split(flat, [tensors[i].numel() for i in indices])
-            for i, piece in zip(indices, pieces, strict=True):
-                results[i] = piece.view(tensors[i].shape).to(tensors[i].device, tensors[i].dtype)
+            groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+        carried: dict[torch.dtype, list[tuple[torch.dtype, torch.device]]] = {}
+        for dtype, device in groups:
+            wide = widen and not dtype.is_complex and dtype != torch.bool
+            carried.setdefault(torch.float64 if wide else dtype, []).append((dtype, device))
+        with no_grad():
+            for carrier, keys in carried.items():
+                flats = [
+                    pack([tensors[i] for i in groups[key]]).to(self.device, carrier)
+                    for key in keys
+                ]
+                flat = flats[0] if len(flats) == 1 else torch.cat(flats)
+                self.all_reduce(what, flat)
+                offset = 0
+                for (dtype, device), part in zip(keys, flats, strict=True):
+                    back = flat[offset : offset + part.numel()].to(device, dtype)
+                    offset += part.numel()
+                    members = groups[(dtype, device)]
+                    for i, piece in zip(
+                        members, unflatten(back, [tensors[i] for i in members]), strict=True
+                    ):
+                        results[i] = piece
         return results
 
     def texts(self, text: str) -> list[str]:

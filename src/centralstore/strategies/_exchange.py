@@ -569,8 +569,9 @@ def _exchange_writes(
         )
         plan.append((tensor, aggregation, writers_everywhere, any_assigned, start))
     totals = workers.sum_across("exchange of variable writes", terms, widen)
+    values = [
+        written_value(aggregation, start, total, count, any_assigned)
+        for (_, aggregation, count, any_assigned, start), total in zip(plan, totals, strict=True)
+    ]
     with no_grad():
-        for (tensor, aggregation, count, any_assigned, start), total in zip(
-            plan, totals, strict=True
-        ):
-            tensor.copy_(written_value(aggregation, start, total, count, any_assigned))
+        torch._foreach_copy_([tensor for tensor, *_ in plan], values)
