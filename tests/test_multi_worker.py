@@ -515,3 +515,23 @@ def test_sparse_entries_travel_as_bytes_of_every_dtype(dtype: torch.dtype) -> No
         assert expected is not None and sums[j].dtype == tables[j].dtype
         torch.testing.assert_close(sums[j].to_dense(), 2 * expected.to_dense())
     assert sums[2].is_sparse and sums[2]._nnz() == 0
+
+
+def test_integer_writes_travel_as_float64_only_while_every_sum_is_exact() -> None:
+    """The bound on a worker's integer write terms (value, change, value times writers),
+    times the workers, against 2**53: the batch count of batch norm fits; a value of 2**51
+    written by three replicas of each of two workers may not (its mean's term is 3 * 2**51
+    per worker); floats never count."""
+    from types import SimpleNamespace
+
+    from centralstore.strategies._exchange import _wide
+
+    def wide(value: torch.Tensor, start: torch.Tensor, writers: int) -> bool:
+        layout: Any = SimpleNamespace(tensors=[value])
+        return _wide(layout, {0: (writers, False)}, {0: start}, workers=2)
+
+    assert not wide(torch.tensor(1_001), torch.tensor(1_000), 1)
+    assert not wide(torch.tensor(2.0**60), torch.tensor(0.0), 3)
+    assert not wide(torch.tensor(2**50), torch.tensor(0), 3)
+    assert wide(torch.tensor(2**51), torch.tensor(0), 3)
+    assert wide(torch.tensor(-(2**63)), torch.tensor(0), 1)  # its abs overflows in int64

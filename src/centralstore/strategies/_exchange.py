@@ -519,18 +519,23 @@ def _wide(
     layout: _Layout, writes: dict[int, tuple[int, bool]], before: dict[int, torch.Tensor],
     workers: int,
 ) -> bool:
-    """Whether a write term of this worker's integer variables (a value, a change from
-    ``before``, or a value plus ``before`` times the writers, ``write_term``), summed over
-    ``workers`` such, may pass 2**53, where float64 stops holding every integer."""
-    ints = [i for i in writes if not layout.tensors[i].dtype.is_floating_point
-            and not layout.tensors[i].dtype.is_complex and layout.tensors[i].dtype != torch.bool]
+    """Whether a write term of this worker's integer variables, summed over ``workers``
+    such, may pass 2**53, where float64 stops holding every integer. A term
+    (``write_term``) is the value, its change from ``before``, the value plus ``before``
+    times the other writers, or the value times the writers: at most (|value| + |before|)
+    times the writers."""
+    ints = [i for i in writes if _is_integer(layout.tensors[i].dtype)]
     if not ints:
         return False
     values = torch.cat([layout.tensors[i].detach().reshape(-1) for i in ints]).double()
     starts = torch.cat([before[i].reshape(-1) for i in ints]).double()
     most = max(writes[i][0] for i in ints)
-    bound = float(values.abs().max()) + float(starts.abs().max()) * most
+    bound = (float(values.abs().max()) + float(starts.abs().max())) * most
     return bound * workers >= 2.0**53
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def _exchange_writes(
