@@ -48,6 +48,23 @@ def bn_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+class BigCounter(nn.Module):
+    """A layer that counts its calls in an int64 buffer starting at 2**60 + 1 (float64 holds
+    it only as 2**60) and in a float buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3)
+        self.register_buffer("big", torch.tensor(2**60 + 1))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.big.add_(1)
+        self.seen.add_(1)
+        out: torch.Tensor = self.linear(x)
+        return out
+
+
 def batches(sizes: list[int], seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [
@@ -344,23 +361,6 @@ def main_scenario(local_replicas: int, explicit_group: bool) -> dict[str, Any]:
     results["big_buckets"] = len(strategy._collectives._plan.buckets)  # type: ignore[union-attr]
     results["big"] = (int(counter.big), float(counter.seen))
     return results
-
-
-class BigCounter(nn.Module):
-    """A layer that counts its calls in an int64 buffer starting at 2**60 + 1 (float64 holds
-    it only as 2**60) and in a float buffer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 3)
-        self.register_buffer("big", torch.tensor(2**60 + 1))
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.big.add_(1)
-        self.seen.add_(1)
-        out: torch.Tensor = self.linear(x)
-        return out
 
 
 def errors_scenario() -> dict[str, Any]:
