@@ -197,6 +197,41 @@ _DDP_MODELS: dict[str, tuple[Any, int, tuple[int, ...], Any]] = {
 }
 
 
+def _in_turns(
+    steps_of: dict[str, Callable[[], None]], steps: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run the steps in turns, step by step in an order drawn for every step (the same seed
+    on every worker, so they step in the same order and all see one load), after two
+    untimed turns: per step name, each round's mean wall-clock ms, and its mean ms of the
+    process's CPU time (every thread, gloo's included)."""
+    for _ in range(2):
+        for step in steps_of.values():
+            step()
+    draw = random.Random(0)
+    means: dict[str, list[float]] = {name: [] for name in steps_of}
+    cpu: dict[str, list[float]] = {name: [] for name in steps_of}
+    for _ in range(rounds):
+        times: dict[str, list[float]] = {name: [] for name in steps_of}
+        cpu_times: dict[str, list[float]] = {name: [] for name in steps_of}
+        for _ in range(steps):
+            order = list(steps_of)
+            draw.shuffle(order)
+            for name in order:
+                start, start_cpu = time.perf_counter(), time.process_time()
+                steps_of[name]()
+                times[name].append(1000 * (time.perf_counter() - start))
+                cpu_times[name].append(1000 * (time.process_time() - start_cpu))
+        for name, values in times.items():
+            means[name].append(statistics.fmean(values))
+            cpu[name].append(statistics.fmean(cpu_times[name]))
+    return means, cpu
+
+
+def _median_ratio(rounds_a: list[float], rounds_b: list[float]) -> float:
+    """The median over the rounds of each round's ratio."""
+    return statistics.median(a / b for a, b in zip(rounds_a, rounds_b, strict=True))
+
+
 def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[str, float]:
     """This strategy and DDP in the same processes, alternating: ms per step of each."""
     build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
@@ -238,34 +273,11 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
 
     # "again": a second DDP model in the same processes; its ratio to DDP is the run's noise
     steps_of = {"cs": cs_step, "ddp": ddp_step_of(), "again": ddp_step_of()}
-    for _ in range(2):
-        for step in steps_of.values():
-            step()
-    draw = random.Random(0)  # the same seed on every worker: they step in the same order
-    means: dict[str, list[float]] = {name: [] for name in steps_of}
-    cpu: dict[str, list[float]] = {name: [] for name in steps_of}  # the process's, all threads
-    for _ in range(rounds):
-        times: dict[str, list[float]] = {name: [] for name in steps_of}
-        cpu_times: dict[str, list[float]] = {name: [] for name in steps_of}
-        for _ in range(steps):  # step by step, in a drawn order, so all see one load
-            order = list(steps_of)
-            draw.shuffle(order)
-            for name in order:
-                start, start_cpu = time.perf_counter(), time.process_time()
-                steps_of[name]()
-                times[name].append(1000 * (time.perf_counter() - start))
-                cpu_times[name].append(1000 * (time.process_time() - start_cpu))
-        for name, values in times.items():
-            means[name].append(statistics.fmean(values))
-            cpu[name].append(statistics.fmean(cpu_times[name]))
+    means, cpu = _in_turns(steps_of, steps, rounds)
     result = {name: statistics.median(values) for name, values in means.items()}
-    for name in ("cs", "again"):  # the median over the rounds of each round's ratio
-        result[f"{name} / ddp"] = statistics.median(
-            a / b for a, b in zip(means[name], means["ddp"], strict=True)
-        )
-        result[f"{name} / ddp cpu"] = statistics.median(
-            a / b for a, b in zip(cpu[name], cpu["ddp"], strict=True)
-        )
+    for name in ("cs", "again"):
+        result[f"{name} / ddp"] = _median_ratio(means[name], means["ddp"])
+        result[f"{name} / ddp cpu"] = _median_ratio(cpu[name], cpu["ddp"])
     return result
 
 
@@ -337,27 +349,10 @@ def _worker_accumulate(model_name: str, looping: bool, steps: int, rounds: int) 
     steps_of: dict[str, Callable[[], None]] = {
         "cs": cs_step, "ddp no_sync": lambda: ddp_step(True), "ddp each": lambda: ddp_step(False),
     }
-    for _ in range(2):
-        for step in steps_of.values():
-            step()
-    draw = random.Random(0)  # the same seed on every worker: they step in the same order
-    means: dict[str, list[float]] = {name: [] for name in steps_of}
-    for _ in range(rounds):
-        times: dict[str, list[float]] = {name: [] for name in steps_of}
-        for _ in range(steps):
-            order = list(steps_of)
-            draw.shuffle(order)
-            for name in order:
-                start = time.perf_counter()
-                steps_of[name]()
-                times[name].append(1000 * (time.perf_counter() - start))
-        for name, values in times.items():
-            means[name].append(statistics.fmean(values))
+    means, _ = _in_turns(steps_of, steps, rounds)
     result = {name: statistics.median(values) for name, values in means.items()}
     for name in ("cs", "ddp each"):
-        result[f"{name} / no_sync"] = statistics.median(
-            a / b for a, b in zip(means[name], means["ddp no_sync"], strict=True)
-        )
+        result[f"{name} / no_sync"] = _median_ratio(means[name], means["ddp no_sync"])
     return result
 
 
