@@ -55,6 +55,20 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return torch._C._nn.unflatten_dense_tensors(flat, list(like))
 
 
+def padded(size: int) -> int:
+    """``size`` bytes rounded up to 8, so that every piece of a row of bytes starts where
+    any dtype may be viewed."""
+    return size + (-size) % 8
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor``'s bytes, zeros after them up to a multiple of 8."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if flat.numel() % 8 == 0:
+        return flat
+    return torch.cat([flat, flat.new_zeros(padded(flat.numel()) - flat.numel())])
+
+
 def bucket_indices(
     tensors: Sequence[torch.Tensor], include: Sequence[bool], first_bytes: int,
     bucket_bytes: int,

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ..variables.records import Central
     from ..variables.store import VariableStore
 
+AGREEMENT_FIELDS = 7  # kind, failed, signature, a to d: then the carried words (``agree``)
 _TEXT_BYTES = 2048  # how much of an error message travels to the other workers
 
 
@@ -140,6 +141,10 @@ class Collectives(Workers):
         self.broken: str | None = None
         self._shared: list[Central] = []  # the central variables already broadcast
         self._ran = False
+        # int64 words every agreement row carries after its fields: the values of the
+        # variables written at the last sync point (``_writes.CarriedWrites``); it changes
+        # only after a sync point every worker passed, so every worker's rows stay one size
+        self.carry_words = 0
         self.gradient_group = _gradient_group(group, self.num_workers, timeout)
 
     def describe(self) -> str:
@@ -275,15 +280,21 @@ class Collectives(Workers):
 
     def agree(
         self, kind: Kind, signature: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
-        failed: bool = False,
+        failed: bool = False, carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every worker's row for the operation ``kind`` (a [W, 7] int64 tensor on the CPU:
-        ``kind``, ``failed``, ``signature``, ``a`` to ``d``); raises when the workers are in
-        different operations."""
+        """Every worker's row for the operation ``kind`` (a [W, 7 + carry_words] int64
+        tensor on the CPU: ``kind``, ``failed``, ``signature``, ``a`` to ``d``, then the
+        ``carried`` words, zeros without them); raises when the workers are in different
+        operations. Every agreement carries the words, whatever its kind, so that workers
+        out of step still send rows of one size: a gather of rows of different sizes aborts
+        the process (gloo) instead of raising."""
         row = torch.tensor(
             [int(kind), int(failed), signature, a, b, c, d], dtype=torch.int64,
             device=self.device,
         )
+        if self.carry_words:
+            words = row.new_zeros(self.carry_words) if carried is None else carried
+            row = torch.cat([row, words.to(self.device)])
         table = self.all_gather(f"agreement on {_KIND_NAMES[kind]}", row).cpu()
         kinds = table[:, 0].tolist()
         if any(k != kind for k in kinds):

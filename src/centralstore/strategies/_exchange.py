@@ -11,14 +11,17 @@ At every sync point (the end of ``run``, ``merge_call``, ``optimizer.step()``) e
    all-gather; a second, of per-variable flags, only when some worker lacks a gradient,
    wrote a variable or folded a sparse gradient, and the workers' flags differ: the
    agreement carries a digest of each worker's, so that workers whose replicas wrote the
-   same variables, as batch norm's do every run, skip it);
+   same variables, as batch norm's do every run, skip it); the row also carries this
+   worker's values of the variables written at the last sync point that wrote any
+   (``_writes.CarriedWrites``);
 4. all-reduces (SUM) the fresh gradients in flat buckets (``_buckets.py``: reverse
    registration order, a small first bucket), with zeros where a worker has none: the
    traffic is one gradient per worker whatever its number of replicas (hierarchical
    reduction);
 5. adds the set-aside ``.grad`` back, and combines the writes by each variable's aggregation
    over the writers of every worker, as one process with all the replicas would
-   (``_aggregation.write_term``);
+   (``_writes.py``: from the values the agreement carried when they cover the writes,
+   else summed in an all-reduce);
 6. calls the post-accumulate-grad hooks of the variables whose ``.grad`` received a sum,
    on every worker the same ones: they see the sum over the workers, as one process would.
 
@@ -52,17 +55,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
 
-from .._aggregation import VariableAggregation, write_term, written_value
 from .._autograd import grad_of, no_grad, requires_grad_of, set_grads, some
 from ..variables.folding import add_in_order, run_post_accumulate_hooks
 from ._buckets import (
     FIRST_BUCKET_BYTES,
     BucketPlan,
     EarlyExchange,
+    as_bytes,
     bucket_indices,
     flat_gradient,
+    padded,
 )
-from ._cross_worker import Collectives, Kind, signature
+from ._cross_worker import AGREEMENT_FIELDS, Collectives, Kind, signature
+from ._writes import CarriedWrites, exchange_writes, local_writes, wide
 
 if TYPE_CHECKING:
     from ..variables.buckets import GradientBuckets
@@ -72,7 +77,6 @@ if TYPE_CHECKING:
 
 _ref = attrgetter("ref")
 _is_sparse = attrgetter("is_sparse")
-_private_of = attrgetter("private")
 
 NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: none, some, all
 # The early exchange, in the agreement row: this sync point ends a run whose buckets could
@@ -81,15 +85,19 @@ NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: non
 # exchange, some gradient this worker folded is sparse, and some integer variable this
 # worker's replicas wrote may sum beyond float64's exact integers (then the writes' sums
 # travel in their own dtypes, not all as float64 in one all-reduce).
-ARMED, VALID, STARTED, SPARSE, WIDE = 1, 2, 4, 8, 16
+# And this worker's row carries the values of the variables written at the last sync
+# point that wrote any (``CarriedWrites``).
+ARMED, VALID, STARTED, SPARSE, WIDE, CARRIED = 1, 2, 4, 8, 16, 32
 
 
 class Agreed(NamedTuple):
     """What a sync point settled, the same on every worker: every worker's agreement
-    ``flags``, and the trainable variables whose sums stayed ``sparse``."""
+    ``flags``, the trainable variables whose sums stayed ``sparse``, and the variables
+    some worker's replicas ``written``."""
 
     flags: Sequence[int]
     sparse: Collection[int] = ()
+    written: Sequence[int] = ()
 
 
 class _Layout:
@@ -132,25 +140,6 @@ class _Layout:
         self.tensors, self.trainable = [], []
 
 
-def _local_writes(store: VariableStore, layout: _Layout) -> dict[int, tuple[int, bool]]:
-    """Variable index -> (replicas of this worker that wrote it, whether any assigned)."""
-    writes: dict[int, tuple[int, bool]] = {}
-    index: dict[int, int] | None = None
-    for views in store.replicas:
-        if not any(map(_private_of, views.touched)):  # only a private copy can be written
-            continue
-        for view in views.touched:
-            if not view.written() or view.record.aggregation is VariableAggregation.NONE:
-                continue  # a NONE write has already raised in its replica
-            if index is None:
-                index = {r.key: i for i, r in enumerate(layout.records)}
-            i = index.get(view.record.key)
-            if i is not None:
-                count, assigned = writes.get(i, (0, False))
-                writes[i] = (count + 1, assigned or view.assigned)
-    return writes
-
-
 def _add_back(trainable: list[torch.Tensor], stash: list[Any], added: list[Any]) -> None:
     """``.grad``: the set-aside gradients plus ``added`` (this worker's fresh ones when the
     sync point is undone, the exchanged sums when it succeeds; None where there is none), in
@@ -175,6 +164,7 @@ class ProcessGroup(Collectives):
         self._layout: _Layout | None = None  # the previous sync point's, for its signature
         self._plan: BucketPlan | None = None
         self._early: EarlyExchange | None = None
+        self.carried: CarriedWrites | None = None
         self.watches_gradients = self.gradient_group is not None
 
     def begin_run(self, store: VariableStore) -> None:
@@ -230,6 +220,7 @@ class ProcessGroup(Collectives):
         try:
             agreed = sync_across(self, store, layout, early, error, kind)
             self._follow(layout, agreed, early)
+            self._carry(layout, agreed.written)
         finally:
             layout.forget_tensors()
         if store.in_run:  # a merge_call's sync point: the rest of the run may start early too
@@ -256,6 +247,21 @@ class ProcessGroup(Collectives):
             FIRST_BUCKET_BYTES, self.bucket_bytes, sparse,
         )
 
+    def _carry(self, layout: _Layout, written: Sequence[int]) -> None:
+        """After a sync point every worker passed: the variables its agreements carry from
+        now on, when it wrote some that the carried ones do not cover (decided alike on
+        every worker, so that their rows stay the same size)."""
+        carried = self.carried
+        if not written or (
+            carried is not None and carried.records == layout.records
+            and carried.indices.issuperset(written)
+        ):
+            return
+        self.carried = CarriedWrites.of(
+            layout.records, layout.tensors, written, self.num_workers
+        )
+        self.carry_words = 0 if self.carried is None else self.carried.words
+
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         store.pending.append(view)  # exchanged at the next sync point, by every worker
 
@@ -273,7 +279,7 @@ def sync_across(
     ``run`` failed; the workers still agree, then every worker discards the run and raises;
     ``kind``: the agreement's, ``Kind.STEP`` for an optimizer step's). Returns every
     worker's agreement flags, and which gradients were summed sparse."""
-    writes = {} if run_error is not None else _local_writes(store, layout)
+    writes = {} if run_error is not None else local_writes(store, layout.records)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
     stash = list(map(grad_of, trainable))
@@ -290,7 +296,15 @@ def sync_across(
     state = NONE if not have else ALL if have == len(fresh) else 1
     present = compress(fresh, map(is_not, fresh, repeat(None)))
     flags = SPARSE if have and any(map(_is_sparse, present)) else 0
-    if writes and _wide(layout, writes, before, workers.num_workers):
+    carried = workers.carried
+    payload = None
+    if carried is not None and run_error is None:
+        payload = carried.payload(layout.records, layout.tensors, workers.device)
+    if payload is not None:
+        flags |= CARRIED
+        if carried is not None and carried.indices.issuperset(writes):
+            flags |= WIDE  # carried, no bound needed; summed after all, in their own dtypes
+    if writes and not flags & WIDE and wide(layout.tensors, writes, before, workers.num_workers):
         flags |= WIDE
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     # this worker's per-variable flags, where they are not implied by ``state`` alone
@@ -306,9 +320,11 @@ def sync_across(
         table = workers.agree(
             kind, layout.signature, state, len(writes), flags,
             0 if mine is None else signature(mine) | 1,  # odd: never the 0 of no flags
-            failed=run_error is not None,
+            failed=run_error is not None, carried=payload,
         )
-        _, failures, signatures, states, counts, all_flags, digests = zip(*table.tolist())
+        _, failures, signatures, states, counts, all_flags, digests = zip(
+            *table[:, :AGREEMENT_FIELDS].tolist()
+        )
         if len(set(signatures)) > 1:
             workers.mark_broken("the workers' central variables differ")
             raise RuntimeError(
@@ -368,13 +384,27 @@ def sync_across(
         for j, total in _exchange_sparse(workers, trainable, fresh, kept).items():
             exchanged[j] = total
     _add_back(trainable, stash, exchanged)
-    if writers is not None and assigned is not None and writers.any():
-        widen = not any(f & WIDE for f in all_flags)
-        _exchange_writes(workers, layout, before, writers, assigned, widen)
+    written: list[int] = []
+    if writers is not None and assigned is not None:
+        written = writers.any(dim=0).nonzero().flatten().tolist()
+    if written and writers is not None and assigned is not None:
+        if (
+            carried is not None and all(f & CARRIED for f in all_flags)
+            and carried.indices.issuperset(written)
+        ):
+            carried.combine(
+                table[:, AGREEMENT_FIELDS:], layout.tensors, layout.records, before,
+                writers, assigned,
+            )
+        else:
+            widen = not any(f & WIDE for f in all_flags)
+            exchange_writes(
+                workers, layout.tensors, layout.records, before, writers, assigned, widen
+            )
     # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
     # for the same variables: an optimizer step in one keeps the workers' copies equal.
     run_post_accumulate_hooks(list(compress(trainable, has_grad)))
-    return Agreed(all_flags, kept or ())
+    return Agreed(all_flags, kept or (), written)
 
 
 def _kind(grad: torch.Tensor | None) -> int:
@@ -480,7 +510,7 @@ def _exchange_sparse(
         if grad is not None:
             mine_indices[:, : grad._nnz()] = grad._indices()
             mine_values[: grad._nnz()] = grad._values()
-        pieces += [_as_bytes(mine_indices), _as_bytes(mine_values)]
+        pieces += [as_bytes(mine_indices), as_bytes(mine_values)]
     every = workers.all_gather("sparse gradients", torch.cat(pieces).to(workers.device))
     sums: dict[int, torch.Tensor] = {}
     offset = 0
@@ -489,9 +519,9 @@ def _exchange_sparse(
         index_bytes = 8 * dims * longest
         value_bytes = longest * math.prod(variable.shape[dims:]) * variable.element_size()
         rows = every[:, offset : offset + index_bytes].view(torch.int64)
-        offset += _padded(index_bytes)
+        offset += padded(index_bytes)
         entries = every[:, offset : offset + value_bytes].view(variable.dtype)
-        offset += _padded(value_bytes)
+        offset += padded(value_bytes)
         rows = rows.reshape(len(counts), dims, longest)
         entries = entries.reshape(len(counts), longest, *variable.shape[dims:])
         sums[j] = torch.sparse_coo_tensor(
@@ -501,82 +531,3 @@ def _exchange_sparse(
             check_invariants=False,  # every worker's entries were a valid sparse tensor's
         )
     return sums
-
-
-def _padded(size: int) -> int:
-    """``size`` bytes rounded up to 8, so that every piece of a gathered row starts where
-    any dtype may be viewed."""
-    return size + (-size) % 8
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``tensor``'s bytes, zeros after them up to a multiple of 8."""
-    flat = tensor.reshape(-1).view(torch.uint8)
-    return torch.cat([flat, flat.new_zeros(_padded(flat.numel()) - flat.numel())])
-
-
-def _wide(
-    layout: _Layout, writes: dict[int, tuple[int, bool]], before: dict[int, torch.Tensor],
-    workers: int,
-) -> bool:
-    """Whether a write term of this worker's integer variables, summed over ``workers``
-    such, may pass 2**53, where float64 stops holding every integer. A term
-    (``write_term``) is the value, its change from ``before``, the value plus ``before``
-    times the other writers, or the value times the writers: at most (|value| + |before|)
-    times the writers."""
-    ints = [i for i in writes if _is_integer(layout.tensors[i].dtype)]
-    if not ints:
-        return False
-    values = torch.cat([layout.tensors[i].detach().reshape(-1) for i in ints]).double()
-    starts = torch.cat([before[i].reshape(-1) for i in ints]).double()
-    most = max(writes[i][0] for i in ints)
-    bound = (float(values.abs().max()) + float(starts.abs().max())) * most
-    return bound * workers >= 2.0**53
-
-
-def _is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-
-
-def _exchange_writes(
-    workers: Collectives,
-    layout: _Layout,
-    before: dict[int, torch.Tensor],
-    writers: torch.Tensor,
-    assigned: torch.Tensor,
-    widen: bool = False,
-) -> None:
-    """Combine the writes of every worker's replicas by aggregation (docs/design.md §3.6),
-    each worker one group of ``_aggregation.write_term``: its writers already combined into
-    its value, from the common value before the run; the terms are summed across workers,
-    with ``widen`` (no worker's integer terms can pass float64's exact range, ``_wide``) in
-    one float64 all-reduce, else one per dtype."""
-    rank = workers.worker_index
-    plan, terms = [], []
-    written = writers.sum(dim=0).nonzero().flatten().tolist()
-    # per written variable, every worker's writers and assignment flags, as Python lists
-    every_count = writers[:, written].t().tolist()
-    every_assigned = assigned[:, written].t().tolist()
-    for i, counts, assignments in zip(written, every_count, every_assigned, strict=True):
-        record, tensor = layout.records[i], layout.tensors[i].detach()
-        mine, start = counts[rank], before.get(i, tensor)
-        aggregation = record.aggregation
-        any_assigned = any(assignments)
-        first = next(r for r, n in enumerate(counts) if n)
-        if not mine or (aggregation is VariableAggregation.ONLY_FIRST_REPLICA and rank != first):
-            terms.append(torch.zeros_like(tensor))
-        else:
-            terms.append(write_term(
-                aggregation, start, tensor, mine, bool(assignments[rank]), any_assigned
-            ))
-        writers_everywhere = (
-            1 if aggregation is VariableAggregation.ONLY_FIRST_REPLICA else sum(counts)
-        )
-        plan.append((tensor, aggregation, writers_everywhere, any_assigned, start))
-    totals = workers.sum_across("exchange of variable writes", terms, widen)
-    values = [
-        written_value(aggregation, start, total, count, any_assigned)
-        for (_, aggregation, count, any_assigned, start), total in zip(plan, totals, strict=True)
-    ]
-    with no_grad():
-        torch._foreach_copy_([tensor for tensor, *_ in plan], values)

@@ -1,0 +1,151 @@
+"""How workers combine their replicas' writes to central variables (``strategies/_writes.py``),
+without processes: the bound that lets integer sums travel as float64, and the values every
+worker carries in its agreement row, combined alike on every worker by each variable's
+aggregation. Two workers of real processes: ``test_multi_worker.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from centralstore import VariableAggregation
+from centralstore.strategies import _writes
+from centralstore.strategies._writes import CarriedWrites, wide
+
+
+def test_integer_writes_travel_as_float64_only_while_every_sum_is_exact() -> None:
+    """The bound on a worker's integer write terms (value, change, value times writers),
+    times the workers, against 2**53: the batch count of batch norm fits; a value of 2**51
+    written by three replicas of each of two workers may not (its mean's term is 3 * 2**51
+    per worker); floats never count."""
+
+    def bound(value: torch.Tensor, start: torch.Tensor, writers: int) -> bool:
+        return wide([value], {0: (writers, False)}, {0: start}, workers=2)
+
+    assert not bound(torch.tensor(1_001), torch.tensor(1_000), 1)
+    assert not bound(torch.tensor(2.0**60), torch.tensor(0.0), 3)
+    assert not bound(torch.tensor(2**50), torch.tensor(0), 3)
+    assert bound(torch.tensor(2**51), torch.tensor(0), 3)
+    assert bound(torch.tensor(-(2**63)), torch.tensor(0), 1)  # its abs overflows in int64
+
+
+SUM, MEAN, FIRST = (
+    VariableAggregation.SUM, VariableAggregation.MEAN, VariableAggregation.ONLY_FIRST_REPLICA
+)
+# name, aggregation, start, per worker: (its replicas that wrote, whether one assigned,
+# the value its own replicas left); a worker without writers keeps the start
+CASES: list[tuple[str, VariableAggregation, torch.Tensor, list[tuple[int, bool, Any]]]] = [
+    ("running mean", MEAN, torch.tensor([1.0, 2.0, 3.0]),
+     [(1, False, [1.5, 2.5, 3.5]), (1, False, [0.5, 1.5, 2.5]), (1, False, [1.0, 1.0, 1.0])]),
+    ("batch count", MEAN, torch.tensor(7), [(1, False, 8), (1, False, 8), (1, False, 8)]),
+    ("mean, 2 + 0 + 3 writers", MEAN, torch.tensor([0.0, 0.0]),
+     [(2, False, [1.0, 4.0]), (0, False, None), (3, False, [2.0, -1.0])]),
+    ("mean over an infinite start", MEAN, torch.tensor([float("inf")]),
+     [(1, False, [2.0]), (1, False, [4.0]), (1, False, [6.0])]),
+    ("added to", SUM, torch.tensor([10.0, 20.0]),
+     [(2, False, [12.0, 21.0]), (1, False, [11.0, 20.5]), (0, False, None)]),
+    ("assigned on one worker", SUM, torch.tensor([10.0]),
+     [(2, False, [12.0]), (1, True, [5.0]), (1, False, [11.0])]),
+    ("integer added to", SUM, torch.tensor([2**60 + 1]),
+     [(1, False, [2**60 + 2]), (2, False, [2**60 + 5]), (1, False, [2**60 + 1])]),
+    ("first writer only", FIRST, torch.tensor([0.0]),
+     [(0, False, None), (2, False, [3.0]), (1, False, [9.0])]),
+    ("half precision", MEAN, torch.tensor([1.0, 2.0], dtype=torch.float16),
+     [(1, False, [2.0, 2.0]), (1, False, [4.0, 3.0]), (1, False, [0.0, 1.0])]),
+    ("carried, not written", MEAN, torch.tensor([5.0]),
+     [(0, False, None), (0, False, None), (0, False, None)]),
+]
+
+# What one process of all the replicas gives (docs/design.md §3.6), worked out by hand.
+EXPECTED = {
+    "running mean": [1.0, 5 / 3, 7 / 3],
+    "batch count": 8,
+    "mean, 2 + 0 + 3 writers": [(2 * 1.0 + 3 * 2.0) / 5, (2 * 4.0 + 3 * -1.0) / 5],
+    "mean over an infinite start": [4.0],
+    "added to": [10.0 + 2.0 + 1.0, 20.0 + 1.0 + 0.5],
+    # once one writer assigned, finals add: worker 0's two replicas (10 + 10 + their
+    # changes, 2), then 5 and 11
+    "assigned on one worker": [12.0 + 10.0 + 5.0 + 11.0],
+    "integer added to": [2**60 + 1 + 1 + 4],
+    "first writer only": [3.0],
+    "half precision": [2.0, 2.0],
+    "carried, not written": [5.0],
+}
+
+
+def _worker_tensors(worker: int) -> list[torch.Tensor]:
+    """Worker ``worker``'s variables after its local fold."""
+    tensors = []
+    for _, _, start, groups in CASES:
+        count, _, value = groups[worker]
+        tensors.append(start.clone() if not count else torch.tensor(value, dtype=start.dtype))
+    return tensors
+
+
+def test_carried_writes_combine_as_one_process_would_on_every_worker() -> None:
+    """Three workers, each with its own writers of ten variables of four dtypes and every
+    aggregation: combined from the gathered rows, every worker holds the same values, which
+    are those of one process with all the replicas (a mean weighted by writers, a sum of
+    changes, finals once one assigned, the first writer's value, exact integers beyond
+    float64's, a variable carried but not written left alone)."""
+    records: Any = [SimpleNamespace(aggregation=a) for _, a, _, _ in CASES]
+    workers = [_worker_tensors(w) for w in range(3)]
+    starts = [start for *_, start, _ in CASES]
+    carried = CarriedWrites.of(records, workers[0], range(len(CASES)), workers=3)
+    assert carried is not None
+    payloads = [carried.payload(records, tensors, torch.device("cpu")) for tensors in workers]
+    assert all(p is not None and p.shape == (carried.words,) for p in payloads)
+    rows = torch.stack(payloads)  # type: ignore[arg-type]
+    writers = torch.tensor([[groups[w][0] for *_, groups in CASES] for w in range(3)])
+    assigned = torch.tensor([[int(groups[w][1]) for *_, groups in CASES] for w in range(3)])
+    for w, tensors in enumerate(workers):
+        before = {i: starts[i].clone() for i in range(len(CASES)) if writers[w, i]}
+        carried.combine(rows, tensors, records, before, writers, assigned)
+    for (name, _, start, _), *values in zip(CASES, *workers, strict=True):
+        for value in values:
+            assert torch.equal(value, values[0]), name  # the same bits on every worker
+            assert value.dtype == start.dtype, name
+        torch.testing.assert_close(
+            values[0], torch.tensor(EXPECTED[name], dtype=start.dtype), msg=name
+        )
+
+
+def test_carried_writes_stay_home_when_the_layout_changed_or_too_large() -> None:
+    """A payload only for the layout the variables were chosen in (the same variables, of
+    the same shapes and dtypes); nothing carried past ``CARRY_BYTES`` or for a bool."""
+    records: Any = [SimpleNamespace(aggregation=MEAN) for _ in range(2)]
+    tensors = [torch.zeros(3), torch.zeros((), dtype=torch.int64)]
+    carried = CarriedWrites.of(records, tensors, [0, 1], workers=2)
+    assert carried is not None and carried.words == 2 + 1  # 12 bytes padded to 16, then 8
+    cpu = torch.device("cpu")
+    assert carried.payload(records, tensors, cpu) is not None
+    other: Any = SimpleNamespace(aggregation=SUM)
+    assert carried.payload([*records[:1], other], tensors, cpu) is None
+    assert carried.payload(records, [torch.zeros(4), tensors[1]], cpu) is None
+    assert carried.payload(records, [tensors[0].double(), tensors[1]], cpu) is None
+    large = [torch.zeros(_writes.CARRY_BYTES // 4 + 1)]
+    assert CarriedWrites.of(records[:1], large, [0], workers=2) is None
+    assert CarriedWrites.of(records[:1], [torch.zeros(16_000)], [0], workers=64) is None
+    assert CarriedWrites.of(records[:1], [torch.zeros(3, dtype=torch.bool)], [0], 2) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int32, torch.float64])
+def test_carried_values_arrive_bit_for_bit(dtype: torch.dtype) -> None:
+    """Odd sizes of every width: each group's bytes start at a multiple of 8 in the row."""
+    records: Any = [SimpleNamespace(aggregation=FIRST) for _ in range(3)]
+    tensors = [
+        torch.arange(5).to(dtype), torch.arange(3, dtype=torch.float32) / 3,
+        torch.arange(7).to(dtype) - 2,
+    ]
+    carried = CarriedWrites.of(records, tensors, [0, 1, 2], workers=1)
+    assert carried is not None
+    row = carried.payload(records, tensors, torch.device("cpu"))
+    assert row is not None
+    zero = [torch.zeros_like(t) for t in tensors]
+    writers = torch.ones(1, 3, dtype=torch.int64)
+    carried.combine(row[None], zero, records, {}, writers, torch.zeros_like(writers))
+    for got, sent in zip(zero, tensors, strict=True):
+        assert torch.equal(got, sent)
