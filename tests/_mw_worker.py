@@ -723,12 +723,18 @@ def sparse_scenario(local: int) -> dict[str, Any]:
     torch.manual_seed(1)
     with strategy.scope():
         wide = WideTable()
-    out["wide"] = []
+    out["wide"], out["wide_gathers"] = [], []
+    collectives: Any = strategy._collectives
+    gathers: list[str] = []
+    gather = collectives.all_gather
+    collectives.all_gather = lambda what, flat: gathers.append(what) or gather(what, flat)
     for dense in WIDE_RUNS:
         before = strategy.traffic["bytes"]
+        gathers.clear()
         strategy.run(lambda ids, dense=dense: wide(ids, dense).backward(), args=(mine,))
         grads = {name: p.grad.clone() for name, p in wide.named_parameters()}  # type: ignore[union-attr]
         out["wide"].append((strategy.traffic["bytes"] - before, grads))
+        out["wide_gathers"].append(list(gathers))
         wide.zero_grad()
     return out
 

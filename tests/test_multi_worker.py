@@ -203,7 +203,9 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
     used the table; a table whose gradient is dense on some worker sums densely, as sparse
     plus dense does on one device. Trained with SparseAdam beside Adam, two runs a step,
     the weights equal one device's. A wide table's runs move far less than the table
-    across workers, but for the run that reads it densely on one worker."""
+    across workers, but for the run that reads it densely on one worker. The per-variable
+    flags travel while the workers' differ or the table is new; after that, each worker's
+    number of entries comes with the agreement."""
     results = launch(tmp_path, 2, "sparse", str(tmp_path), str(local))
     torch.manual_seed(0)
     model = helper.SparseTables()
@@ -242,6 +244,10 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
             # during backward; dense on worker 1 it travels dense
             assert (sent >= table_bytes) == dense, (rank, i, sent)
         wide.zero_grad()
+    flags = "sync point's flags"
+    for result in results:  # new, dense on one worker, then known sparse
+        assert [flags in names for names in result["wide_gathers"]] == [True, True, False]
+        assert result["wide_gathers"][2].count("sparse gradients") == 1, result["wide_gathers"]
 
 
 def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) -> None:

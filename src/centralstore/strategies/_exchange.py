@@ -165,6 +165,9 @@ class ProcessGroup(Collectives):
         self._plan: BucketPlan | None = None
         self._early: EarlyExchange | None = None
         self.carried: CarriedWrites | None = None
+        # the trainable variables whose numbers of sparse entries every agreement carries:
+        # those the plan leaves out, summed sparse before
+        self.sparse_order: tuple[int, ...] = ()
         self.watches_gradients = self.gradient_group is not None
 
     def begin_run(self, store: VariableStore) -> None:
@@ -221,6 +224,8 @@ class ProcessGroup(Collectives):
             agreed = sync_across(self, store, layout, early, error, kind)
             self._follow(layout, agreed, early)
             self._carry(layout, agreed.written)
+            writes_words = 0 if self.carried is None else self.carried.words
+            self.carry_words = writes_words + len(self.sparse_order)
         finally:
             layout.forget_tensors()
         if store.in_run:  # a merge_call's sync point: the rest of the run may start early too
@@ -246,6 +251,7 @@ class ProcessGroup(Collectives):
             layout.records, layout.trainable_flags, layout.trainable,
             FIRST_BUCKET_BYTES, self.bucket_bytes, sparse,
         )
+        self.sparse_order = tuple(sorted(sparse))
 
     def _carry(self, layout: _Layout, written: Sequence[int]) -> None:
         """After a sync point every worker passed: the variables its agreements carry from
@@ -260,7 +266,6 @@ class ProcessGroup(Collectives):
         self.carried = CarriedWrites.of(
             layout.records, layout.tensors, written, self.num_workers
         )
-        self.carry_words = 0 if self.carried is None else self.carried.words
 
     def gradient_after_run(self, store: VariableStore, view: View) -> None:
         store.pending.append(view)  # exchanged at the next sync point, by every worker
@@ -306,9 +311,17 @@ def sync_across(
             flags |= WIDE  # carried, no bound needed; summed after all, in their own dtypes
     if writes and not flags & WIDE and wide(layout.tensors, writes, before, workers.num_workers):
         flags |= WIDE
+    order = workers.sparse_order
+    entries = None
+    if flags & SPARSE and order:
+        entries = torch.tensor([_entries(fresh, j) for j in order], dtype=torch.int64)
+    words = _carried_words(workers, payload, entries)
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     # this worker's per-variable flags, where they are not implied by ``state`` alone
-    mine = _flag_row(fresh, writes, len(layout.records)) if writes or state == 1 else None
+    mine = (
+        _flag_row(fresh, writes, len(layout.records))
+        if writes or state == 1 or flags & SPARSE else None
+    )
     try:
         if early is not None:
             valid = valid and fits and early.check_fold(fresh)
@@ -320,7 +333,7 @@ def sync_across(
         table = workers.agree(
             kind, layout.signature, state, len(writes), flags,
             0 if mine is None else signature(mine) | 1,  # odd: never the 0 of no flags
-            failed=run_error is not None, carried=payload,
+            failed=run_error is not None, carried=words,
         )
         _, failures, signatures, states, counts, all_flags, digests = zip(
             *table[:, :AGREEMENT_FIELDS].tolist()
@@ -363,9 +376,22 @@ def sync_across(
     if not any(counts) and all(s == ALL for s in states) and not sparse:
         has_grad, writers, assigned, kept = [True] * len(trainable), None, None, None
     else:
-        alike = mine is not None and not sparse and len(set(digests)) == 1
+        # every worker's flags are the same, and so are the gradients they fold sparse,
+        # whose numbers of entries the agreement carried (when it carries them all)
+        alike = mine is not None and len(set(digests)) == 1 and (
+            not sparse or all(
+                j in order for j, g in enumerate(fresh) if g is not None and g.is_sparse
+            )
+        )
+        every_entries = None
+        if alike and sparse:  # the last words of the rows
+            carried_entries = table[:, table.shape[1] - len(order) :].int()
+            every_entries = torch.zeros(workers.num_workers, len(fresh), dtype=torch.int32)
+            for k, j in enumerate(order):
+                if j < len(fresh):
+                    every_entries[:, j] = carried_entries[:, k]
         has_grad, writers, assigned, kept = _flags(
-            workers, layout, fresh, writes, sparse, mine if alike else None
+            workers, layout, fresh, writes, sparse, mine if alike else None, every_entries
         )
     dense = has_grad if kept is None else [h and j not in kept for j, h in enumerate(has_grad)]
     if early is not None and started and all(f & VALID for f in all_flags):
@@ -425,9 +451,30 @@ def _flag_row(fresh: list[Any], writes: dict[int, tuple[int, bool]], n: int) -> 
     return row
 
 
+def _entries(fresh: Sequence[Any], j: int) -> int:
+    """How many entries the sparse gradient ``fresh[j]`` holds (0: none, or dense)."""
+    grad = fresh[j] if j < len(fresh) else None
+    return grad._nnz() if grad is not None and grad.is_sparse else 0
+
+
+def _carried_words(
+    workers: ProcessGroup, payload: torch.Tensor | None, entries: torch.Tensor | None
+) -> torch.Tensor | None:
+    """What this worker's agreement row carries after its fields: the carried writes'
+    values, then the numbers of entries of the sparse gradients (``sparse_order``), each
+    part zeros when this worker has none to send; None when it sends neither."""
+    if payload is None and entries is None:
+        return None
+    writes_words = 0 if workers.carried is None else workers.carried.words
+    return torch.cat([
+        torch.zeros(writes_words, dtype=torch.int64) if payload is None else payload.cpu(),
+        torch.zeros(len(workers.sparse_order), dtype=torch.int64) if entries is None else entries,
+    ])
+
+
 def _flags(
     workers: Collectives, layout: _Layout, fresh: list[Any], writes: dict[int, tuple[int, bool]],
-    sparse: bool = False, alike: list[int] | None = None,
+    sparse: bool = False, alike: list[int] | None = None, entries: torch.Tensor | None = None,
 ) -> tuple[list[bool], torch.Tensor, torch.Tensor, dict[int, tuple[int, list[int]]] | None]:
     """Every worker's per-variable flags: which trainable variables got a gradient, and how
     many replicas wrote each variable (and whether any assigned). With ``sparse`` (some
@@ -436,10 +483,13 @@ def _flags(
     whose gradient is sparse, of the same sparse dimensions, on every worker that has one.
     (A gradient dense on some worker makes the sum dense, as a dense gradient added to a
     sparse one does.) ``alike``: this worker's flags (``_flag_row``), when the agreement
-    showed every worker's to be the same: then nothing travels."""
+    showed every worker's to be the same: then nothing travels; with ``sparse``, every
+    worker's numbers of entries came with the agreement (``entries``: [workers, trainable])."""
     n, m = len(layout.records), len(fresh)
     if alike is not None:
         table = torch.tensor(alike, dtype=torch.int32).expand(workers.num_workers, -1)
+        if entries is not None:
+            table = torch.cat([table, entries], dim=1)
     else:
         row = _flag_row(fresh, writes, n)
         if sparse:
