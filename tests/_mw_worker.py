@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -202,8 +202,19 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
     ragged = strategy.experimental_distribute_values_from_function(
         lambda c: torch.arange(float(c.replica_id_in_sync_group + 1))
     )
+    large = strategy.experimental_distribute_values_from_function(  # past the agreement's slot
+        lambda c: torch.full((40,), float(c.replica_id_in_sync_group + 1))
+    )
     if len(strategy.extended.worker_devices) == 1:
         full, ragged = full.values[0], ragged.values[0]  # as run returns them with R_local = 1
+    made: dict[str, int] = {}  # the collectives each reduce made (none in one process)
+
+    def counted(key: str, call: Callable[[], Any]) -> Any:
+        before = getattr(strategy, "traffic", {"collectives": 0})["collectives"]
+        value = call()
+        made[key] = getattr(strategy, "traffic", {"collectives": 0})["collectives"] - before
+        return value
+
     seen: list[Any] = []
 
     def dataset_fn(input_context: cs.InputContext) -> cs.Dataset:
@@ -234,6 +245,16 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
             f"{op}/{axis}": strategy.reduce(op, full if axis is None else ragged, axis=axis)
             for op in ("SUM", "MEAN") for axis in (None, 0)
         },
+        "reduce_large": {
+            op: counted(f"large {op}", lambda op=op: strategy.reduce(op, large, axis=None))
+            for op in ("SUM", "MEAN")
+        },
+        "reduce_scalar": {
+            op: counted(f"scalar {op}", lambda op=op: strategy.reduce(op, strategy.run(
+                lambda: torch.tensor(float(ctx().replica_id_in_sync_group + 1))
+            ), axis=None)) for op in ("SUM", "MEAN")
+        },
+        "reduce_collectives": made,
         "gather": strategy.gather(ragged, axis=0),
         "all_reduce": [
             local(strategy.run(lambda op=op: ctx().all_reduce(

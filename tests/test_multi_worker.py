@@ -114,18 +114,18 @@ def check_training(results: list[dict[str, Any]], replicas: int) -> None:
 
 
 def check_traffic(results: list[dict[str, Any]]) -> None:
-    """Hierarchical reduction: one training ``run`` sends one agreement row and one gradient
-    per worker (here in 3 buckets, each closed once it holds 64 bytes), whatever the number
-    of local replicas; the buckets leave during the last local replica's backward, not at
-    the sync point. The first batch-norm run adds one sum of the writes (the statistics'
-    float32 and the batch count's int64 together, as float64), the next ones none: the
-    written values travel in the agreement row. None adds per-variable flags: every
-    worker's are the same, which the agreement shows. An integer beyond float64's exact
-    range keeps its dtype, in a sum of its own, and its exact value, then travels in the
-    agreement and keeps it too."""
+    """Hierarchical reduction: one training ``run`` sends one agreement row (7 fields and
+    the 8 words of the slot a small reduce fills) and one gradient per worker (here in 3
+    buckets, each closed once it holds 64 bytes), whatever the number of local replicas;
+    the buckets leave during the last local replica's backward, not at the sync point. The
+    first batch-norm run adds one sum of the writes (the statistics' float32 and the batch
+    count's int64 together, as float64), the next ones none: the written values travel in
+    the agreement row. None adds per-variable flags: every worker's are the same, which the
+    agreement shows. An integer beyond float64's exact range keeps its dtype, in a sum of
+    its own, and its exact value, then travels in the agreement and keeps it too."""
     parameters = sum(p.numel() for p in helper.mlp().parameters())
     for result in results:
-        assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 7 * 8 + 4 * parameters}
+        assert result["step_traffic"] == {"collectives": 1 + 3, "bytes": 15 * 8 + 4 * parameters}
         buckets = result["bn_buckets"]
         assert result["bn_collectives"] == [1 + buckets + 1, 1 + buckets, 1 + buckets], result
         buckets = result["big_buckets"]
@@ -161,6 +161,14 @@ def check_api(results: list[dict[str, Any]], workers: int, local: int) -> None:
         assert got["num_replicas"] == replicas
         for key, value in expected["reduce"].items():
             torch.testing.assert_close(got["reduce"][key], value, msg=key)
+        for key in ("reduce_large", "reduce_scalar"):
+            for op, value in expected[key].items():
+                torch.testing.assert_close(got[key][op], value, msg=f"{key} {op}")
+        # a scalar's sum (and MEAN's count) travels in the agreement row's slot; 40 floats
+        # in an all-reduce (MEAN's counts, int64, in a second one)
+        assert got["reduce_collectives"] == {
+            "large SUM": 2, "large MEAN": 3, "scalar SUM": 1 + 1, "scalar MEAN": 1 + 1
+        }, got["reduce_collectives"]
         torch.testing.assert_close(got["gather"], expected["gather"])
         for op_got, op_expected in zip(got["all_reduce"], expected["all_reduce"], strict=True):
             assert [float(t) for t in op_got] == [float(t) for t in op_expected[mine]]

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .._aggregation import sum_in_order
 from .._autograd import no_grad
 from .._reduce import (
     Axis,
@@ -40,13 +41,17 @@ from .._reduce import (
     reduce_components,
 )
 from .._workers import Workers
-from ._buckets import pack, unflatten
+from ._flat import as_bytes, is_real, pack, padded, unflatten
 
 if TYPE_CHECKING:
     from ..variables.records import Central
     from ..variables.store import VariableStore
 
-AGREEMENT_FIELDS = 7  # kind, failed, signature, a to d: then the carried words (``agree``)
+# An agreement row (``agree``): its fields (kind, failed, signature, a to d), a slot in
+# which a small reduce's sums travel (``reduce``), then the carried words (``carry_words``).
+AGREEMENT_FIELDS = 7
+SMALL_WORDS = 8
+CARRIED_AT = AGREEMENT_FIELDS + SMALL_WORDS
 _TEXT_BYTES = 2048  # how much of an error message travels to the other workers
 
 
@@ -280,21 +285,26 @@ class Collectives(Workers):
 
     def agree(
         self, kind: Kind, signature: int = 0, a: int = 0, b: int = 0, c: int = 0, d: int = 0,
-        failed: bool = False, carried: torch.Tensor | None = None,
+        failed: bool = False, small: torch.Tensor | None = None,
+        carried: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Every worker's row for the operation ``kind`` (a [W, 7 + carry_words] int64
-        tensor on the CPU: ``kind``, ``failed``, ``signature``, ``a`` to ``d``, then the
-        ``carried`` words, zeros without them); raises when the workers are in different
-        operations. Every agreement carries the words, whatever its kind, so that workers
-        out of step still send rows of one size: a gather of rows of different sizes aborts
-        the process (gloo) instead of raising."""
+        """Every worker's row for the operation ``kind`` (a [W, CARRIED_AT + carry_words]
+        int64 tensor on the CPU: ``kind``, ``failed``, ``signature``, ``a`` to ``d``, the
+        ``small`` slot's ``SMALL_WORDS``, then the ``carried`` words; zeros for those not
+        given); raises when the workers are in different operations. Every agreement has
+        the slot and the carried words, whatever its kind, so that workers out of step still
+        send rows of one size: a gather of rows of different sizes aborts the process
+        (gloo) instead of raising."""
         row = torch.tensor(
-            [int(kind), int(failed), signature, a, b, c, d], dtype=torch.int64,
-            device=self.device,
+            [int(kind), int(failed), signature, a, b, c, d, *[0] * SMALL_WORDS],
+            dtype=torch.int64,
         )
+        if small is not None:
+            row[AGREEMENT_FIELDS:CARRIED_AT] = small
         if self.carry_words:
-            words = row.new_zeros(self.carry_words) if carried is None else carried
-            row = torch.cat([row, words.to(self.device)])
+            words = row.new_zeros(self.carry_words) if carried is None else carried.cpu()
+            row = torch.cat([row, words])
+        row = row.to(self.device)
         table = self.all_gather(f"agreement on {_KIND_NAMES[kind]}", row).cpu()
         kinds = table[:, 0].tolist()
         if any(k != kind for k in kinds):
@@ -370,11 +380,17 @@ class Collectives(Workers):
             self.raise_failures(self.agree(Kind.REDUCE, failed=True), "reduce", error)
             raise  # unreachable: raise_failures raised the local error
         layout = [(tuple(s.shape), str(s.dtype)) for s in sums]
-        table = self.agree(Kind.REDUCE, signature((op, axis, layout)), len(parts))
+        extra = [torch.tensor(counts, device=device)] if op is ReduceOp.MEAN else []
+        small = _small_words([*sums, *extra])
+        table = self.agree(
+            Kind.REDUCE, signature((op, axis, layout)), len(parts), small=small
+        )
         self.raise_failures(table, "reduce", None)
         self.check_signatures(table, f"reduce({op.name}, axis={axis})", repr(layout))
-        extra = [torch.tensor(counts, device=device)] if op is ReduceOp.MEAN else []
-        summed = self.sum_across(f"reduce({op.name})", [*sums, *extra])
+        if small is not None:  # the same layout everywhere: every worker's fit the slot
+            summed = _small_sums(table[:, AGREEMENT_FIELDS:CARRIED_AT], [*sums, *extra])
+        else:
+            summed = self.sum_across(f"reduce({op.name})", [*sums, *extra])
         totals = summed[: len(sums)]
         results = [
             _Through.apply(s, t) if s.requires_grad else t  # type: ignore[no-untyped-call]
@@ -469,3 +485,31 @@ class Collectives(Workers):
                 if self.worker_index != 0:
                     for t, piece in zip(group, torch.split(flat, [t.numel() for t in group])):
                         t.copy_(piece.view(t.shape))
+
+
+def _small_words(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``tensors`` (real numbers) as the ``SMALL_WORDS`` int64 words of an agreement's slot,
+    each one's bytes padded to 8; None when they do not fit (then they are summed in an
+    all-reduce). A training step's reduced loss takes one word, two with MEAN's count."""
+    if not all(is_real(t.dtype) for t in tensors) or sum(
+        padded(t.numel() * t.element_size()) for t in tensors
+    ) > 8 * SMALL_WORDS:
+        return None
+    data = torch.cat([
+        *(as_bytes(t.detach().reshape(-1).cpu()) for t in tensors),
+        torch.zeros(8 * SMALL_WORDS, dtype=torch.uint8),
+    ])
+    return data[: 8 * SMALL_WORDS].view(torch.int64)
+
+
+def _small_sums(rows: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The sums over the workers of the tensors ``like`` from every worker's slot
+    (``rows``, [W, SMALL_WORDS]), added in worker order: the same values on every worker."""
+    raw = rows.contiguous().view(torch.uint8)
+    sums, offset = [], 0
+    for tensor in like:
+        size = tensor.numel() * tensor.element_size()
+        every = raw[:, offset : offset + size].view(tensor.dtype)
+        offset += padded(size)
+        sums.append(sum_in_order(list(every)).reshape(tensor.shape).to(tensor.device))
+    return sums

@@ -61,12 +61,11 @@ from ._buckets import (
     FIRST_BUCKET_BYTES,
     BucketPlan,
     EarlyExchange,
-    as_bytes,
     bucket_indices,
     flat_gradient,
-    padded,
 )
-from ._cross_worker import AGREEMENT_FIELDS, Collectives, Kind, signature
+from ._cross_worker import AGREEMENT_FIELDS, CARRIED_AT, Collectives, Kind, signature
+from ._flat import as_bytes, padded
 from ._writes import CarriedWrites, exchange_writes, local_writes, wide
 
 if TYPE_CHECKING:
@@ -419,7 +418,7 @@ def sync_across(
             and carried.indices.issuperset(written)
         ):
             carried.combine(
-                table[:, AGREEMENT_FIELDS:], layout.tensors, layout.records, before,
+                table[:, CARRIED_AT:], layout.tensors, layout.records, before,
                 writers, assigned,
             )
         else:

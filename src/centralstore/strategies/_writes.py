@@ -28,7 +28,7 @@ import torch
 
 from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
 from .._autograd import no_grad
-from ._buckets import as_bytes, pack, padded, unflatten
+from ._flat import as_bytes, is_integer, is_real, pack, padded, unflatten
 
 if TYPE_CHECKING:
     from ..variables.records import Central
@@ -61,10 +61,6 @@ def local_writes(store: VariableStore, records: Sequence[Central]) -> dict[int, 
                 count, assigned = writes.get(i, (0, False))
                 writes[i] = (count + 1, assigned or view.assigned)
     return writes
-
-
-def is_integer(dtype: torch.dtype) -> bool:
-    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def wide(
@@ -147,10 +143,6 @@ def exchange_writes(
         torch._foreach_copy_([tensor for tensor, *_ in plan], values)
 
 
-def _carried_dtype(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or is_integer(dtype)
-
-
 class CarriedWrites:
     """Variables whose values every worker carries in each agreement row, after its fields:
     those written at the last sync point that wrote any (``indices`` into the layout of
@@ -190,7 +182,7 @@ class CarriedWrites:
     ) -> CarriedWrites | None:
         """The variables ``written`` to carry from now on, or None when they are too many
         bytes to carry (``CARRY_BYTES``) or of a dtype that is neither real nor integer."""
-        if not all(_carried_dtype(tensors[i].dtype) for i in written):
+        if not all(is_real(tensors[i].dtype) for i in written):
             return None
         carried = cls(records, tensors, written)
         if not carried.words or carried.words * 8 > min(CARRY_BYTES, CARRY_TOTAL_BYTES // workers):
