@@ -96,7 +96,7 @@ def test_carried_writes_combine_as_one_process_would_on_every_worker() -> None:
     starts = [start for *_, start, _ in CASES]
     carried = CarriedWrites.of(records, workers[0], range(len(CASES)), workers=3)
     assert carried is not None
-    payloads = [carried.payload(records, tensors, torch.device("cpu")) for tensors in workers]
+    payloads = [carried.payload(records, tensors) for tensors in workers]
     assert all(p is not None and p.shape == (carried.words,) for p in payloads)
     rows = torch.stack(payloads)  # type: ignore[arg-type]
     writers = torch.tensor([[groups[w][0] for *_, groups in CASES] for w in range(3)])
@@ -120,12 +120,11 @@ def test_carried_writes_stay_home_when_the_layout_changed_or_too_large() -> None
     tensors = [torch.zeros(3), torch.zeros((), dtype=torch.int64)]
     carried = CarriedWrites.of(records, tensors, [0, 1], workers=2)
     assert carried is not None and carried.words == 2 + 1  # 12 bytes padded to 16, then 8
-    cpu = torch.device("cpu")
-    assert carried.payload(records, tensors, cpu) is not None
+    assert carried.payload(records, tensors) is not None
     other: Any = SimpleNamespace(aggregation=SUM)
-    assert carried.payload([*records[:1], other], tensors, cpu) is None
-    assert carried.payload(records, [torch.zeros(4), tensors[1]], cpu) is None
-    assert carried.payload(records, [tensors[0].double(), tensors[1]], cpu) is None
+    assert carried.payload([*records[:1], other], tensors) is None
+    assert carried.payload(records, [torch.zeros(4), tensors[1]]) is None
+    assert carried.payload(records, [tensors[0].double(), tensors[1]]) is None
     large = [torch.zeros(_writes.CARRY_BYTES // 4 + 1)]
     assert CarriedWrites.of(records[:1], large, [0], workers=2) is None
     assert CarriedWrites.of(records[:1], [torch.zeros(16_000)], [0], workers=64) is None
@@ -142,7 +141,7 @@ def test_carried_values_arrive_bit_for_bit(dtype: torch.dtype) -> None:
     ]
     carried = CarriedWrites.of(records, tensors, [0, 1, 2], workers=1)
     assert carried is not None
-    row = carried.payload(records, tensors, torch.device("cpu"))
+    row = carried.payload(records, tensors)
     assert row is not None
     zero = [torch.zeros_like(t) for t in tensors]
     writers = torch.ones(1, 3, dtype=torch.int64)

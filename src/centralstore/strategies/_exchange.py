@@ -303,7 +303,7 @@ def sync_across(
     carried = workers.carried
     payload = None
     if carried is not None and run_error is None:
-        payload = carried.payload(layout.records, layout.tensors, workers.device)
+        payload = carried.payload(layout.records, layout.tensors)
     if payload is not None:
         flags |= CARRIED
         if carried is not None and carried.indices.issuperset(writes):
@@ -466,7 +466,7 @@ def _carried_words(
         return None
     writes_words = 0 if workers.carried is None else workers.carried.words
     return torch.cat([
-        torch.zeros(writes_words, dtype=torch.int64) if payload is None else payload.cpu(),
+        torch.zeros(writes_words, dtype=torch.int64) if payload is None else payload,
         torch.zeros(len(workers.sparse_order), dtype=torch.int64) if entries is None else entries,
     ])
 

@@ -190,21 +190,20 @@ class CarriedWrites:
         return carried
 
     def payload(
-        self, records: list[Central], tensors: Sequence[torch.Tensor], device: torch.device
+        self, records: list[Central], tensors: Sequence[torch.Tensor]
     ) -> torch.Tensor | None:
-        """This worker's values of the carried variables as ``words`` int64 words on
-        ``device``, or None when the layout is no longer the one they were chosen in (then
-        the agreement carries zeros and the writes are summed)."""
-        if records != self.records:
-            return None
-        if any(
+        """This worker's values of the carried variables as ``words`` int64 words on the CPU
+        (where the agreement row is put together), or None when the layout is no longer the
+        one they were chosen in (then the agreement carries zeros and the writes are
+        summed)."""
+        if records != self.records or any(
             tensors[i].dtype != dtype or tensors[i].shape != shape or tensors[i].device != device
             for i, dtype, shape, device in self._layout
         ):
             return None
         with no_grad():
             pieces = [
-                as_bytes(pack([tensors[i] for i in chosen]).to(device))
+                as_bytes(pack([tensors[i] for i in chosen]).cpu())
                 for _, _, chosen, _, _ in self._groups
             ]
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(torch.int64)
