@@ -207,7 +207,7 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
     )
     if len(strategy.extended.worker_devices) == 1:
         full, ragged = full.values[0], ragged.values[0]  # as run returns them with R_local = 1
-    made: dict[str, int] = {}  # the collectives each reduce made (none in one process)
+    made: dict[str, int] = {}  # the collectives each call made (none in one process)
 
     def counted(key: str, call: Callable[[], Any]) -> Any:
         before = getattr(strategy, "traffic", {"collectives": 0})["collectives"]
@@ -254,8 +254,8 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
                 lambda: torch.tensor(float(ctx().replica_id_in_sync_group + 1))
             ), axis=None)) for op in ("SUM", "MEAN")
         },
-        "reduce_collectives": made,
-        "gather": strategy.gather(ragged, axis=0),
+        "collectives": made,
+        "gather": counted("gather", lambda: strategy.gather(ragged, axis=0)),
         "all_reduce": [
             local(strategy.run(lambda op=op: ctx().all_reduce(
                 op, float(ctx().replica_id_in_sync_group + 1)

@@ -165,10 +165,12 @@ def check_api(results: list[dict[str, Any]], workers: int, local: int) -> None:
             for op, value in expected[key].items():
                 torch.testing.assert_close(got[key][op], value, msg=f"{key} {op}")
         # a scalar's sum (and MEAN's count) travels in the agreement row's slot; 40 floats
-        # in an all-reduce (MEAN's counts, int64, in a second one)
-        assert got["reduce_collectives"] == {
-            "large SUM": 2, "large MEAN": 3, "scalar SUM": 1 + 1, "scalar MEAN": 1 + 1
-        }, got["reduce_collectives"]
+        # in an all-reduce (MEAN's counts, int64, in a second one); a gather's sizes in the
+        # slot, its values in an all-gather
+        assert got["collectives"] == {
+            "gather": 2, "large SUM": 2, "large MEAN": 3, "scalar SUM": 1 + 1,
+            "scalar MEAN": 1 + 1,
+        }, got["collectives"]
         torch.testing.assert_close(got["gather"], expected["gather"])
         for op_got, op_expected in zip(got["all_reduce"], expected["all_reduce"], strict=True):
             assert [float(t) for t in op_got] == [float(t) for t in op_expected[mine]]

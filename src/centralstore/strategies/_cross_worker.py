@@ -416,12 +416,20 @@ class Collectives(Workers):
             for t, d in zip(locals_, dims, strict=True)
         ]
         local_replicas = len(parts[0]) if parts else 0
-        table = self.agree(Kind.GATHER, signature(layout), len(parts), local_replicas)
+        flat_sizes = torch.tensor([s for row in sizes for s in row], dtype=torch.int64)
+        small = None  # the sizes travel in the agreement's slot when they fit
+        if flat_sizes.numel() <= SMALL_WORDS:
+            small = torch.cat([flat_sizes, flat_sizes.new_zeros(SMALL_WORDS - flat_sizes.numel())])
+        table = self.agree(
+            Kind.GATHER, signature(layout), len(parts), local_replicas, small=small
+        )
         self.raise_failures(table, "gather", None)
         self.check_signatures(table, f"gather(axis={axis})", repr(layout))
-        flat_sizes = torch.tensor([s for row in sizes for s in row], dtype=torch.int64)
-        size_table = self.all_gather("gather's sizes", flat_sizes.to(self.device)).cpu()
-        size_table = size_table.view(self.num_workers, len(parts), local_replicas)
+        if small is not None:  # every worker's: the same number of parts and replicas
+            size_table = table[:, AGREEMENT_FIELDS : AGREEMENT_FIELDS + flat_sizes.numel()]
+        else:
+            size_table = self.all_gather("gather's sizes", flat_sizes.to(self.device)).cpu()
+        size_table = size_table.reshape(self.num_workers, len(parts), local_replicas)
         gathered, global_sizes = [], []
         for k, (mine, dim) in enumerate(zip(locals_, dims, strict=True)):
             per_worker = size_table[:, k, :].sum(dim=1).tolist()
