@@ -146,9 +146,10 @@ class Collectives(Workers):
         self.broken: str | None = None
         self._shared: list[Central] = []  # the central variables already broadcast
         self._ran = False
-        # int64 words every agreement row carries after its fields: the values of the
-        # variables written at the last sync point (``_writes.CarriedWrites``); it changes
-        # only after a sync point every worker passed, so every worker's rows stay one size
+        # int64 words every agreement row carries after its slot (``ProcessGroup``: the
+        # values of the variables written at the last sync point that wrote any, and the
+        # numbers of entries of the sparse gradients); it changes only after a sync point
+        # every worker passed, so every worker's rows stay one size
         self.carry_words = 0
         self.gradient_group = _gradient_group(group, self.num_workers, timeout)
 

@@ -282,7 +282,8 @@ def sync_across(
     (``early``: the run's buckets that may have left already; ``run_error``: this worker's
     ``run`` failed; the workers still agree, then every worker discards the run and raises;
     ``kind``: the agreement's, ``Kind.STEP`` for an optimizer step's). Returns every
-    worker's agreement flags, and which gradients were summed sparse."""
+    worker's agreement flags, which gradients were summed sparse, and which variables some
+    worker's replicas wrote."""
     writes = {} if run_error is not None else local_writes(store, layout.records)
     before = {i: layout.tensors[i].detach().clone() for i in writes}
     trainable = layout.trainable
