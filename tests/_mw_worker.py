@@ -498,9 +498,15 @@ def failure_mid_backward(rank: int) -> dict[str, Any]:
     }
 
 
+AGAIN_PASSES = (2, 2, 3, 4, 4)  # the backward passes of again_scenario's runs
+
+
 def again_scenario() -> dict[str, Any]:
-    """Each run backs twice, so the buckets that left during the first backward are not what
-    the fold produces: every worker exchanges again from the fold; after two such runs the
+    """Runs that back several times (``AGAIN_PASSES``). In the first, the buckets that left
+    during the first backward are not what the fold produces: every worker exchanges again
+    from the fold, and the workers learn that a run makes two backward passes; in the next
+    run the buckets leave during the second. A run of three passes learns three the same
+    way; the next, of four, finds its buckets stale too: after two stale runs in a row the
     layout's buckets no longer leave early."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
@@ -511,15 +517,20 @@ def again_scenario() -> dict[str, Any]:
     strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
     out: dict[str, Any] = {"initial": net.state_dict(), "collectives": [], "grads": []}
 
-    def twice() -> None:
-        net(x[:4]).sum().backward()
-        net(x[4:]).sum().backward()
+    out["after_each_backward"] = []
 
-    for _ in range(3):
+    def passes(n: int) -> None:
+        sent = out["after_each_backward"][-1]
+        for part in x.tensor_split(n):
+            net(part).sum().backward()
+            sent.append(strategy.traffic["collectives"] - before)
+
+    for n in AGAIN_PASSES:
         for p in net.parameters():
             p.grad = None
         before = strategy.traffic["collectives"]
-        strategy.run(twice)
+        out["after_each_backward"].append([])
+        strategy.run(passes, args=(n,))
         out["collectives"].append(strategy.traffic["collectives"] - before)
         out["grads"].append([p.grad.clone() for p in net.parameters() if p.grad is not None])
     return out

@@ -327,22 +327,33 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
 
 
 def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Path) -> None:
+    """A run that accumulates several backward passes: its buckets leave during the last
+    pass once the workers learnt how many a run makes, and the sums are those of one
+    device over the same passes, the same bits on every worker."""
     results = launch(tmp_path, 2, "again", str(tmp_path))
-    oracle = helper.mlp()
-    oracle.load_state_dict(results[0]["initial"])
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
-    oracle(x[:4]).sum().backward()
-    oracle(x[4:]).sum().backward()
-    expected = [2 * p.grad for p in oracle.parameters() if p.grad is not None]  # 2 workers
-    for result in results:
-        # 3 buckets during the first backward, the agreement, 3 buckets again from the fold;
-        # twice, and then the buckets wait for the sync point: the agreement and 3 buckets
-        assert result["collectives"] == [7, 7, 4]
-        for grads in result["grads"]:
+    for run, passes in enumerate(helper.AGAIN_PASSES):
+        oracle = helper.mlp()
+        oracle.load_state_dict(results[0]["initial"])
+        for part in x.tensor_split(passes):
+            oracle(part).sum().backward()
+        expected = [2 * p.grad for p in oracle.parameters() if p.grad is not None]  # 2 workers
+        for result in results:
+            grads = result["grads"][run]
             assert len(grads) == len(expected) == 4
-            for got, want, first in zip(grads, expected, results[0]["grads"][0], strict=True):
+            for got, want, first in zip(grads, expected, results[0]["grads"][run], strict=True):
                 torch.testing.assert_close(got, want)
-                assert torch.equal(got, first)  # every run and worker alike, bit for bit
+                assert torch.equal(got, first)  # every worker alike, bit for bit
+    for result in results:
+        # The 3 buckets leave after the first backward; stale at the sync point, they go
+        # again after the agreement, and the next run of 2 sends them during its second
+        # backward. A run of 3 finds them stale again (they left during its second) and
+        # teaches 3; the run of 4 finds them stale too: twice in a row, so the last run's
+        # buckets wait for its sync point: the agreement and 3 buckets.
+        assert result["after_each_backward"] == [
+            [3, 3], [0, 3], [0, 3, 3], [0, 0, 3, 3], [0, 0, 0, 0]
+        ], result["after_each_backward"]
+        assert result["collectives"] == [7, 4, 7, 7, 4], result["collectives"]
 
 
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:

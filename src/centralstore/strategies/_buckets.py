@@ -82,12 +82,14 @@ class BucketPlan:
     ``trainable_flags``: which of them required grad), indices into its trainable ones.
     ``sparse``: the trainable variables left out, whose gradients the workers summed sparse
     at some sync point (they travel as indices and values at the sync point, never
-    densified into a bucket). ``usable`` turns False when early exchanges keep failing
-    their check (``strike``)."""
+    densified into a bucket). ``passes``: the backward passes a run makes before its
+    buckets leave (more than one where runs accumulate micro-batches, learnt from a run
+    whose buckets left too early: ``strike``); ``usable`` turns False when early exchanges
+    keep failing their check."""
 
     __slots__ = (
         "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records", "bucket_shapes", "buckets",
-        "devices", "dtypes", "numels", "records", "shapes", "sparse", "strikes",
+        "devices", "dtypes", "numels", "passes", "records", "shapes", "sparse", "strikes",
         "trainable_flags", "trainable_records", "usable",
     )
 
@@ -130,14 +132,21 @@ class BucketPlan:
         ]
         self.usable = True
         self.strikes = 0
+        self.passes = 1
 
     def fits(self, records: list[Central], trainable_flags: list[bool]) -> bool:
         """Whether the plan is that of this layout (identity comparison, at C speed)."""
         return records == self.records and trainable_flags == self.trainable_flags
 
-    def strike(self, failed: bool) -> None:
-        """An early exchange passed (``failed`` False) or failed its check on some worker."""
+    def strike(self, failed: bool, passes: int = 0) -> None:
+        """An early exchange passed (``failed`` False) or failed its check on some worker.
+        ``passes``: the whole backward passes every worker's run made, when they made the
+        same number (else 0): after a failure, more than the plan waited for, the next runs'
+        buckets wait for that many. (A run that loops over micro-batches sends its buckets
+        during its last backward, as DDP does under ``no_sync``.)"""
         self.strikes = self.strikes + 1 if failed else 0
+        if failed and passes > self.passes:
+            self.passes = passes
         if self.strikes >= self.STRIKES:
             self.usable = False
 
@@ -178,16 +187,18 @@ class EarlyExchange:
 
     A gradient's arrival only counts (it comes from a hook, inside backward, once per
     variable and replica): a bucket is ready once every local replica's gradient of each of
-    its variables came. Its gradients are checked when it is packed, all at once: each
-    replica's view of each variable shares the variable's storage (a private copy, on
-    another device or written, waits for the fold) and holds a dense gradient of its dtype
-    and shape. A bucket that fails the check, or that counted more arrivals than it has
-    gradients (a second backward), waits for the sync point, and every later one too.
+    its variables came, as many times as the plan's ``passes``. Its gradients are checked
+    when it is packed, all at once: each replica's view of each variable shares the
+    variable's storage (a private copy, on another device or written, waits for the fold)
+    and holds a dense gradient of its dtype and shape. A bucket that fails the check, or
+    that counted more arrivals than it waited for (one more backward), waits for the sync
+    point, and every later one too. ``arrivals`` counts them all, so that the sync point
+    can tell how many whole backward passes the run made (``passes``).
     """
 
     __slots__ = (
-        "_bucket_of", "_device", "_missing", "_plan", "_replicas", "_sources", "_start", "early",
-        "error", "started",
+        "_bucket_of", "_device", "_missing", "_plan", "_replicas", "_sources", "_start",
+        "arrivals", "early", "error", "started",
     )
 
     def __init__(
@@ -199,8 +210,10 @@ class EarlyExchange:
         self._replicas = replicas
         self._start = start
         self._device = device
-        # per bucket, the gradients still to come: its variables', on every local replica
-        self._missing = [len(bucket) * len(replicas) for bucket in plan.buckets]
+        # per bucket, the gradients still to come: its variables', on every local replica,
+        # in each of the plan's backward passes
+        self._missing = [len(bucket) * len(replicas) * plan.passes for bucket in plan.buckets]
+        self.arrivals = 0
         self._sources: list[_Sources] = []  # of the buckets that left early, in plan order
         self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
         self.early = 0
@@ -218,6 +231,7 @@ class EarlyExchange:
         b = self._bucket_of.get(view.record.key)
         if b is None:
             return
+        self.arrivals += 1
         missing = self._missing[b] - 1
         self._missing[b] = missing
         if missing or b != self.early or self.error is not None:
@@ -303,6 +317,14 @@ class EarlyExchange:
             if not all(map(is_, map(fresh.__getitem__, bucket), sources.grads[0])):
                 return False
         return True
+
+    @property
+    def passes(self) -> int:
+        """How many backward passes the run made, each of which brought a gradient of every
+        variable in the buckets on every local replica; 0 when the arrivals are no whole
+        number of such passes."""
+        per_pass = len(self._bucket_of) * len(self._replicas)
+        return self.arrivals // per_pass if per_pass and self.arrivals % per_pass == 0 else 0
 
     @property
     def all_started(self) -> bool:

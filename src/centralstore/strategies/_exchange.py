@@ -87,6 +87,7 @@ NONE, ALL = 0, 2  # how many trainable variables got a gradient on a worker: non
 # And this worker's row carries the values of the variables written at the last sync
 # point that wrote any (``CarriedWrites``).
 ARMED, VALID, STARTED, SPARSE, WIDE, CARRIED = 1, 2, 4, 8, 16, 32
+PASSES = 8  # the flags' bits from here on: the backward passes the run made (``EarlyExchange``)
 
 
 class Agreed(NamedTuple):
@@ -238,7 +239,10 @@ class ProcessGroup(Collectives):
             return
         flags = agreed.flags
         if early is not None and any(f & STARTED for f in flags):
-            early.plan.strike(not all(f & VALID for f in flags))
+            passes = {f >> PASSES for f in flags}
+            early.plan.strike(
+                not all(f & VALID for f in flags), passes.pop() if len(passes) == 1 else 0
+            )
         plan = self._plan
         if plan is None or not plan.fits(layout.records, layout.trainable_flags):
             sparse = frozenset(agreed.sparse)
@@ -330,6 +334,7 @@ def sync_across(
             if early.started or (have and run_error is None):
                 early.start_rest(fresh if fits else None)  # travels during the agreement
             flags |= ARMED | (VALID if valid else 0) | (STARTED if early.started else 0)
+            flags |= min(early.passes, 2**20) << PASSES
         table = workers.agree(
             kind, layout.signature, state, len(writes), flags,
             0 if mine is None else signature(mine) | 1,  # odd: never the 0 of no flags
