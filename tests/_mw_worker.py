@@ -498,14 +498,15 @@ def failure_mid_backward(rank: int) -> dict[str, Any]:
     }
 
 
-AGAIN_PASSES = (2, 2, 3, 4, 4)  # the backward passes of again_scenario's runs
+AGAIN_PASSES = (2, 2, 1, 3, 4, 4)  # the backward passes of again_scenario's runs
 
 
 def again_scenario() -> dict[str, Any]:
     """Runs that back several times (``AGAIN_PASSES``). In the first, the buckets that left
     during the first backward are not what the fold produces: every worker exchanges again
     from the fold, and the workers learn that a run makes two backward passes; in the next
-    run the buckets leave during the second. A run of three passes learns three the same
+    run the buckets leave during the second. A run of one pass sends them during the
+    agreement (the plan keeps waiting for two). A run of three passes learns three the same
     way; the next, of four, finds its buckets stale too: after two stale runs in a row the
     layout's buckets no longer leave early."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy

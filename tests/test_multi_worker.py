@@ -347,13 +347,14 @@ def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Pa
     for result in results:
         # The 3 buckets leave after the first backward; stale at the sync point, they go
         # again after the agreement, and the next run of 2 sends them during its second
-        # backward. A run of 3 finds them stale again (they left during its second) and
-        # teaches 3; the run of 4 finds them stale too: twice in a row, so the last run's
-        # buckets wait for its sync point: the agreement and 3 buckets.
+        # backward. A run of 1 sends them at its sync point, with the agreement. A run of 3
+        # finds them stale again (they left during its second) and teaches 3; the run of 4
+        # finds them stale too: twice in a row, so the last run's buckets wait for its sync
+        # point: the agreement and 3 buckets.
         assert result["after_each_backward"] == [
-            [3, 3], [0, 3], [0, 3, 3], [0, 0, 3, 3], [0, 0, 0, 0]
+            [3, 3], [0, 3], [0], [0, 3, 3], [0, 0, 3, 3], [0, 0, 0, 0]
         ], result["after_each_backward"]
-        assert result["collectives"] == [7, 4, 7, 7, 4], result["collectives"]
+        assert result["collectives"] == [7, 4, 4, 7, 7, 4], result["collectives"]
 
 
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
