@@ -44,7 +44,7 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
-def bn_model() -> nn.Module:
+def bn_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
 
 
@@ -107,12 +107,20 @@ def train(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimi
             optimizer.step()
 
 
-def train_bn(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def train_bn(strategy: cs.Strategy, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
+    """A step per ``BN_STEPS``; after the first, a second batch norm joins the model (new
+    central variables: across workers, the writes carried in the agreement since the first
+    step no longer match the layout, and the next step's writes are summed instead)."""
     def step(x: torch.Tensor, y: torch.Tensor, total: int) -> None:
         per_example = nn.functional.cross_entropy(model(x), y, reduction="none")
         cs.compute_average_loss(per_example, global_batch_size=total).backward()
 
     for seed, size in enumerate(BN_STEPS):
+        if seed == 1:
+            with strategy.scope():
+                extra = nn.BatchNorm1d(3)
+            model.append(extra)
+            optimizer.add_param_group({"params": list(extra.parameters())})
         optimizer.zero_grad()
         for x, y in strategy.experimental_distribute_dataset(batches([size], 100 + seed)):
             strategy.run(step, args=(x, y, size))
