@@ -55,7 +55,9 @@ replica's first line), the replica's forward and its backward (to the loss's
 (the replica's return to ``run``'s: the agreement, the wait for the buckets, the fold);
 for DDP, its forward (with DDP's own work before it) and its backward (with the
 all-reduce it waits for at the end); then the optimizer step, and the whole step. Each
-worker prints its row: a worker waits at the sync point for the slower one.
+worker prints its row: a worker waits at the sync point for the slower one. Medians, then
+tenth percentiles: the quiet steps, where neither worker waited long for the other, show
+the fixed cost of each phase.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--phases] [--phase-steps 200]
@@ -313,9 +315,10 @@ def worker_counts() -> dict[str, dict[str, Any]]:
 WORKER_PHASES = ("opening", "forward", "backward", "sync point", "opt step", "step")
 
 
-def worker_phases(steps: int) -> list[float]:
-    """(In a worker process started by ``--phases --workers``.) Medians in microseconds of
-    ``WORKER_PHASES`` for cs, then for DDP, over ``steps`` steps of each in drawn turns."""
+def worker_phases(steps: int) -> dict[str, list[float]]:
+    """(In a worker process started by ``--phases --workers``.) Medians and tenth
+    percentiles in microseconds of ``WORKER_PHASES`` for cs, then for DDP, over ``steps``
+    steps of each in drawn turns."""
     import random
 
     clock = time.perf_counter
@@ -361,10 +364,11 @@ def worker_phases(steps: int) -> list[float]:
         draw.shuffle(order)
         for name in order:
             times[name].append(steps_of[name]())
-    return [
-        statistics.median(column) * 1e6
-        for name in steps_of for column in zip(*times[name], strict=True)
-    ]
+    columns = [column for name in steps_of for column in zip(*times[name], strict=True)]
+    return {
+        "median": [statistics.median(column) * 1e6 for column in columns],
+        "p10": [statistics.quantiles(column, n=10)[0] * 1e6 for column in columns],
+    }
 
 
 def count_package(step: Callable[[], None]) -> collections.Counter[str]:
@@ -573,17 +577,21 @@ def _worker_outputs(*flags: str) -> list[Any]:
 
 def print_worker_phases(steps: int) -> None:
     """The ``--phases --workers`` table (see the module's docstring)."""
-    print(f"small transformer, 2 gloo workers x 1 replica against DDP in the same processes; "
-          f"us, wall-clock medians of {steps} steps")
-    print(f"{'worker':<7} {'':<4} " + " ".join(f"{name:>10}" for name in WORKER_PHASES))
-    for rank, row in enumerate(_worker_outputs("--phases", "--phase-steps", str(steps))):
-        cs_row, ddp_row = row[:len(WORKER_PHASES)], row[len(WORKER_PHASES):]
-        for name, values in (("cs", cs_row), ("DDP", ddp_row)):
-            cells = [f"{v:>10.1f}" if v or name == "cs" else f"{'-':>10}" for v in values]
-            print(f"{rank:<7} {name:<4} " + " ".join(cells))
-        print(f"{rank:<7} {'diff':<4} " + " ".join(
-            f"{c - d:>10.1f}" for c, d in zip(cs_row, ddp_row, strict=True)
-        ))
+    outputs = _worker_outputs("--phases", "--phase-steps", str(steps))
+    for statistic, title in (("median", "medians"), ("p10", "tenth percentiles")):
+        print(f"small transformer, 2 gloo workers x 1 replica against DDP in the same "
+              f"processes; us, wall-clock {title} of {steps} steps")
+        print(f"{'worker':<7} {'':<4} " + " ".join(f"{name:>10}" for name in WORKER_PHASES))
+        for rank, output in enumerate(outputs):
+            row = output[statistic]
+            cs_row, ddp_row = row[:len(WORKER_PHASES)], row[len(WORKER_PHASES):]
+            for name, values in (("cs", cs_row), ("DDP", ddp_row)):
+                cells = [f"{v:>10.1f}" if v or name == "cs" else f"{'-':>10}" for v in values]
+                print(f"{rank:<7} {name:<4} " + " ".join(cells))
+            print(f"{rank:<7} {'diff':<4} " + " ".join(
+                f"{c - d:>10.1f}" for c, d in zip(cs_row, ddp_row, strict=True)
+            ))
+        print()
 
 
 def _launch_workers() -> str:
