@@ -110,7 +110,7 @@ def train(strategy: cs.Strategy, model: nn.Module, optimizer: torch.optim.Optimi
 def train_bn(strategy: cs.Strategy, model: nn.Sequential, optimizer: torch.optim.Optimizer) -> None:
     """A step per ``BN_STEPS``; after the first, a second batch norm joins the model (new
     central variables: across workers, the writes carried in the agreement since the first
-    step no longer match the layout, and the next step's writes are summed instead)."""
+    step no longer cover the written variables, so the next step's are summed instead)."""
     def step(x: torch.Tensor, y: torch.Tensor, total: int) -> None:
         per_example = nn.functional.cross_entropy(model(x), y, reduction="none")
         cs.compute_average_loss(per_example, global_batch_size=total).backward()
@@ -524,9 +524,9 @@ def again_scenario() -> dict[str, Any]:
         net = mlp()
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
     strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
-    out: dict[str, Any] = {"initial": net.state_dict(), "collectives": [], "grads": []}
-
-    out["after_each_backward"] = []
+    out: dict[str, Any] = {
+        "initial": net.state_dict(), "collectives": [], "grads": [], "after_each_backward": [],
+    }
 
     def passes(n: int) -> None:
         sent = out["after_each_backward"][-1]
