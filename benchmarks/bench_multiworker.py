@@ -11,8 +11,11 @@ Four tables:
               worker 0's before each forward): W = 2 workers of R = 1 and of R = 2 local replicas
               (DDP always runs one model per process on the worker's half of the batch), and a
               second DDP model in the same processes ("DDP again": its ratio to DDP states the run's
-              noise). They take turns step by step in an order drawn for every step (the same on
-              every worker), so all see the same load on a shared machine; each round times
+              noise); at R = 2 also DDP making the two replicas' passes over their slices one after
+              the other, under ``no_sync`` but the last ("DDP slices": the floor that the smaller
+              batches set, with or without this strategy). They take turns step by step in an
+              order drawn for every step (the same on every worker), so all see the same load on
+              a shared machine; each round times
               ``--steps`` steps of each; the table gives the median over ``--rounds`` rounds of the
               mean step, and the median over the rounds of each round's ratio; then the same ratios
               of the process's CPU time per step (every thread, gloo's included), which a shared
@@ -259,25 +262,38 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
     share = batch // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
-    def ddp_step_of() -> Callable[[], None]:
+    def ddp_step_of(slices: int = 1) -> Callable[[], None]:
+        """DDP's step on the worker's share, or in ``slices`` passes over it (the local
+        replicas' slices, one after another, under ``no_sync`` but the last)."""
         torch.manual_seed(1)
         ddp = nn.parallel.DistributedDataParallel(build())
         ddp_optimizer = make_optimizer(ddp.parameters())
+        parts = list(zip(xs.tensor_split(slices), ys.tensor_split(slices), strict=True))
 
         def ddp_step() -> None:
             ddp_optimizer.zero_grad()
-            nn.functional.cross_entropy(ddp(xs), ys).backward()  # type: ignore[no-untyped-call]
+            for k, (x_part, y_part) in enumerate(parts):
+                with ddp.no_sync() if k < slices - 1 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(ddp(x_part), y_part) / slices
+                    loss.backward()  # type: ignore[no-untyped-call]
             ddp_optimizer.step()
 
         return ddp_step
 
-    # "again": a second DDP model in the same processes; its ratio to DDP is the run's noise
+    # "again": a second DDP model in the same processes; its ratio to DDP is the run's noise.
+    # "slices": with several local replicas, DDP doing their passes one after another: the
+    # floor that the smaller batches set, with or without this strategy.
     steps_of = {"cs": cs_step, "ddp": ddp_step_of(), "again": ddp_step_of()}
+    if local > 1:
+        steps_of["slices"] = ddp_step_of(local)
     means, cpu = _in_turns(steps_of, steps, rounds)
     result = {name: statistics.median(values) for name, values in means.items()}
     for name in ("cs", "again"):
         result[f"{name} / ddp"] = _median_ratio(means[name], means["ddp"])
         result[f"{name} / ddp cpu"] = _median_ratio(cpu[name], cpu["ddp"])
+    if local > 1:
+        result["cs / slices"] = _median_ratio(means["cs"], means["slices"])
+        result["slices / ddp"] = _median_ratio(means["slices"], means["ddp"])
     return result
 
 
@@ -410,15 +426,21 @@ def main() -> None:
     print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
           f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
     print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
-          f"{'cs / DDP':>9} {'DDP again / DDP':>16} {'CPU: cs / DDP':>14} {'again / DDP':>12}")
+          f"{'cs / DDP':>9} {'DDP again / DDP':>16} {'CPU: cs / DDP':>14} {'again / DDP':>12} "
+          f"{'DDP slices / DDP':>17} {'cs / DDP slices':>16}")
     for model_name in args.models:
         for local in (1, 2):
             row = _launch(
                 2, ["ddp", model_name, str(local), str(args.steps), str(args.rounds)], threads
             )
+            slices = (
+                f"{row['slices / ddp']:>16.3f}x {row['cs / slices']:>15.3f}x" if local > 1
+                else f"{'-':>17} {'-':>16}"
+            )
             print(f"{model_name:<12} {f'W=2 x R={local}':<14} {row['cs']:>11.2f} "
                   f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x "
-                  f"{row['cs / ddp cpu']:>13.3f}x {row['again / ddp cpu']:>11.3f}x", flush=True)
+                  f"{row['cs / ddp cpu']:>13.3f}x {row['again / ddp cpu']:>11.3f}x {slices}",
+                  flush=True)
     print(f"\naccumulating {MICRO_BATCHES} global batches a step, W=2 x R=1, in drawn turns: "
           f"ms/step (median of {args.rounds} rounds of {args.steps} steps) and the ratio to "
           "DDP under no_sync")
