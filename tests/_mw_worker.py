@@ -509,17 +509,20 @@ def failure_mid_backward(rank: int) -> dict[str, Any]:
 AGAIN_PASSES = (2, 2, 1, 3, 4, 4)  # the backward passes of again_scenario's runs
 
 
-def again_scenario() -> dict[str, Any]:
+def again_scenario(local: int) -> dict[str, Any]:
     """Runs that back several times (``AGAIN_PASSES``). In the first, the buckets that left
     during the first backward are not what the fold produces: every worker exchanges again
     from the fold, and the workers learn that a run makes two backward passes; in the next
     run the buckets leave during the second. A run of one pass sends them during the
     agreement (the plan keeps waiting for two). A run of three passes learns three the same
     way; the next, of four, finds its buckets stale too: after two stale runs in a row the
-    layout's buckets no longer leave early."""
+    layout's buckets no longer leave early. With ``local`` replicas (each makes the run's
+    passes on the whole input, one replica after the other)."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
-    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=30, bucket_cap_mb=BUCKET)
+    strategy = MultiWorkerCentralStorageStrategy(
+        [f"cpu:{i}" for i in range(local)], timeout=30, bucket_cap_mb=BUCKET
+    )
     with strategy.scope():
         net = mlp()
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
@@ -822,7 +825,7 @@ def main() -> None:
     elif scenario == "errors":
         results = errors_scenario()
     elif scenario == "again":
-        results = again_scenario()
+        results = again_scenario(int(sys.argv[3]))
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

@@ -326,35 +326,54 @@ def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
         assert "A backward after run must happen on every worker" in result["lopsided"]
 
 
-def test_buckets_that_a_second_backward_changed_are_exchanged_again(tmp_path: Path) -> None:
+# Per run of AGAIN_PASSES: the collectives started after each backward (each replica's, one
+# replica after the other), and the collectives of the run.
+AGAIN_TRAFFIC = {
+    # The 3 buckets leave after the first backward; stale at the sync point, they go again
+    # after the agreement, and the next run of 2 sends them during its second backward. A
+    # run of 1 sends them at its sync point, with the agreement. A run of 3 finds them stale
+    # again (they left during its second) and teaches 3; the run of 4 finds them stale too:
+    # twice in a row, so the last run's buckets wait for its sync point.
+    1: ([[3, 3], [0, 3], [0], [0, 3, 3], [0, 0, 3, 3], [0, 0, 0, 0]], [7, 4, 4, 7, 7, 4]),
+    # Two replicas: in the first run a bucket counts its gradients complete during replica
+    # 0's second pass, before replica 1 has any, and waits for the sync point, where the
+    # workers learn the two passes: the next run's buckets leave during replica 1's second.
+    # A run of 3 then sends them during replica 1's first pass, stale again; so does the run
+    # of 4 during replica 1's second, and the last run's wait for the sync point.
+    2: (
+        [[0, 0, 0, 0], [0, 0, 0, 3], [0, 0], [0, 0, 0, 3, 3, 3], [0, 0, 0, 0, 0, 3, 3, 3],
+         [0] * 8],
+        [4, 4, 4, 7, 7, 4],
+    ),
+}
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_buckets_that_a_second_backward_changed_are_exchanged_again(
+    tmp_path: Path, local: int
+) -> None:
     """A run that accumulates several backward passes: its buckets leave during the last
     pass once the workers learnt how many a run makes, and the sums are those of one
     device over the same passes, the same bits on every worker."""
-    results = launch(tmp_path, 2, "again", str(tmp_path))
+    results = launch(tmp_path, 2, "again", str(tmp_path), str(local))
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
     for run, passes in enumerate(helper.AGAIN_PASSES):
         oracle = helper.mlp()
         oracle.load_state_dict(results[0]["initial"])
         for part in x.tensor_split(passes):
             oracle(part).sum().backward()
-        expected = [2 * p.grad for p in oracle.parameters() if p.grad is not None]  # 2 workers
+        # every replica of both workers made the same passes
+        expected = [2 * local * p.grad for p in oracle.parameters() if p.grad is not None]
         for result in results:
             grads = result["grads"][run]
             assert len(grads) == len(expected) == 4
             for got, want, first in zip(grads, expected, results[0]["grads"][run], strict=True):
                 torch.testing.assert_close(got, want)
                 assert torch.equal(got, first)  # every worker alike, bit for bit
+    sent, collectives = AGAIN_TRAFFIC[local]
     for result in results:
-        # The 3 buckets leave after the first backward; stale at the sync point, they go
-        # again after the agreement, and the next run of 2 sends them during its second
-        # backward. A run of 1 sends them at its sync point, with the agreement. A run of 3
-        # finds them stale again (they left during its second) and teaches 3; the run of 4
-        # finds them stale too: twice in a row, so the last run's buckets wait for its sync
-        # point: the agreement and 3 buckets.
-        assert result["after_each_backward"] == [
-            [3, 3], [0, 3], [0], [0, 3, 3], [0, 0, 3, 3], [0, 0, 0, 0]
-        ], result["after_each_backward"]
-        assert result["collectives"] == [7, 4, 4, 7, 7, 4], result["collectives"]
+        assert result["after_each_backward"] == sent, result["after_each_backward"]
+        assert result["collectives"] == collectives, result["collectives"]
 
 
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:

@@ -141,11 +141,13 @@ class BucketPlan:
     def strike(self, failed: bool, passes: int = 0) -> None:
         """An early exchange passed (``failed`` False) or failed its check on some worker.
         ``passes``: the whole backward passes every worker's run made, when they made the
-        same number (else 0): after a failure, more than the plan waited for, the next runs'
-        buckets wait for that many. (A run that loops over micro-batches sends its buckets
-        during its last backward, as DDP does under ``no_sync``.)"""
+        same number (else 0). More than the plan waited for, the run's buckets left too
+        early (and failed), or waited for the sync point (with several local replicas, a
+        bucket that counts its gradients complete before the last replica has any): the
+        next runs' buckets wait for that many. (A run that loops over micro-batches sends
+        its buckets during its last backward, as DDP does under ``no_sync``.)"""
         self.strikes = self.strikes + 1 if failed else 0
-        if failed and passes > self.passes:
+        if passes > self.passes:
             self.passes = passes
         if self.strikes >= self.STRIKES:
             self.usable = False
