@@ -23,7 +23,8 @@ Four tables:
               time only when the cores are busy, so the wall ratio moves with the machine's load and
               the CPU ratio says what is left.
   accumulation
-              the MLP and the transformer (of ``--models``) at W = 2 x R = 1, each step
+              the MLP and the transformer (of ``--models``) at W = 2 x R = 1 (R: the
+              ``--accumulation-replicas``), each step
               accumulating 4 global batches before the optimizer step: this strategy with a
               ``run`` per micro-batch (each run's sync point exchanges) and with one ``run``
               whose step function loops over the micro-batches (docs/porting.md: one
@@ -39,6 +40,7 @@ Four tables:
 
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
                                            [--models mlp transformer recommender bn]
+                                           [--accumulation-replicas 1]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
@@ -300,7 +302,9 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
 MICRO_BATCHES = 4
 
 
-def _worker_accumulate(model_name: str, looping: bool, steps: int, rounds: int) -> dict[str, float]:
+def _worker_accumulate(
+    model_name: str, looping: bool, steps: int, rounds: int, local: int = 1
+) -> dict[str, float]:
     """Steps that accumulate ``MICRO_BATCHES`` global batches, in turns: this strategy with a
     ``run`` per micro-batch (each exchanges) or, ``looping``, with one ``run`` whose step
     loops over the micro-batches (one exchange), DDP under ``no_sync`` for all but the last
@@ -312,7 +316,9 @@ def _worker_accumulate(model_name: str, looping: bool, steps: int, rounds: int) 
     torch.manual_seed(0)
     micro = [(_inputs(shape, batch), torch.randint(0, 10, (batch,)))
              for _ in range(MICRO_BATCHES)]
-    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
+    strategy = MultiWorkerCentralStorageStrategy(
+        [f"cpu:{i}" for i in range(local)], timeout=120
+    )
     rank, world = strategy.worker_index, strategy.num_workers
     torch.manual_seed(1)
     with strategy.scope():
@@ -395,7 +401,9 @@ def _worker(argv: list[str]) -> None:
     elif argv[0] == "ddp":
         result = _worker_ddp(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
     elif argv[0] == "accumulate":
-        result = _worker_accumulate(argv[1], argv[2] == "loop", int(argv[3]), int(argv[4]))
+        result = _worker_accumulate(
+            argv[1], argv[2] == "loop", int(argv[3]), int(argv[4]), int(argv[5])
+        )
     else:
         result = _worker_allreduce([float(s) for s in argv[2:]], int(argv[1]))
     if os.environ.get("RANK", "0") == "0":
@@ -420,6 +428,9 @@ def main() -> None:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
     parser.add_argument("--models", nargs="+", choices=list(_DDP_MODELS), default=list(_DDP_MODELS),
                         help="the models of the table against DDP")
+    parser.add_argument("--accumulation-replicas", type=int, default=1,
+                        help="local replicas of this strategy in the accumulation table (DDP "
+                             "makes one pass per micro-batch whatever it is)")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     threads = max(cores // 2, 1)
@@ -441,7 +452,8 @@ def main() -> None:
                   f"{row['ddp']:>12.2f} {row['cs / ddp']:>8.3f}x {row['again / ddp']:>15.3f}x "
                   f"{row['cs / ddp cpu']:>13.3f}x {row['again / ddp cpu']:>11.3f}x {slices}",
                   flush=True)
-    print(f"\naccumulating {MICRO_BATCHES} global batches a step, W=2 x R=1, in drawn turns: "
+    local = args.accumulation_replicas
+    print(f"\naccumulating {MICRO_BATCHES} global batches a step, W=2 x R={local}, in drawn turns: "
           f"ms/step (median of {args.rounds} rounds of {args.steps} steps) and the ratio to "
           "DDP under no_sync")
     print(f"{'model':<12} {'cs':<15} {'cs ms/step':>11} {'DDP no_sync':>12} {'DDP each':>9} "
@@ -449,7 +461,8 @@ def main() -> None:
     for model_name in [m for m in args.models if m in ("mlp", "transformer")]:
         for way, label in (("runs", "a run each"), ("loop", "one run, loop")):
             row = _launch(
-                2, ["accumulate", model_name, way, str(args.steps), str(args.rounds)], threads
+                2, ["accumulate", model_name, way, str(args.steps), str(args.rounds), str(local)],
+                threads,
             )
             print(f"{model_name:<12} {label:<15} {row['cs']:>11.2f} {row['ddp no_sync']:>12.2f} "
                   f"{row['ddp each']:>9.2f} {row['cs / no_sync']:>12.3f}x "
