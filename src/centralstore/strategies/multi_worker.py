@@ -150,6 +150,10 @@ class MultiWorkerCentralStorageStrategy(Strategy):
       workers has the same value on each): an optimizer step with nothing pending makes no
       collective, so that a training step meets the other workers once, at the end of
       ``run``; a worker whose backward the others did not make raises at its step.
+    * To accumulate gradients over micro-batches, loop over them inside one ``run``: the
+      workers exchange once per step, and once the first such run has shown how many
+      backward passes a run makes, the buckets leave during the last one, as DDP's do under
+      ``no_sync``. A ``run`` per micro-batch exchanges at each (DDP without ``no_sync``).
     * ``reduce``, ``gather``, ``all_reduce``, ``all_gather`` and ``merge_call`` span every
       worker (``merge_call``'s function runs once per worker); ``experimental_local_results``
       returns this worker's components. With one local replica, the plain values ``run``
