@@ -254,7 +254,7 @@ class Collectives(Workers):
             groups.setdefault((tensor.dtype, tensor.device), []).append(i)
         carried: dict[torch.dtype, list[tuple[torch.dtype, torch.device]]] = {}
         for dtype, device in groups:
-            wide = widen and not dtype.is_complex and dtype != torch.bool
+            wide = widen and is_real(dtype)
             carried.setdefault(torch.float64 if wide else dtype, []).append((dtype, device))
         with no_grad():
             for carrier, keys in carried.items():

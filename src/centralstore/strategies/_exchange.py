@@ -498,7 +498,7 @@ def _flags(
     else:
         row = _flag_row(fresh, writes, n)
         if sparse:
-            row += [g._nnz() if g is not None and g.is_sparse else 0 for g in fresh]
+            row += [_entries(fresh, j) for j in range(m)]
         flat = torch.tensor(row, dtype=torch.int32, device=workers.device)
         table = workers.all_gather("sync point's flags", flat).cpu()
     kinds = table[:, :m]
