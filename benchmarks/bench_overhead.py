@@ -46,6 +46,10 @@ return to the next one's first line, from the last replica's return to ``run``'s
 optimizer step's sync point (cs's ``optimizer.step()`` less plain's, the same update);
 against the whole step's difference from plain (``halves`` at R = 2). Lines cost far more
 here than in a loop: the step's kernels have just evicted the code and data they touch.
+With ``--views`` the two replicas see views of every variable in the module slots instead
+of computing on the parameters (R = 2 only): the path of replicas on GPUs away from the
+parameter device and of replicas across workers, whose host bookkeeping logical CPU
+devices otherwise never take (the copies a GPU adds are not there).
 
 ``--phases --workers`` times the same phases of the small transformer's step on two gloo
 workers of one replica each, against DDP's in the same processes (bench_multiworker.py's
@@ -60,7 +64,7 @@ tenth percentiles: the quiet steps, where neither worker waited long for the oth
 the fixed cost of each phase.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
-        [--where "cnn cs R=2"] [--fake-gpus] [--phases] [--phase-steps 200]
+        [--where "cnn cs R=2"] [--fake-gpus] [--phases [--views]] [--phase-steps 200]
 """
 
 from __future__ import annotations
@@ -148,12 +152,12 @@ def _traced(step: Callable[[], None], tracer: Callable[..., Any]) -> None:
 
 
 def phase_steps(
-    model_name: str, replicas: int
+    model_name: str, replicas: int, views: bool = False
 ) -> tuple[Callable[[], list[float]], Callable[[], list[float]]]:
     """One AdamW step of ``model_name`` with ``replicas`` replicas of ``PER_REPLICA``
     examples, and plain PyTorch's passes over the same slices; each returns its phases in
     seconds (see ``--phases``): cs before, between, after, optimizer step, whole step; plain
-    optimizer step, whole step."""
+    optimizer step, whole step. ``views``: the replicas see views (``--views``)."""
     build, inputs, per_example = MODELS[model_name]
     clock = time.perf_counter
     global_batch = PER_REPLICA * replicas
@@ -175,6 +179,8 @@ def phase_steps(
         return [end - update, end - start]
 
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    if views:  # as replicas on GPUs away from the parameters do (tests/replicas.py)
+        strategy._store.on_parameters = (False,) * replicas
     with strategy.scope():
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -201,14 +207,14 @@ def phase_steps(
     return cs_step, plain_step
 
 
-def phases(models: list[str], steps: int) -> None:
-    """The ``--phases`` table (see the module's docstring)."""
-    print(f"{'model':<6} {'config':<7} {'before':>7} {'between':>8} {'after':>7} "
+def phases(models: list[str], steps: int, views: bool = False) -> None:
+    """The ``--phases`` table (see the module's docstring); ``views``: ``--views``."""
+    print(f"{'model':<6} {'config':<9} {'before':>7} {'between':>8} {'after':>7} "
           f"{'opt step':>9} {'sum':>7} {'step - plain':>13}   (us, wall-clock medians of "
           f"{steps} steps)")
     for model_name in models:
-        for replicas in (1, 2):
-            cs_step, plain_step = phase_steps(model_name, replicas)
+        for replicas in (2,) if views else (1, 2):
+            cs_step, plain_step = phase_steps(model_name, replicas, views)
             for _ in range(30):
                 cs_step()
                 plain_step()
@@ -224,7 +230,8 @@ def phases(models: list[str], steps: int) -> None:
             p = [statistics.median(column) * 1e6 for column in zip(*plain_times)]
             parts = [c[0], c[1], c[2], c[3] - p[0]]
             between = f"{parts[1]:.1f}" if replicas > 1 else "-"
-            print(f"{model_name:<6} {f'R={replicas}':<7} {parts[0]:>7.1f} {between:>8} "
+            config = f"R={replicas}" + (" views" if views else "")
+            print(f"{model_name:<6} {config:<9} {parts[0]:>7.1f} {between:>8} "
                   f"{parts[2]:>7.1f} {parts[3]:>9.1f} {sum(parts):>7.1f} {c[4] - p[1]:>13.1f}")
 
 
@@ -512,6 +519,8 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="time where the overhead falls instead of counting lines")
     parser.add_argument("--phase-steps", type=int, default=200)
+    parser.add_argument("--views", action="store_true",
+                        help="with --phases: the replicas see views, as on GPUs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -528,7 +537,7 @@ def main() -> None:
         print_worker_phases(options.phase_steps)
         return
     if options.phases:
-        phases(options.models, options.phase_steps)
+        phases(options.models, options.phase_steps, options.views)
         return
     print(f"{'model':<6} {'config':<11} {'calls':>6} {'lines':>6} {'cs - plain calls':>17} "
           f"{'cs - plain lines':>17}")
