@@ -103,43 +103,48 @@ def plus(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 def add_in_order(
     sums: list[torch.Tensor | None], grads: list[torch.Tensor | None],
     borrowed: frozenset[int] | set[int] = frozenset(),
-) -> None:
+) -> bool:
     """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
     (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. A sum whose
     id is in ``borrowed`` (a view of a gradient bucket) is not written: it is replaced by a
-    new one (one ``_foreach_add``), whose values are the same as the in-place sum's."""
+    new one (one ``_foreach_add``), whose values are the same as the in-place sum's. False
+    when every sum was added to in place (``sums`` holds the same tensors as before, so a
+    caller that took them from ``.grad`` need not set it again), True otherwise."""
     if not some(sums):  # nothing held: the gradients are the sums
         sums[:] = grads
-        return
+        return True
     if not borrowed and all_dense(sums, grads):  # the usual case, checked in C
         with no_grad():
             torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
-        return
+        return False
     if borrowed and all_dense(sums, grads):  # GPU replicas' gradients: checked in C too
         lent = list(map(borrowed.__contains__, map(id, sums)))
         if not any(lent):
             with no_grad():
                 torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
-            return
+            return False
         if all(lent):  # every sum a view of a gradient bucket: none is written
             with no_grad():
                 sums[:] = torch._foreach_add(sums, grads)  # type: ignore[arg-type]
-            return
+            return True
     targets, sources, fresh = [], [], []
+    replaced = False
     for i in compress(count(), map(is_not, grads, repeat(None))):  # skipping Nones in C
         grad: torch.Tensor = grads[i]  # type: ignore[assignment]
         held = sums[i]
         if held is None:
             sums[i] = grad
+            replaced = True
         elif held.is_sparse or grad.is_sparse:
             sums[i] = plus(held, grad)
+            replaced = True
         elif id(held) in borrowed:
             fresh.append(i)
         else:
             targets.append(held)
             sources.append(grad)
     if not (targets or fresh):
-        return
+        return replaced
     with no_grad():
         if targets:
             torch._foreach_add_(targets, sources)
@@ -147,6 +152,7 @@ def add_in_order(
             totals = torch._foreach_add([sums[i] for i in fresh], [grads[i] for i in fresh])  # type: ignore[misc]
             for i, total in zip(fresh, totals):
                 sums[i] = total
+    return replaced or bool(fresh)
 
 
 def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tensor]:
@@ -212,7 +218,7 @@ def _fold_one_each(views: list[View], distinct: bool) -> list[torch.Tensor]:
             list(compress(views, have)), list(compress(tensors, have)), list(compress(grads, have))
         )
     set_grads(tensors, repeat(None))
-    centrals = list(map(call, map(_ref_of, map(_record_of, views))))
+    centrals = list(map(call, map(_record_ref_of, views)))
     if not all(map(is_not, centrals, repeat(None))):  # a variable dying right now
         alive = list(map(is_not, centrals, repeat(None)))
         views, centrals, grads = (
@@ -224,8 +230,8 @@ def _fold_one_each(views: list[View], distinct: bool) -> list[torch.Tensor]:
     if not distinct and len(set(map(id, centrals))) < len(centrals):  # several replicas'
         return _fold_in_rounds(centrals, list(zip(grads)), set())
     sums: list[torch.Tensor | None] = list(map(grad_of, centrals))
-    add_in_order(sums, grads)
-    set_grads(centrals, sums)
+    if add_in_order(sums, grads):  # (added in place: ``.grad`` holds the sums already)
+        set_grads(centrals, sums)
     return centrals
 
 
@@ -242,8 +248,6 @@ _device_of = attrgetter("device")
 _dtype_of = attrgetter("dtype")
 _alias_of = attrgetter("alias")
 _tensor_of = attrgetter("tensor")
-_record_of = attrgetter("record")
-_ref_of = attrgetter("ref")
 _shape_of = attrgetter("shape")
 _numel = torch.Tensor.numel
 _key_of = attrgetter("record.key")
@@ -252,7 +256,6 @@ _on_read_of = attrgetter("record.on_read")
 _aggregation_of = attrgetter("record.aggregation")
 _record_ref_of = attrgetter("record.ref")
 _is_floating_point = torch.Tensor.is_floating_point
-_detach = torch.Tensor.detach
 
 
 def _fold_rounds(
@@ -275,7 +278,7 @@ def _fold_rounds(
         taken = take_all(copies)  # in order, as below
         borrowed.update(map(id, compress(taken, map(_borrowed_of, copies))))
         deque(map(list.clear, pendings), maxlen=0)
-        found = list(map(call, map(_ref_of, map(_record_of, views))))
+        found = list(map(call, map(_record_ref_of, views)))
         alive = list(map(is_not, found, repeat(None)))
         if not all(alive):  # a variable dying right now
             found, taken = list(compress(found, alive)), list(compress(taken, alive))
@@ -396,7 +399,8 @@ def run_post_accumulate_hooks(tensors: list[torch.Tensor]) -> None:
 def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) -> None:
     """Combine the replicas' writes into each central variable by its aggregation
     (``offset``: the global id of the first of these replicas). Each replica that wrote is
-    one group of ``_aggregation.write_term``, in replica order."""
+    one group of ``_aggregation.write_term``, in replica order. Called under ``no_grad``:
+    the views' tensors are read as they are, without a ``detach`` each."""
     writes: list[tuple[int, list[View]]] = []  # each replica that wrote: what it wrote
     for replica, views in enumerate(touched):
         if not any(map(_private_of, views)):  # only a private copy can be written
@@ -432,7 +436,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         if num_replicas > 1 and aggregation is VariableAggregation.NONE:
             continue  # the replica that wrote has already raised
         if num_replicas == 1:
-            alone.append((central, views[0].tensor.detach()))
+            alone.append((central, views[0].tensor))
             continue
         any_assigned = any(map(_assigned_of, views))
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -443,7 +447,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
                 (aggregation, len(views), any_assigned, central.dtype), []
             ).append((central, views))
             continue
-        finals = [view.tensor.detach().to(central.device) for view in views]
+        finals = [view.tensor.to(central.device) for view in views]
         if (
             aggregation is _MEAN and len(views) > 2 and central.is_floating_point()
             and central.layout is torch.strided and _left_alike([[final] for final in finals])
@@ -460,7 +464,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
     for (aggregation, writers_count, assigned, _), entries in batched.items():
         centrals = [central for central, _ in entries]
         values = [
-            [views[k].tensor.detach() for _, views in entries] for k in range(writers_count)
+            [views[k].tensor for _, views in entries] for k in range(writers_count)
         ]
         _apply_together(aggregation, assigned, centrals, values)
     if alone:  # brought from a GPU in one copy per dtype
@@ -503,7 +507,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
     if not all(map(is_not, centrals, repeat(None))):
         return False
     if num_replicas == 1:  # its values, as written, brought in one copy per dtype
-        values = list(map(_detach, map(_tensor_of, first)))
+        values = list(map(_tensor_of, first))
         torch._foreach_copy_(centrals, _brought(centrals, values))
         return True
     aggregations = list(map(_aggregation_of, first))
@@ -523,7 +527,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
         chosen = list(map(eq, groups, repeat(group)))
         aggregation, count, any_assigned, _ = group
         _apply_together(aggregation, any_assigned, list(compress(centrals, chosen)), [
-            list(map(_detach, map(_tensor_of, compress(views, chosen))))
+            list(map(_tensor_of, compress(views, chosen)))
             for views in writes[:count]
         ])
     return True
@@ -654,7 +658,7 @@ def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
         copies = [(replica, view) for replica, view in copies if replica == 0]
     terms = [
         write_term(
-            aggregation, view.start.to(central.device), view.tensor.detach().to(central.device),
+            aggregation, view.start.to(central.device), view.tensor.to(central.device),
             1, False, False,
         )
         for _, view in copies if view.start is not None

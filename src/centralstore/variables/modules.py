@@ -240,7 +240,7 @@ class Filled:
         elif list(map(_data_ptr, tensors)) != pointers:  # storage replaced (.data = ...)
             return False
         _set_all(views, "central_ptr", pointers)
-        versions = self._put(slots, tables, centrals, views, tensors)
+        versions = self._put(slots, tables, centrals, views, tensors, shared=not copies)
         self._all = _AllFilled(tables, slots.names, centrals, views, tensors, versions)
         return True
 
@@ -278,31 +278,27 @@ class Filled:
         """The slots' tables, the central variables in them and this replica's views of
         those, if every module lives, still holds its variable in the slot and has a view
         made: ``_fill_all``'s and ``_fill_buffers``' first checks, in C. None otherwise."""
-        modules = list(map(call, slots.refs))
-        if not all(map(is_not, modules, repeat(None))):
-            return None
-        tables: list[dict[str, Any]] = list(map(table_of, modules))
         try:
+            tables: list[dict[str, Any]] = list(map(table_of, map(call, slots.refs)))
             centrals: list[Any] = list(map(dict.get, tables, slots.names))
-        except TypeError:  # a module whose table is not a dict
-            return None
-        if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
-            return None
-        views: list[Any] = list(map(self.views.views.get, slots.keys))
-        if not all(map(is_not, views, repeat(None))):
-            return None
+            if list(map(id, centrals)) != slots.keys:  # a slot holds something else now
+                return None
+            views: list[Any] = list(map(self.views.views.__getitem__, slots.keys))
+        except (AttributeError, TypeError, KeyError):  # a module died (its reference gives
+            return None  # None), or its table is not a dict, or a view is not made yet
         return tables, centrals, views
 
     def _put(
         self, slots: Slots, tables: list[dict[str, Any]], centrals: list[torch.Tensor],
-        views: list[View], tensors: list[torch.Tensor],
+        views: list[View], tensors: list[torch.Tensor], shared: bool = False,
     ) -> list[int]:
         """Stamp the views current, as ``validate`` and ``_current`` do, and put them in the
-        slots; returns their versions now, from which their writes are told."""
+        slots; returns their versions now, from which their writes are told. ``shared``:
+        every view is its variable's ``detach()``, whose version counter it shares."""
         replica = self.views
         _set_all(views, "stamp", map(_stamp_of, slots.records))
-        _set_all(views, "central_version", map(_version_of, centrals))
         versions = list(map(_version_of, tensors))
+        _set_all(views, "central_version", versions if shared else map(_version_of, centrals))
         _set_all(views, "start_version", versions)
         _set_all(views, "assigned", repeat(False))
         _set_all(views, "epoch", repeat(replica.epoch))

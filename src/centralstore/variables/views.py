@@ -333,13 +333,19 @@ class ReplicaViews:
 
     def refresh(self, tensors: list[torch.Tensor], centrals: list[torch.Tensor]) -> None:
         """Copy each of ``centrals`` into its private copy in ``tensors`` without waiting, as
-        ``validate`` does for one (under ``no_grad``). From host memory or another GPU to a
-        GPU, the small values travel together: a copy costs microseconds to start whatever
+        ``validate`` does for one (under ``no_grad``). Copies on their variables' device (the
+        buffers of CPU replicas) take one ``_foreach_copy_``. From host memory or another GPU
+        to a GPU, the small values travel together: a copy costs microseconds to start whatever
         its size, so those of each dtype are gathered in one buffer, copied at once and put
         in place by one kernel."""
         if not centrals:
             return
         first = centrals[0]
+        if all(map(eq, map(_device_of, centrals), repeat(self.device))) and all(
+            map(is_, map(_layout_of, centrals), repeat(torch.strided))
+        ):  # copies where their variables live (buffers' on the CPU): one call, one kernel
+            torch._foreach_copy_(tensors, centrals)
+            return
         if (
             self.device.type == "cuda" and first.device != self.device
             and all(map(eq, map(_device_of, centrals), repeat(first.device)))
