@@ -49,7 +49,9 @@ here than in a loop: the step's kernels have just evicted the code and data they
 With ``--views`` the two replicas see views of every variable in the module slots instead
 of computing on the parameters (R = 2 only): the path of replicas on GPUs away from the
 parameter device and of replicas across workers, whose host bookkeeping logical CPU
-devices otherwise never take (the copies a GPU adds are not there).
+devices otherwise never take (the copies a GPU adds are not there). ``--functions`` adds,
+under each row, the median time per step inside each of the run path's main functions
+(``FUNCTIONS``; the ones the step calls), each wrapped in a timer for the measurement.
 
 ``--phases --workers`` times the same phases of the small transformer's step on two gloo
 workers of one replica each, against DDP's in the same processes (bench_multiworker.py's
@@ -64,7 +66,8 @@ tenth percentiles: the quiet steps, where neither worker waited long for the oth
 the fixed cost of each phase.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
-        [--where "cnn cs R=2"] [--fake-gpus] [--phases [--views]] [--phase-steps 200]
+        [--where "cnn cs R=2"] [--fake-gpus] [--phases [--views] [--functions]]
+        [--phase-steps 200]
 """
 
 from __future__ import annotations
@@ -151,6 +154,59 @@ def _traced(step: Callable[[], None], tracer: Callable[..., Any]) -> None:
             gc.enable()
 
 
+# (where it is looked up, its name, the label printed) of the functions ``--functions`` times
+FUNCTIONS = [
+    ("centralstore.variables.store:VariableStore", "open_run", "open run"),
+    ("centralstore.variables.modules:Filled", "_fill_all", "fill parameters"),
+    ("centralstore.variables.modules:Filled", "_fill_buffers", "fill buffers"),
+    ("centralstore.variables.modules:Filled", "_fill", "fill one by one"),
+    ("centralstore.variables.modules:Filled", "empty", "empty slots"),
+    ("centralstore.variables.store:VariableStore", "close_run", "close run"),
+    ("centralstore.variables.folding", "fold_gradients", "fold gradients"),
+    ("centralstore.variables.folding", "apply_writes", "fold writes"),
+    ("centralstore.variables.direct:DirectReplicas", "park", "park gradients"),
+    ("centralstore.variables.direct:DirectReplicas", "commit", "commit direct"),
+]
+
+
+class _Timers:
+    """``FUNCTIONS`` wrapped in timers while this is entered: ``spent`` is the nanoseconds
+    inside each (by label) since it was last cleared."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, int] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> _Timers:
+        import importlib
+        for where, name, label in FUNCTIONS:
+            module_name, _, owner_name = where.partition(":")
+            owner: Any = importlib.import_module(module_name)
+            if owner_name:
+                owner = getattr(owner, owner_name)
+            function = owner.__dict__[name] if owner_name else getattr(owner, name)
+            self._saved.append((owner, name, function))
+            setattr(owner, name, self._timed(function, label))
+        return self
+
+    def _timed(self, function: Callable[..., Any], label: str) -> Callable[..., Any]:
+        spent, clock = self.spent, time.perf_counter_ns
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[label] = spent.get(label, 0) + clock() - start
+
+        return timed
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, function in reversed(self._saved):
+            setattr(owner, name, function)
+        self._saved.clear()
+
+
 def phase_steps(
     model_name: str, replicas: int, views: bool = False
 ) -> tuple[Callable[[], list[float]], Callable[[], list[float]]]:
@@ -207,8 +263,9 @@ def phase_steps(
     return cs_step, plain_step
 
 
-def phases(models: list[str], steps: int, views: bool = False) -> None:
-    """The ``--phases`` table (see the module's docstring); ``views``: ``--views``."""
+def phases(models: list[str], steps: int, views: bool = False, functions: bool = False) -> None:
+    """The ``--phases`` table (see the module's docstring); ``views``: ``--views``;
+    ``functions``: ``--functions``."""
     print(f"{'model':<6} {'config':<9} {'before':>7} {'between':>8} {'after':>7} "
           f"{'opt step':>9} {'sum':>7} {'step - plain':>13}   (us, wall-clock medians of "
           f"{steps} steps)")
@@ -226,6 +283,14 @@ def phases(models: list[str], steps: int, views: bool = False) -> None:
                 else:
                     plain_times.append(plain_step())
                     cs_times.append(cs_step())
+            inside: dict[str, list[int]] = {}
+            if functions:
+                with _Timers() as timers:
+                    for _ in range(steps):
+                        timers.spent.clear()
+                        cs_step()
+                        for label, spent in timers.spent.items():
+                            inside.setdefault(label, []).append(spent)
             c = [statistics.median(column) * 1e6 for column in zip(*cs_times)]
             p = [statistics.median(column) * 1e6 for column in zip(*plain_times)]
             parts = [c[0], c[1], c[2], c[3] - p[0]]
@@ -233,6 +298,11 @@ def phases(models: list[str], steps: int, views: bool = False) -> None:
             config = f"R={replicas}" + (" views" if views else "")
             print(f"{model_name:<6} {config:<9} {parts[0]:>7.1f} {between:>8} "
                   f"{parts[2]:>7.1f} {parts[3]:>9.1f} {sum(parts):>7.1f} {c[4] - p[1]:>13.1f}")
+            if inside:
+                print("    inside: " + ", ".join(
+                    f"{label} {statistics.median(times) / 1e3:.1f}"
+                    for label, times in inside.items()
+                ))
 
 
 class _Worker(NamedTuple):
@@ -521,6 +591,8 @@ def main() -> None:
     parser.add_argument("--phase-steps", type=int, default=200)
     parser.add_argument("--views", action="store_true",
                         help="with --phases: the replicas see views, as on GPUs")
+    parser.add_argument("--functions", action="store_true",
+                        help="with --phases: the time inside the run path's main functions")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.worker:
@@ -537,7 +609,7 @@ def main() -> None:
         print_worker_phases(options.phase_steps)
         return
     if options.phases:
-        phases(options.models, options.phase_steps, options.views)
+        phases(options.models, options.phase_steps, options.views, options.functions)
         return
     print(f"{'model':<6} {'config':<11} {'calls':>6} {'lines':>6} {'cs - plain calls':>17} "
           f"{'cs - plain lines':>17}")
