@@ -3,6 +3,7 @@ the central variables, their ``.grad`` and their buffers exactly as before it.""
 
 from __future__ import annotations
 
+import operator
 import signal
 import threading
 import time
@@ -239,14 +240,22 @@ def test_add_in_order_adds_in_place_where_a_sum_exists_and_skips_missing_gradien
     held = torch.ones(3)
     grad = torch.full((3,), 2.0)
     sums: list[torch.Tensor | None] = [held, None, None, torch.ones(2)]
-    add_in_order(sums, [grad, None, grad, None])
+    assert add_in_order(sums, [grad, None, grad, None])  # sums[2] is a new tensor
     assert sums[0] is held and torch.equal(held, torch.full((3,), 3.0))  # in place
     assert sums[1] is None  # no gradient, nothing held
     assert sums[2] is grad  # nothing held: the gradient is the sum
     assert torch.equal(sums[3], torch.ones(2))  # held, no gradient: unchanged
     empty: list[torch.Tensor | None] = [None, None]
-    add_in_order(empty, [None, grad])  # nothing held at all: the gradients are the sums
+    assert add_in_order(empty, [None, grad])  # nothing held at all: the gradients are the sums
     assert empty[0] is None and empty[1] is grad
+    every: list[torch.Tensor | None] = [torch.ones(3), torch.ones(2)]
+    before = list(every)
+    # every sum added in place: False, so a caller that took them from .grad keeps it
+    assert not add_in_order(every, [grad, torch.ones(2)])
+    assert all(map(operator.is_, every, before))
+    assert torch.equal(before[0], torch.full((3,), 3.0))
+    assert torch.equal(before[1], 2 * torch.ones(2))
+    assert not add_in_order(every, [None, torch.ones(2)])
 
 
 def test_add_in_order_adds_sparse_and_dense_in_either_order() -> None:
@@ -259,7 +268,7 @@ def test_add_in_order_adds_sparse_and_dense_in_either_order() -> None:
     dense = torch.arange(8.0).view(4, 2)
     for held, grad in ((rows, dense), (dense.clone(), rows), (rows, rows)):
         sums: list[torch.Tensor | None] = [held]
-        add_in_order(sums, [grad])
+        assert add_in_order(sums, [grad])  # a new tensor: a sparse sum is never in place
         assert sums[0] is not None and sums[0].is_sparse == (held.is_sparse and grad.is_sparse)
         torch.testing.assert_close(sums[0].to_dense(), held.to_dense() + grad.to_dense())
 
@@ -277,7 +286,8 @@ def test_add_in_order_never_writes_a_borrowed_sum(lent: str) -> None:
         "all": {id(views[0]), id(views[1])}, "some": {id(views[1])}, "none": set(),
         "gradients only": {id(grads[0]), id(grads[1])},
     }[lent]
-    add_in_order(sums, grads, borrowed)
+    replaced = add_in_order(sums, grads, borrowed)
+    assert replaced == (lent in ("all", "some"))  # a borrowed sum became a new tensor
     assert torch.equal(sums[0], torch.tensor([1.0, 2.0, 3.0]))
     assert torch.equal(sums[1], torch.tensor([5.0, 6.0, 7.0]))
     for view, total in zip(views, sums, strict=True):

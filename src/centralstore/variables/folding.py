@@ -557,8 +557,8 @@ def _apply_together(
         brought = _brought(centrals, replica_values)
         terms = brought if assigned else torch._foreach_sub(brought, centrals)
         total = torch._foreach_add(list(total), terms) if total else terms
-    if aggregation is VariableAggregation.MEAN:
-        total = torch._foreach_div(list(total), len(values))
+    if aggregation is VariableAggregation.MEAN and len(values) > 1:  # (x / 1 is x)
+        torch._foreach_div_(list(total), len(values))  # the sums are fresh tensors
     if assigned:
         torch._foreach_copy_(centrals, list(total))
     else:

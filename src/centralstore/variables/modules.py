@@ -385,10 +385,20 @@ class Filled:
         _, _, _, candidates, tensors, versions = map(list, zip(*entries, strict=True))
         moved = list(map(ne, map(_version_of, tensors), versions))
         if any(moved):
-            for _, name, central, view, tensor, _ in compress(entries, moved):
-                if not view.private or tensor is not view.tensor:
-                    raise_shared_write(views.replica, name, central)
-                views.note_write(view, DELTA, moved=True)
+            written = list(compress(candidates, moved))
+            # ``note_write`` of a delta seen by its counter only refuses an aggregation NONE
+            # of several replicas: when every copy written is private (the usual case, a
+            # batch norm's counter) and none refuses, there is nothing to do (checked in C)
+            if not (
+                all(map(_private_of, written))
+                and all(map(is_, compress(tensors, moved), map(_tensor_of, written)))
+                and (views.num_replicas == 1
+                     or VariableAggregation.NONE not in map(_aggregation_of, written))
+            ):
+                for _, name, central, view, tensor, _ in compress(entries, moved):
+                    if not view.private or tensor is not view.tensor:
+                        raise_shared_write(views.replica, name, central)
+                    views.note_write(view, DELTA, moved=True)
             stayed = list(map(not_, moved))
             candidates = list(compress(candidates, stayed))
             tensors = list(compress(tensors, stayed))
