@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -178,7 +179,6 @@ class _Timers:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> _Timers:
-        import importlib
         for where, name, label in FUNCTIONS:
             module_name, _, owner_name = where.partition(":")
             owner: Any = importlib.import_module(module_name)
@@ -595,6 +595,8 @@ def main() -> None:
                         help="with --phases: the time inside the run path's main functions")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if (options.views or options.functions) and not options.phases:
+        parser.error("--views and --functions go with --phases: add --phases")
     if options.worker:
         torch.set_num_threads(1)
         result = worker_phases(options.phase_steps) if options.phases else worker_counts()
