@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paths import each_path, run_on, strategy_on
 from replicas import context, local, replica_id, strategy_of
 from torch import nn
 
@@ -238,25 +239,25 @@ def test_a_kernel_write_to_a_buffer_that_forbids_writes_raises_and_is_discarded(
     assert int(bn.num_batches_tracked) == 0  # the whole run was discarded
 
 
-@MECHANISMS
+@each_path
 @pytest.mark.parametrize("aggregation", ["NONE", "ONLY_FIRST_REPLICA"])
 def test_a_counted_write_to_a_buffer_is_refused_or_kept_by_its_aggregation(
-    direct: bool, aggregation: str
+    path: str, aggregation: str
 ) -> None:
     """Batch norm's counter moves by ``add_`` (its version counter sees the write): with
     aggregation NONE two replicas' writes are refused and the run discarded, with the
     usual ONLY_FIRST_REPLICA the first replica's count is kept."""
-    strategy = strategy_of(2, direct=direct)
+    strategy = strategy_on(path)
     with strategy.scope():
         bn = nn.BatchNorm1d(3)
         cs.set_aggregation(bn.num_batches_tracked, aggregation)
     x = torch.randn(8, 3)
     if aggregation == "NONE":
         with pytest.raises(ValueError, match="aggregation is NONE"):
-            strategy.run(bn, args=(per_replica(x),))
+            run_on(path, strategy, bn, (per_replica(x),))
         assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_mean, torch.zeros(3))
     else:
-        strategy.run(bn, args=(per_replica(x),))
+        run_on(path, strategy, bn, (per_replica(x),))
         assert int(bn.num_batches_tracked) == 1
 
 

@@ -418,9 +418,7 @@ class Collectives(Workers):
         ]
         local_replicas = len(parts[0]) if parts else 0
         flat_sizes = torch.tensor([s for row in sizes for s in row], dtype=torch.int64)
-        small = None  # the sizes travel in the agreement's slot when they fit
-        if flat_sizes.numel() <= SMALL_WORDS:
-            small = torch.cat([flat_sizes, flat_sizes.new_zeros(SMALL_WORDS - flat_sizes.numel())])
+        small = _small_words([flat_sizes])  # the sizes travel in the agreement's slot if they fit
         table = self.agree(
             Kind.GATHER, signature(layout), len(parts), local_replicas, small=small
         )
