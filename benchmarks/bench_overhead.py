@@ -63,11 +63,17 @@ for DDP, its forward (with DDP's own work before it) and its backward (with the
 all-reduce it waits for at the end); then the optimizer step, and the whole step. Each
 worker prints its row: a worker waits at the sync point for the slower one. Medians, then
 tenth percentiles: the quiet steps, where neither worker waited long for the other, show
-the fixed cost of each phase.
+the fixed cost of each phase. With ``--functions``, ``--phase-steps`` more cs steps then
+time the functions of ``WORKER_FUNCTIONS`` (entering and leaving the views, the local
+fold, the agreement and its all-gather, the buckets' sums handed out, ``.grad`` set, and
+``sync_across``, the sync point's exchange around them), printed under each worker's cs
+row: the median per step, then the tenth percentile (a time nested in another counts in
+both; the tenth percentiles of the parts do not add up to the whole's).
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--phases [--views] [--functions]]
         [--phase-steps 200]
+    python benchmarks/bench_overhead.py --phases --workers [--functions]
 """
 
 from __future__ import annotations
@@ -170,16 +176,33 @@ FUNCTIONS = [
 ]
 
 
-class _Timers:
-    """``FUNCTIONS`` wrapped in timers while this is entered: ``spent`` is the nanoseconds
-    inside each (by label) since it was last cleared."""
+# the same for ``--phases --workers --functions``: the sync point across workers, split
+WORKER_FUNCTIONS = [
+    ("centralstore.variables.store:VariableStore", "open_run", "open run"),
+    ("centralstore.variables.modules:Filled", "_fill_all", "fill parameters"),
+    ("centralstore.variables.modules:Filled", "empty", "empty slots"),
+    ("centralstore.variables.store:VariableStore", "close_run", "close run"),
+    ("centralstore.strategies._exchange", "sync_across", "sync across"),
+    ("centralstore.strategies._exchange:_Layout", "__init__", "layout"),
+    ("centralstore.variables.store:VariableStore", "fold", "local fold"),
+    ("centralstore.strategies._cross_worker:Collectives", "agree", "agreement"),
+    ("centralstore.strategies._cross_worker:Collectives", "all_gather", "its all-gather"),
+    ("centralstore.strategies._buckets:EarlyExchange", "exchanged", "sums handed out"),
+    ("centralstore.strategies._exchange", "_add_back", "grad set"),
+]
 
-    def __init__(self) -> None:
+
+class _Timers:
+    """``functions`` (``FUNCTIONS`` by default) wrapped in timers while this is entered:
+    ``spent`` is the nanoseconds inside each (by label) since it was last cleared."""
+
+    def __init__(self, functions: list[tuple[str, str, str]] | None = None) -> None:
         self.spent: dict[str, int] = {}
+        self._functions = FUNCTIONS if functions is None else functions
         self._saved: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> _Timers:
-        for where, name, label in FUNCTIONS:
+        for where, name, label in self._functions:
             module_name, _, owner_name = where.partition(":")
             owner: Any = importlib.import_module(module_name)
             if owner_name:
@@ -392,10 +415,11 @@ def worker_counts() -> dict[str, dict[str, Any]]:
 WORKER_PHASES = ("opening", "forward", "backward", "sync point", "opt step", "step")
 
 
-def worker_phases(steps: int) -> dict[str, list[float]]:
+def worker_phases(steps: int, functions: bool = False) -> dict[str, Any]:
     """(In a worker process started by ``--phases --workers``.) Medians and tenth
     percentiles in microseconds of ``WORKER_PHASES`` for cs, then for DDP, over ``steps``
-    steps of each in drawn turns."""
+    steps of each in drawn turns; with ``functions`` (``--functions``), then ``steps`` more
+    cs steps timing ``WORKER_FUNCTIONS`` (``inside``: label -> [median, tenth percentile])."""
     import random
 
     clock = time.perf_counter
@@ -442,9 +466,21 @@ def worker_phases(steps: int) -> dict[str, list[float]]:
         for name in order:
             times[name].append(steps_of[name]())
     columns = [column for name in steps_of for column in zip(*times[name], strict=True)]
+    inside: dict[str, list[float]] = {}
+    if functions:  # after the timed steps: the timers cost a Python call each
+        with _Timers(WORKER_FUNCTIONS) as timers:
+            for _ in range(steps):
+                timers.spent.clear()
+                cs_step()
+                for label, spent in timers.spent.items():
+                    inside.setdefault(label, []).append(spent / 1e3)
     return {
         "median": [statistics.median(column) * 1e6 for column in columns],
         "p10": [statistics.quantiles(column, n=10)[0] * 1e6 for column in columns],
+        "inside": {
+            label: [statistics.median(times), statistics.quantiles(times, n=10)[0]]
+            for label, times in inside.items()
+        },
     }
 
 
@@ -597,9 +633,15 @@ def main() -> None:
     options = parser.parse_args()
     if (options.views or options.functions) and not options.phases:
         parser.error("--views and --functions go with --phases: add --phases")
+    if options.views and options.workers:
+        parser.error("--views is for one process (across workers every replica sees views "
+                     "already): leave out --views or --workers")
     if options.worker:
         torch.set_num_threads(1)
-        result = worker_phases(options.phase_steps) if options.phases else worker_counts()
+        result = (
+            worker_phases(options.phase_steps, options.functions) if options.phases
+            else worker_counts()
+        )
         if options.phases or os.environ["RANK"] == "0":  # phases: each worker its row
             print(json.dumps(result))
         return
@@ -608,7 +650,7 @@ def main() -> None:
         fake_gpu_counts()
         return
     if options.phases and options.workers:
-        print_worker_phases(options.phase_steps)
+        print_worker_phases(options.phase_steps, options.functions)
         return
     if options.phases:
         phases(options.models, options.phase_steps, options.views, options.functions)
@@ -658,10 +700,12 @@ def _worker_outputs(*flags: str) -> list[Any]:
     return [json.loads(output) for output in outputs if output.strip()]
 
 
-def print_worker_phases(steps: int) -> None:
-    """The ``--phases --workers`` table (see the module's docstring)."""
-    outputs = _worker_outputs("--phases", "--phase-steps", str(steps))
-    for statistic, title in (("median", "medians"), ("p10", "tenth percentiles")):
+def print_worker_phases(steps: int, functions: bool = False) -> None:
+    """The ``--phases --workers`` table (see the module's docstring); ``functions``:
+    ``--functions``."""
+    flags = ["--phases", "--phase-steps", str(steps)] + (["--functions"] if functions else [])
+    outputs = _worker_outputs(*flags)
+    for k, (statistic, title) in enumerate((("median", "medians"), ("p10", "tenth percentiles"))):
         print(f"small transformer, 2 gloo workers x 1 replica against DDP in the same "
               f"processes; us, wall-clock {title} of {steps} steps")
         print(f"{'worker':<7} {'':<4} " + " ".join(f"{name:>10}" for name in WORKER_PHASES))
@@ -674,6 +718,10 @@ def print_worker_phases(steps: int) -> None:
             print(f"{rank:<7} {'diff':<4} " + " ".join(
                 f"{c - d:>10.1f}" for c, d in zip(cs_row, ddp_row, strict=True)
             ))
+            if output["inside"]:
+                print(f"{'':<7} cs inside: " + ", ".join(
+                    f"{label} {times[k]:.1f}" for label, times in output["inside"].items()
+                ))
         print()
 
 
