@@ -628,7 +628,8 @@ def main() -> None:
     parser.add_argument("--views", action="store_true",
                         help="with --phases: the replicas see views, as on GPUs")
     parser.add_argument("--functions", action="store_true",
-                        help="with --phases: the time inside the run path's main functions")
+                        help="with --phases: the time inside the run path's main functions "
+                        "(with --workers: the multi-worker sync point's)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if (options.views or options.functions) and not options.phases:
