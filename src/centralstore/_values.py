@@ -12,6 +12,7 @@ import torch
 from . import _tree
 
 _Tensor = torch.Tensor
+_set_slot = object.__setattr__
 
 T = TypeVar("T")
 
@@ -28,9 +29,12 @@ class PerReplica(Sequence[T], Generic[T]):
     """
 
     __slots__ = ("_values",)
+    _values: tuple[T, ...]
 
     def __init__(self, values: Iterable[T]) -> None:
-        self._values = tuple(values)
+        # object's own setter, past the read-only guard's Python: a step's input makes one
+        # PerReplica per tensor
+        _set_slot(self, "_values", tuple(values))
 
     @property
     def values(self) -> tuple[T, ...]:
