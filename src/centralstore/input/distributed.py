@@ -46,11 +46,10 @@ Cut = Callable[[Iterator[Any], "_Mover", Callable[[], Any]], Generator[Step, Non
 class _Target(Protocol):
     def put(self, leaf: Any) -> Any: ...
 
-    def finish(self) -> Callable[[], None] | None: ...
-
 
 class _Copy:
-    """A device without streams (the host CPU, MPS): a leaf elsewhere is copied, else kept."""
+    """A device without streams (the host CPU, MPS): a leaf elsewhere is copied, else kept;
+    the copy is done when ``put`` returns, so a step has nothing to wait for."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
@@ -59,9 +58,6 @@ class _Copy:
         if not isinstance(leaf, torch.Tensor) or leaf.device == self._device:
             return leaf
         return leaf.to(self._device)
-
-    def finish(self) -> Callable[[], None] | None:
-        return None
 
 
 class _CudaCopy:
@@ -142,7 +138,7 @@ class _Mover:
                 device = storage_device(name)
                 targets[name] = _CudaCopy(device) if device.type == "cuda" else _Copy(device)
         self._targets = [targets[name] for name in devices] if fetch_to_device else None
-        self._distinct = list(targets.values())
+        self._streamed = [t for t in targets.values() if isinstance(t, _CudaCopy)]
         self._host = all(storage_device(name).type == "cpu" for name in devices)
         self._per_replica = len(devices) > 1
 
@@ -169,10 +165,11 @@ class _Mover:
         return _tree.unflatten(leaves, spec)
 
     def waits(self) -> tuple[Callable[[], None], ...]:
-        """What the consumer runs before using the slices placed since the last call."""
-        if not self._distinct:
+        """What the consumer runs before using the slices placed since the last call: the
+        GPUs' (a host copy is done when ``put`` returns)."""
+        if not self._streamed:
             return ()
-        finished = (target.finish() for target in self._distinct)
+        finished = (target.finish() for target in self._streamed)
         return tuple(wait for wait in finished if wait is not None)
 
 
