@@ -9,9 +9,16 @@ exists, the same address layout: so fixed, two runs counted the same instruction
 last (without the first two, the same code's count moved by 0.7% between runs). The table
 gives the instructions a step executes (all of them: the interpreter's, torch's kernels',
 the allocator's) and their ratio to the same work without centralstore (``cs R=1`` /
-``plain``, ``cs R=2`` / ``halves``). With ``--cache`` callgrind also simulates the caches and
-branch predictors (about four times slower) and adds the first-level data and instruction
-misses and the mispredicted branches per step.
+``plain``, ``cs R=2`` / ``halves``), and ``cs R=2`` / ``apart``: ``apart`` is the halves
+keeping each pass's gradients apart, as two replicas must, so that ratio is centralstore's
+bookkeeping alone. With ``--cache`` callgrind also simulates the caches and branch
+predictors (about four times slower) and adds the first-level data and instruction misses
+and the mispredicted branches per step; ``--functions N`` names, for each comparison, the N
+functions whose own instructions differ most (``callgrind_annotate``; Python code shows as
+the interpreter's functions). Only the same program counts the same: a change anywhere in
+it can move the heap's layout, and glibc's allocator, whose functions then differ most,
+moves a difference between two configurations by up to tens of thousands of instructions
+(benchmarks/README.md).
 
 An instruction is not a unit of time: the gap in time is larger than the gap in instructions
 when the extra instructions miss the caches more often, which ``--cache`` shows. Needs
@@ -20,22 +27,27 @@ and exits. Each process takes minutes (the interpreter under valgrind runs about
 slower), and they run two at a time.
 
     python benchmarks/bench_instructions.py [--models cnn gpt2] [--steps 10] [--cache]
+        [--functions 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-CONFIGS = ("plain", "cs R=1", "halves", "cs R=2")
-BASELINES = {"cs R=1": "plain", "cs R=2": "halves"}
+CONFIGS = ("plain", "cs R=1", "halves", "apart", "cs R=2")
+# each configuration's baselines: the same work without centralstore first; ``cs R=2`` also
+# against ``apart``, the halves keeping each pass's gradients apart as two replicas must
+BASELINES = {"cs R=1": ("plain",), "apart": ("halves",), "cs R=2": ("halves", "apart")}
 WARM = 10  # untimed steps before the counted ones
 EVENTS = {  # callgrind's event -> the column
     "Ir": "instructions",
@@ -81,10 +93,33 @@ def _control_library(directory: Path) -> Path | None:
     return library if built.returncode == 0 else None
 
 
+_ANNOTATED = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+(\S.*)$")  # "1,234 (5.6%)  file:function [lib]"
+
+
+def _by_function(out: Path, steps: int) -> dict[str, float]:
+    """The instructions each function executed itself, per step, as ``callgrind_annotate``
+    reads ``out``; code that torch generates at run time (no symbol) counts as one."""
+    annotated = subprocess.run(
+        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    functions: collections.Counter[str] = collections.Counter()
+    for line in annotated.splitlines():
+        found = _ANNOTATED.match(line)
+        if found is None or "PROGRAM TOTALS" in line:
+            continue
+        name = found[2].split(" [")[0]
+        name = "??? (generated at run time)" if name.startswith("???:0x") else name
+        functions[name.rsplit("/", 1)[-1]] += int(found[1].replace(",", ""))
+    return {name: count / steps for name, count in functions.items()}
+
+
 def _count(
-    model: str, config: str, steps: int, cache: bool, library: Path, directory: Path
-) -> dict[str, float]:
-    """Callgrind's totals for ``steps`` steps of ``config``, per step."""
+    model: str, config: str, steps: int, cache: bool, library: Path, directory: Path,
+    functions: bool = False,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Callgrind's totals for ``steps`` steps of ``config``, per step, and with
+    ``functions`` each function's own instructions per step (else an empty dict)."""
     name = f"{model}-{config.replace(' ', '_').replace('=', '')}"
     out = directory / f"callgrind.{name}"
     code = _STEPS.format(
@@ -112,7 +147,21 @@ def _count(
             totals = [int(v) for v in line.split()[1:]]
     if events is None or totals is None:
         raise RuntimeError(f"callgrind wrote no totals for {model} {config} to {out}")
-    return {event: total / steps for event, total in zip(events, totals, strict=False)}
+    per_step = {event: total / steps for event, total in zip(events, totals, strict=False)}
+    return per_step, (_by_function(out, steps) if functions else {})
+
+
+def _print_functions(
+    model: str, config: str, base: str, functions: dict[tuple[str, str], dict[str, float]],
+    top: int,
+) -> None:
+    """The ``top`` functions whose own instructions differ most between the two."""
+    mine, theirs = functions[model, config], functions[model, base]
+    more = {name: mine.get(name, 0.0) - theirs.get(name, 0.0) for name in {*mine, *theirs}}
+    print(f"\n{model} {config} over {base}: the functions whose own instructions per step "
+          "differ most")
+    for name, delta in sorted(more.items(), key=lambda item: -abs(item[1]))[:top]:
+        print(f"  {delta:>+10,.0f}  {name[:110]}")
 
 
 def main() -> None:
@@ -122,9 +171,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="counted steps per process")
     parser.add_argument("--cache", action="store_true",
                         help="also simulate the caches and branch predictors")
+    parser.add_argument("--functions", type=int, default=0, metavar="N",
+                        help="after the table, the N functions whose own instructions differ "
+                        "most between each configuration and its baselines")
     options = parser.parse_args()
+    if options.functions < 0:
+        parser.error(f"--functions must be 0 or more, got {options.functions}")
     if shutil.which("valgrind") is None:
         print("bench_instructions: valgrind is not installed here; nothing counted.")
+        return
+    if options.functions and shutil.which("callgrind_annotate") is None:
+        print("bench_instructions: --functions needs valgrind's callgrind_annotate, which is "
+              "not installed here; nothing counted.")
         return
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
@@ -136,23 +194,33 @@ def main() -> None:
         jobs = [(model, config) for model in options.models for config in CONFIGS]
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             futures = {
-                job: pool.submit(_count, *job, options.steps, options.cache, library, directory)
+                job: pool.submit(
+                    _count, *job, options.steps, options.cache, library, directory,
+                    options.functions > 0,
+                )
                 for job in jobs
             }
-            counts = {job: future.result() for job, future in futures.items()}
+            results = {job: future.result() for job, future in futures.items()}
+    counts = {job: totals for job, (totals, _) in results.items()}
+    functions = {job: by_function for job, (_, by_function) in results.items()}
     shown = [e for e in EVENTS if e in counts[jobs[0]]]
     print(f"valgrind callgrind, {options.steps} steps counted after {WARM}, per step; "
           "ratio: instructions over the same work without centralstore")
     print(f"{'model':<6} {'config':<8} " + " ".join(f"{EVENTS[e]:>16}" for e in shown)
-          + f" {'ratio':>7} {'more':>10}")
+          + f" {'ratio':>7} {'more':>10}  over")
     for model, config in jobs:
         row = counts[model, config]
         line = f"{model:<6} {config:<8} " + " ".join(f"{row[e]:>16,.0f}" for e in shown)
-        base = BASELINES.get(config)
-        if base is not None:
+        for k, base in enumerate(BASELINES.get(config, ())):
             under = counts[model, base]["Ir"]
-            line += f" {row['Ir'] / under:>7.4f} {row['Ir'] - under:>+10,.0f}"
+            if k:  # a further baseline: its own line, under the ratio's column
+                line += "\n" + " " * (16 + 17 * len(shown))
+            line += f" {row['Ir'] / under:>7.4f} {row['Ir'] - under:>+10,.0f}  {base}"
         print(line, flush=True)
+    if options.functions:
+        for model, config in jobs:
+            for base in BASELINES.get(config, ()):
+                _print_functions(model, config, base, functions, options.functions)
 
 
 if __name__ == "__main__":
