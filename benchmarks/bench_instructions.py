@@ -4,8 +4,9 @@ Timings on a shared machine move by 2 to 4% from run to run (``bench_models.py``
 own noise), as much as the per-step gaps this project chases on small models. An instruction
 count does not move with the machine: each configuration of ``bench_models.py`` runs in a
 process of its own under callgrind, whose counting is switched on for the counted steps only
-(after 10 uncounted ones), with one OpenMP thread, a fixed hash seed and, where ``setarch``
-exists, the same address layout: so fixed, two runs counted the same instructions to the
+(after 10 uncounted ones), with one OpenMP thread, a fixed hash seed, glibc's mmap threshold
+fixed as ``bench_models.py`` fixes it for its timings and, where ``setarch`` exists, the same
+address layout: so fixed, two runs counted the same instructions to the
 last (without the first two, the same code's count moved by 0.7% between runs). The table
 gives the instructions a step executes (all of them: the interpreter's, torch's kernels',
 the allocator's) and their ratio to the same work without centralstore (``cs R=1`` /
@@ -15,10 +16,11 @@ bookkeeping alone. With ``--cache`` callgrind also simulates the caches and bran
 predictors (about four times slower) and adds the first-level data and instruction misses
 and the mispredicted branches per step; ``--functions N`` names, for each comparison, the N
 functions whose own instructions differ most (``callgrind_annotate``; Python code shows as
-the interpreter's functions). Only the same program counts the same: a change anywhere in
-it can move the heap's layout, and glibc's allocator, whose functions then differ most,
-moves a difference between two configurations by up to tens of thousands of instructions
-(benchmarks/README.md).
+the interpreter's functions); the table's ``outside`` column is a difference without
+glibc's allocator's functions. Only the same program counts the same: a change anywhere in
+it (even in the script that drives the steps) can move the heap's layout, and a difference
+between two configurations by up to about 45,000 instructions, the allocator's functions
+moving most (benchmarks/README.md).
 
 An instruction is not a unit of time: the gap in time is larger than the gap in instructions
 when the extra instructions miss the caches more often, which ``--cache`` shows. Needs
@@ -67,6 +69,7 @@ sys.path.insert(0, {benchmarks!r})
 import torch
 torch.set_num_threads(1)
 import bench_models
+bench_models.fix_mmap_threshold()  # glibc's heap as bench_models.py times it
 control = ctypes.CDLL({library!r})
 step = bench_models.make_step({model!r}, {config!r}, 4, False)
 for _ in range({warm}):
@@ -93,33 +96,38 @@ def _control_library(directory: Path) -> Path | None:
     return library if built.returncode == 0 else None
 
 
+ALLOCATOR = "(glibc's allocator)"  # the key of its total among a run's functions
 _ANNOTATED = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+(\S.*)$")  # "1,234 (5.6%)  file:function [lib]"
 
 
-def _by_function(out: Path, steps: int) -> dict[str, float]:
+def _by_function(out: Path, steps: int) -> tuple[dict[str, float], float]:
     """The instructions each function executed itself, per step, as ``callgrind_annotate``
-    reads ``out``; code that torch generates at run time (no symbol) counts as one."""
+    reads ``out`` (code that torch generates at run time, which has no symbol, counts as one
+    function), and those of glibc's allocator (its ``malloc`` directory) among them."""
     annotated = subprocess.run(
         ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
         capture_output=True, text=True, check=True,
     ).stdout
     functions: collections.Counter[str] = collections.Counter()
+    allocator = 0
     for line in annotated.splitlines():
         found = _ANNOTATED.match(line)
         if found is None or "PROGRAM TOTALS" in line:
             continue
-        name = found[2].split(" [")[0]
+        name, count = found[2].split(" [")[0], int(found[1].replace(",", ""))
         name = "??? (generated at run time)" if name.startswith("???:0x") else name
-        functions[name.rsplit("/", 1)[-1]] += int(found[1].replace(",", ""))
-    return {name: count / steps for name, count in functions.items()}
+        functions[name.rsplit("/", 1)[-1]] += count
+        if "/malloc/" in name:  # glibc's sources: ./malloc/./malloc/malloc.c, arena.c
+            allocator += count
+    return {name: count / steps for name, count in functions.items()}, allocator / steps
 
 
 def _count(
     model: str, config: str, steps: int, cache: bool, library: Path, directory: Path,
-    functions: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Callgrind's totals for ``steps`` steps of ``config``, per step, and with
-    ``functions`` each function's own instructions per step (else an empty dict)."""
+    """Callgrind's totals for ``steps`` steps of ``config``, per step, and each function's
+    own instructions per step (an empty dict without ``callgrind_annotate``), with the
+    allocator's total under ``ALLOCATOR``."""
     name = f"{model}-{config.replace(' ', '_').replace('=', '')}"
     out = directory / f"callgrind.{name}"
     code = _STEPS.format(
@@ -148,7 +156,10 @@ def _count(
     if events is None or totals is None:
         raise RuntimeError(f"callgrind wrote no totals for {model} {config} to {out}")
     per_step = {event: total / steps for event, total in zip(events, totals, strict=False)}
-    return per_step, (_by_function(out, steps) if functions else {})
+    if shutil.which("callgrind_annotate") is None:
+        return per_step, {}
+    functions, allocator = _by_function(out, steps)
+    return per_step, {**functions, ALLOCATOR: allocator}
 
 
 def _print_functions(
@@ -157,7 +168,10 @@ def _print_functions(
 ) -> None:
     """The ``top`` functions whose own instructions differ most between the two."""
     mine, theirs = functions[model, config], functions[model, base]
-    more = {name: mine.get(name, 0.0) - theirs.get(name, 0.0) for name in {*mine, *theirs}}
+    more = {
+        name: mine.get(name, 0.0) - theirs.get(name, 0.0)
+        for name in {*mine, *theirs} - {ALLOCATOR}
+    }
     print(f"\n{model} {config} over {base}: the functions whose own instructions per step "
           "differ most")
     for name, delta in sorted(more.items(), key=lambda item: -abs(item[1]))[:top]:
@@ -195,8 +209,7 @@ def main() -> None:
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
             futures = {
                 job: pool.submit(
-                    _count, *job, options.steps, options.cache, library, directory,
-                    options.functions > 0,
+                    _count, *job, options.steps, options.cache, library, directory
                 )
                 for job in jobs
             }
@@ -204,10 +217,11 @@ def main() -> None:
     counts = {job: totals for job, (totals, _) in results.items()}
     functions = {job: by_function for job, (_, by_function) in results.items()}
     shown = [e for e in EVENTS if e in counts[jobs[0]]]
-    print(f"valgrind callgrind, {options.steps} steps counted after {WARM}, per step; "
-          "ratio: instructions over the same work without centralstore")
+    print(f"valgrind callgrind, {options.steps} steps counted after {WARM}, per step, glibc's "
+          "mmap threshold fixed; ratio: instructions over the same work without centralstore; "
+          "more: the difference, in all and outside glibc's allocator")
     print(f"{'model':<6} {'config':<8} " + " ".join(f"{EVENTS[e]:>16}" for e in shown)
-          + f" {'ratio':>7} {'more':>10}  over")
+          + f" {'ratio':>7} {'more':>10} {'outside':>10}  over")
     for model, config in jobs:
         row = counts[model, config]
         line = f"{model:<6} {config:<8} " + " ".join(f"{row[e]:>16,.0f}" for e in shown)
@@ -215,7 +229,13 @@ def main() -> None:
             under = counts[model, base]["Ir"]
             if k:  # a further baseline: its own line, under the ratio's column
                 line += "\n" + " " * (16 + 17 * len(shown))
-            line += f" {row['Ir'] / under:>7.4f} {row['Ir'] - under:>+10,.0f}  {base}"
+            outside = "-"
+            if functions[model, config] and functions[model, base]:
+                mine = row["Ir"] - functions[model, config][ALLOCATOR]
+                outside = f"{mine - under + functions[model, base][ALLOCATOR]:+,.0f}"
+            line += (
+                f" {row['Ir'] / under:>7.4f} {row['Ir'] - under:>+10,.0f} {outside:>10}  {base}"
+            )
         print(line, flush=True)
     if options.functions:
         for model, config in jobs:
