@@ -6,8 +6,8 @@ count does not move with the machine: each configuration of ``bench_models.py`` 
 process of its own under callgrind, whose counting is switched on for the counted steps only
 (after 10 uncounted ones), with one OpenMP thread, a fixed hash seed, glibc's mmap threshold
 fixed as ``bench_models.py`` fixes it for its timings and, where ``setarch`` exists, the same
-address layout: so fixed, two runs counted the same instructions to the
-last (without the first two, the same code's count moved by 0.7% between runs). The table
+address layout: so fixed, two runs counted the same instructions to the last (without the
+fixed seed and layout, the same code's count moved by 0.7% between runs). The table
 gives the instructions a step executes (all of them: the interpreter's, torch's kernels',
 the allocator's) and their ratio to the same work without centralstore (``cs R=1`` /
 ``plain``, ``cs R=2`` / ``halves``), and ``cs R=2`` / ``apart``: ``apart`` is the halves
