@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +39,24 @@ def test_per_replica_is_read_only() -> None:
         value.values = (1,)  # type: ignore[misc]
     assert value.values == (1, 2)
     assert not hasattr(value, "__dict__")
+
+
+@pytest.mark.parametrize(
+    "duplicate", [copy.copy, copy.deepcopy, lambda v: pickle.loads(pickle.dumps(v))],
+    ids=["copy", "deepcopy", "pickle"],
+)
+def test_a_copied_per_replica_is_equal_and_still_read_only(
+    duplicate: Callable[[Any], Any],
+) -> None:
+    """The constructor sets the slot past the guard; copying and unpickling set it through
+    the guard, once, which it allows: the copy holds the components and refuses a second
+    write."""
+    value: cs.PerReplica[Any] = cs.PerReplica([torch.tensor([1.0]), 2])
+    twin = duplicate(value)
+    assert type(twin) is cs.PerReplica and twin is not value
+    assert len(twin) == 2 and torch.equal(twin[0], value[0]) and twin[1] == 2
+    with pytest.raises(AttributeError, match="read-only"):
+        twin._values = (3, 4)
 
 
 def test_per_replica_copies_its_components() -> None:

@@ -103,3 +103,27 @@ def test_split_keeps_each_batch_size_cut_once() -> None:
     assert split.sizes(1) == (1, 0)
     with pytest.raises(ValueError, match="Cannot split a scalar tensor"):
         split.tensor(torch.tensor(3))
+
+
+def test_a_step_on_host_devices_has_nothing_to_wait_for() -> None:
+    """A host target's copy is done when it returns: the mover hands the consumer no waits,
+    whether the slices were kept or copied."""
+    place = distributed._Mover(DEVICES[2], True)
+    batch = torch.arange(4)
+    place.leaf(batch, [batch[:2], batch[2:]])
+    assert place.waits() == ()
+
+
+@pytest.mark.usefixtures("fake_gpus")
+def test_a_step_waits_for_each_gpu_that_copied_and_for_no_host_target() -> None:
+    """Replicas on the host and on two GPUs: the consumer gets one wait per GPU that received
+    slices since the last call, none for the host, and none once they are handed out."""
+    place = distributed._Mover(("cpu:0", "cuda:0", "cuda:1"), True)
+    batch = torch.arange(6.0)
+    step = place.leaf(batch, [batch[:2], batch[2:4], batch[4:]])
+    assert [t.device.type for t in step] == ["cpu", "cuda", "cuda"]
+    waits = place.waits()
+    assert len(waits) == 2
+    for wait in waits:
+        wait()
+    assert place.waits() == ()
