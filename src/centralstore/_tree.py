@@ -13,8 +13,9 @@ import torch.utils._pytree as _pytree
 
 TreeSpec = _pytree.TreeSpec
 
-# ``tree_is_leaf`` is the public name since torch 2.3; older releases only have ``_is_leaf``.
-_is_leaf: Callable[[Any], bool] = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
+# Whether pytree treats a value as a leaf (no registered container). ``tree_is_leaf`` is the
+# public name since torch 2.3; older releases only have ``_is_leaf``.
+is_leaf: Callable[[Any], bool] = getattr(_pytree, "tree_is_leaf", None) or _pytree._is_leaf
 
 
 def flatten(
@@ -34,7 +35,7 @@ def leaves(tree: Any) -> list[Any]:
         return [leaf for item in tree for leaf in leaves(item)]
     if cls is dict:
         return [leaf for item in tree.values() for leaf in leaves(item)]
-    if _is_leaf(tree):
+    if is_leaf(tree):
         return [tree]
     return flatten(tree)[0]
 
@@ -63,6 +64,6 @@ def contains(tree: Any, kind: type) -> bool:
         return bool(tree) and any(contains(item, kind) for item in tree.values())
     if isinstance(tree, kind):
         return True
-    if _is_leaf(tree):
+    if is_leaf(tree):
         return False
     return any(isinstance(leaf, kind) for leaf in flatten(tree)[0])

@@ -122,6 +122,10 @@ def regroup(outputs: Sequence[Any]) -> Any:
     first = outputs[0]
     if all(map(is_, outputs, repeat(first))):  # the same object from all (None): in C
         return first
+    try:
+        return _regroup_plain(outputs)
+    except _NotPlain:  # other containers, or structures that differ: the general walk
+        pass
     leaves0, spec0 = _tree.flatten(first)
     columns = [leaves0]
     for replica, out in enumerate(outputs[1:], start=1):
@@ -140,6 +144,39 @@ def regroup(outputs: Sequence[Any]) -> Any:
                 _different_structures(outputs, replica)
         regrouped.append(PerReplica(row))
     return _tree.unflatten(regrouped, spec0)
+
+
+class _NotPlain(Exception):
+    """``_regroup_plain`` met something that only the general walk may judge."""
+
+
+def _regroup_plain(row: Sequence[Any]) -> Any:
+    """``regroup`` of one position of the replicas' outputs, where they are plain tuples,
+    lists and dicts of leaves, walked directly: torch's pytree takes 5 to 20 us to flatten
+    and rebuild a step's ``(loss, metrics)`` or ``merge_call``'s ``(args, kwargs)`` (a
+    run's own bookkeeping costs about 10). Raises ``_NotPlain`` at anything else: another
+    registered container, or structures that differ (the general walk explains those)."""
+    head = row[0]
+    cls = type(head)
+    if cls is tuple or cls is list:
+        size = len(head)
+        for other in row:
+            if type(other) is not cls or len(other) != size:
+                raise _NotPlain
+        return cls(map(_regroup_plain, zip(*row)))
+    if cls is dict:
+        keys = list(head)
+        for other in row:
+            if type(other) is not dict or list(other) != keys:
+                raise _NotPlain
+        return {key: _regroup_plain([other[key] for other in row]) for key in keys}
+    if not all(map(_tree.is_leaf, row)):
+        raise _NotPlain
+    if all(map(is_, row, repeat(head))):
+        return head
+    if head is None or any(map(is_, row, repeat(None))):
+        raise _NotPlain
+    return PerReplica(row)
 
 
 class _Leaf:
