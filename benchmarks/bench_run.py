@@ -8,14 +8,21 @@ function called plainly in the same process:
   run(lambda x: x, (tensor,))   the same with an argument passed to every replica
   run(f, (PerReplica, PerReplica))  a step's input: two PerReplica arguments, each replica
                                 its components; f returns nothing
+  run(f, (PerReplica,)) -> (x, {'accuracy': x})  a step's outputs: each replica returns
+                                its component and a dict of it, which run regroups into
+                                PerReplica leaves of the same structure
   reduce(SUM, PerReplica)       R tensors of 4 floats summed; plain: the same additions
   run with one all_reduce       the threaded path: replica 0 meets a rendezvous, so the other
                                 replicas run on replica threads; plain: the same all_reduce
                                 in the default replica context (outside any strategy)
+  run with one merge_call       the same with ``merge_call(lambda strategy: None)``: a sync
+                                point (of no variables) on replica 0's thread, which TF-style
+                                steps make to apply their gradients inside the replica
 Calls are timed in batches and the table shows the median over batches, per call. The
-machine is shared, so the cases are interleaved round by round: a drift in load hits them
-alike. The target (docs/design.md §7) is a median under 25 us for a trivial run with R = 2,
-aiming at 15.
+machine is shared, so the cases are interleaved round by round (the call through the
+strategy and the plain one in turns, the first of the two alternating): a drift in load
+hits them alike. The target (docs/design.md §7) is a median under 25 us for a trivial run
+with R = 2, aiming at 15.
 
 A second table times accumulation: a step over a chain of N ``Linear(4, 4)`` (N tensors,
 N / 2 layers) with R = 2, its run beginning with ``.grad`` filled (a second micro-batch
@@ -90,10 +97,21 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
             total = total + part
         return total
 
+    def step_outputs(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return x, {"accuracy": x}
+
     def one_all_reduce() -> Any:
         context = cs.get_replica_context()
         assert context is not None
         return context.all_reduce(cs.ReduceOp.SUM, tensor)
+
+    def one_merge_call() -> Any:
+        context = cs.get_replica_context()
+        assert context is not None
+        return context.merge_call(nothing_merged)
+
+    def nothing_merged(strategy: cs.Strategy) -> None:
+        return None
 
     return {
         "run(lambda: None)": (lambda: strategy.run(nothing), nothing, 1),
@@ -107,11 +125,16 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
             lambda: strategy.run(consume, args=(value, value)),
             lambda: consume(components[0], components[0]), 1,
         ),
+        "run(f, (PerReplica,)) -> (x, {'accuracy': x})": (
+            lambda: strategy.run(step_outputs, args=(value,)),
+            lambda: step_outputs(components[0]), 1,
+        ),
         "reduce(SUM, PerReplica)": (
             lambda: strategy.reduce(cs.ReduceOp.SUM, value), plain_sum, 1,
         ),
         # Thread hand-offs cost tens of microseconds: fewer calls per batch keep rounds short.
         "run with one all_reduce": (lambda: strategy.run(one_all_reduce), one_all_reduce, 20),
+        "run with one merge_call": (lambda: strategy.run(one_merge_call), one_merge_call, 20),
     }
 
 
@@ -123,12 +146,13 @@ def measure(rounds: int, batch: int) -> dict[tuple[str, int], tuple[float, float
         for through, plain, divisor in table.values():
             batch_time(through, max(batch // divisor, 5))
             batch_time(plain, max(batch // divisor, 5))
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for replicas, table in setups.items():
             for name, (through, plain, divisor) in table.items():
                 calls = max(batch // divisor, 5)
-                samples.setdefault((name, replicas, "cs"), []).append(batch_time(through, calls))
-                samples.setdefault((name, replicas, "plain"), []).append(batch_time(plain, calls))
+                pair = [("cs", through), ("plain", plain)]
+                for kind, call in pair if round_ % 2 == 0 else pair[::-1]:  # alternate the order
+                    samples.setdefault((name, replicas, kind), []).append(batch_time(call, calls))
     return {
         (name, replicas): (
             statistics.median(samples[name, replicas, "cs"]),
