@@ -84,10 +84,18 @@ class Environment:
             if torch.is_autocast_enabled(kind)
         ] if torch._C._is_any_autocast_enabled() else []
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self) -> contextlib.AbstractContextManager[Any]:
+        """The state in force on this thread until the context exits: in the common case
+        (no inference mode, autocast or streams) grad mode alone, by torch's own context,
+        which sets it at once; the rest through an ``ExitStack``."""
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        if not (self.inference or self.autocast or self.streams):
+            return torch.set_grad_enabled(self.grad_enabled)
+        return self._all_applied()
+
+    @contextlib.contextmanager
+    def _all_applied(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.inference:
                 stack.enter_context(torch.inference_mode())
@@ -103,16 +111,22 @@ class RunState:
     """The shared state of one ``run``: outputs, errors, the rendezvous and the baton.
 
     Until ``threaded`` is set only the calling thread touches the state, so the sequential
-    path takes no lock; the condition and the baton's fields are set up when the threads
-    start (``_begin_threads``), so that a run without a rendezvous never builds them. From
-    then on the replica holding the baton (``_turn``) is the only one running replica code.
+    path takes no lock; the lock and the baton's fields are set up when the threads start
+    (``_begin_threads``), so that a run without a rendezvous never builds them. From then on
+    the replica holding the baton (``_turn``) is the only one running replica code. The
+    baton passes through a gate per replica, a lock held until the replica's turn comes
+    (``_hand_on`` releases it, the replica's ``_await_turn`` takes it), and the calling
+    thread waits for the replica threads to leave at a gate of its own (``_done``): each
+    hand-off is one release and one acquire in C, where a ``threading.Condition`` ran about
+    40 lines of Python for its notify and its wait.
     A run of one replica never starts threads (its rendezvous meets at once): its caller
     runs the replica itself and gives no ``body``.
     """
 
     __slots__ = (
-        "_aborted", "_alive", "_arrived", "_body", "_cond", "_count", "_crew", "_generation",
-        "_pool", "_results", "_returned", "_running_threads", "_switch", "_turn",
+        "_aborted", "_alive", "_arrived", "_body", "_count", "_crew", "_done", "_gates",
+        "_generation", "_lock", "_pool", "_results", "_returned", "_running_threads", "_switch",
+        "_turn", "_waiting",
         "any_failed", "closed", "errors", "num_replicas", "outputs", "threaded",
     )
 
@@ -132,7 +146,10 @@ class RunState:
 
     def _begin_threads(self) -> None:
         """(The first rendezvous, on the calling thread.) The baton starts with replica 0."""
-        self._cond: threading.Condition = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # the state below, from here on
+        self._gates = [_closed_gate() for _ in range(self.num_replicas)]
+        self._done = _closed_gate()  # opened when the last replica thread leaves, if
+        self._waiting = False  # the calling thread waits for that (``wait_for_threads``)
         self._aborted = False
         self._generation = 0
         self._arrived: list[tuple[str, Any] | None] = [None] * self.num_replicas
@@ -161,7 +178,7 @@ class RunState:
         if not self.threaded:
             self.outputs[replica] = output
             return
-        with self._cond:
+        with self._lock:
             self.outputs[replica] = output
             self._returned.add(replica)
             if self._count and self._arrived[replica] is None and not self._aborted:
@@ -176,7 +193,7 @@ class RunState:
             self.errors[replica] = error
             self.any_failed = True
             return
-        with self._cond:
+        with self._lock:
             self.errors[replica] = error
             self.any_failed = True
             self._aborted = True
@@ -205,7 +222,7 @@ class RunState:
         self._switch.suspend(replica)  # may raise: then this replica fails, holding the baton
         if starting:
             self._begin_threads()
-        with self._cond:
+        with self._lock:
             if not self._aborted and self._returned:
                 self._blame_returned(min(self._returned), kind, replica)
                 self._aborted = True
@@ -240,7 +257,7 @@ class RunState:
                 "replica must make the same collective calls in the same order."
             )
         results = combine([v for _, v in arrived])
-        with self._cond:
+        with self._lock:
             self._results = results
             self._arrived = [None] * self.num_replicas
             self._count = 0
@@ -248,34 +265,36 @@ class RunState:
 
     def _hand_on(self, replica: int) -> None:
         """(Under the lock.) The baton goes to the next replica in order that has not
-        finished."""
+        finished: its gate opens, unless that replica holds the baton already and
+        ``replica`` does not (the calling thread, after a failure that left the baton with
+        a replica thread, finding it there)."""
         n = self.num_replicas
-        self._turn = next(
+        holder = self._turn
+        turn = self._turn = next(
             (r for r in ((replica + k) % n for k in range(1, n + 1)) if r in self._alive), None
         )
-        self._cond.notify_all()
+        if turn is not None and (turn != holder or holder == replica):
+            self._gates[turn].release()
 
     def _await_turn(self, replica: int) -> BaseException | None:
         """Wait for the baton. An interrupt meanwhile (``KeyboardInterrupt`` on the calling
         thread) aborts the run but does not cut the wait short: another replica runs, and
         this one may only leave once it holds the baton. The interrupt is returned."""
         interrupt: BaseException | None = None
+        gate = self._gates[replica]
         while True:
             try:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._turn == replica)
+                gate.acquire()
                 return interrupt
             except BaseException as error:
                 interrupt = interrupt or error
-                with self._cond:
+                with self._lock:
                     self.any_failed = True
                     self._aborted = True
-
-    def finished(self, replica: int) -> None:
-        """(Threaded runs.) Replica ``replica`` has left its code: the baton goes on."""
-        with self._cond:
-            self._alive.discard(replica)
-            self._hand_on(replica)
+                    # The interrupt may have come just after the gate was taken: then it is
+                    # this replica's turn and the gate, opened only for that, is shut again.
+                    if self._turn == replica and gate.locked():
+                        return interrupt
 
     # -- called by the driver ------------------------------------------------------------------
 
@@ -285,12 +304,12 @@ class RunState:
             try:
                 self._pool.submit(self._crew, replica, self._run_on_thread)
             except BaseException:  # the replicas without a thread are finished, unrun
-                with self._cond:
+                with self._lock:
                     self._aborted = self.any_failed = True
                     self._alive -= set(range(replica, self.num_replicas))
                 raise
             # Counted once submitted, so a thread that fails to start leaves no one to wait for.
-            with self._cond:
+            with self._lock:
                 self._running_threads += 1
 
     def _run_on_thread(self, replica: int) -> None:
@@ -301,17 +320,19 @@ class RunState:
         except BaseException as error:  # the body records its own errors; never lose one
             self.failed(replica, error)
         finally:
-            with self._cond:
+            with self._lock:
                 self._running_threads -= 1
                 self._alive.discard(replica)
                 self._hand_on(replica)
+                if self._running_threads == 0 and self._waiting:
+                    self._done.release()
 
     def interrupted(self) -> None:
         """The calling thread was interrupted outside a replica's code: release every replica
         from its rendezvous."""
         if not self.threaded:
             return
-        with self._cond:
+        with self._lock:
             self.any_failed = True
             self._aborted = True
 
@@ -323,20 +344,24 @@ class RunState:
         if not self.threaded:
             return
         interrupt: BaseException | None = None
-        with self._cond:
+        with self._lock:
             if 0 in self._alive:
                 self._alive.discard(0)
                 self._hand_on(0)
-        while True:
+            # Every thread is counted by now (the count may have touched 0 before, between
+            # one thread leaving and the next one's start): from here it falls to 0 once.
+            waiting = self._waiting = self._running_threads > 0
+        while waiting:
             try:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._running_threads == 0)
+                self._done.acquire()
                 break
             except BaseException as error:  # KeyboardInterrupt, or any other async signal
                 interrupt = interrupt or error
-                with self._cond:
+                with self._lock:
                     self.any_failed = True
                     self._aborted = True
+                    if self._running_threads == 0 and self._done.locked():  # (taken, as above)
+                        break
         if interrupt is not None:
             raise interrupt
 
@@ -346,6 +371,13 @@ class RunState:
         if self._crew is not None:
             self._pool.release(self._crew)
             self._crew = None
+
+
+def _closed_gate() -> threading.Lock:
+    """A lock taken already: the next ``acquire`` waits for a ``release``."""
+    gate = threading.Lock()
+    gate.acquire()
+    return gate
 
 
 _Tasks = queue.SimpleQueue[tuple[Callable[[int], None], int] | None]
