@@ -87,6 +87,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -509,6 +510,67 @@ def count_package(step: Callable[[], None]) -> collections.Counter[str]:
     return lines
 
 
+def rendezvous_counts() -> None:
+    """``--rendezvous``: the Python calls and lines of one ``run`` whose replicas meet once,
+    on every thread (the replica threads' too), beside a run that does not meet: the
+    threaded path's own bookkeeping, which the steps above never take."""
+    tensor = torch.ones(4)
+
+    def nothing() -> None:
+        return None
+
+    def merge() -> None:
+        cs.get_replica_context().merge_call(lambda strategy: None)  # type: ignore[union-attr]
+
+    def all_reduce() -> None:
+        cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, tensor)  # type: ignore[union-attr]
+
+    cases = {
+        "run(lambda: None)": nothing,
+        "run with one merge_call": merge,
+        "run with one all_reduce": all_reduce,
+    }
+    replicas = (2, 4)
+    print(f"{'case':<26}" + "".join(f"{f'R={r} calls':>12}{'lines':>8}" for r in replicas))
+    for name, fn in cases.items():
+        row = f"{name:<26}"
+        for r in replicas:
+            strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(r)])
+            calls, lines = _count_threads(strategy, fn)
+            row += f"{calls:>12}{lines:>8}"
+        print(row)
+
+
+def _count_threads(strategy: cs.Strategy, fn: Callable[[], None]) -> tuple[int, int]:
+    """The calls and lines of one ``strategy.run(fn)`` (after 5 untraced ones), on every
+    thread: the tracer is installed before the strategy's replica threads start."""
+    counts = [0, 0]
+    tracing = [False]
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        if not tracing[0]:
+            return None
+        counts[0] += 1
+
+        def local(frame: FrameType, event: str, arg: Any) -> Any:
+            if event == "line":
+                counts[1] += 1
+            return local
+
+        return local
+
+    threading.settrace(tracer)
+    try:
+        for _ in range(5):
+            strategy.run(fn)
+        tracing[0] = True
+        _traced(lambda: strategy.run(fn), tracer)
+        tracing[0] = False
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    return counts[0], counts[1]
+
+
 def _training_step(
     devices: list[str], storage: str, model: Callable[[], nn.Module], metrics: int = 0,
 ) -> tuple[Callable[[], None], int]:
@@ -630,6 +692,9 @@ def main() -> None:
     parser.add_argument("--functions", action="store_true",
                         help="with --phases: the time inside the run path's main functions "
                         "(with --workers: the multi-worker sync point's)")
+    parser.add_argument("--rendezvous", action="store_true",
+                        help="count the lines of a run whose replicas meet (merge_call, "
+                        "all_reduce) on every thread")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if (options.views or options.functions) and not options.phases:
@@ -649,6 +714,9 @@ def main() -> None:
     torch.set_num_threads(1)
     if options.fake_gpus:
         fake_gpu_counts()
+        return
+    if options.rendezvous:
+        rendezvous_counts()
         return
     if options.phases and options.workers:
         print_worker_phases(options.phase_steps, options.functions)
