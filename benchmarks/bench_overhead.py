@@ -39,6 +39,11 @@ checks send to a general path (the one-replica undo record clones its buffers; b
 writes to variables on a GPU are combined variable by variable), so a real GPU may execute
 fewer.
 
+``--rendezvous`` counts, on every thread (the replica threads' too), the calls and lines of
+one ``run`` whose replicas meet once, in a ``merge_call`` of a function that does nothing or
+an ``all_reduce`` of a tensor, at R = 2 and 4, beside a run that does not meet: the baton's
+hand-offs between threads, which no step above makes.
+
 ``--phases`` times where a step's overhead falls instead (wall-clock microseconds, medians
 of ``--phase-steps`` steps, cs and plain PyTorch taking turns step by step): from
 ``strategy.run``'s call to the first line of replica 0's function, from one replica's
@@ -71,8 +76,8 @@ row: the median per step, then the tenth percentile (a time nested in another co
 both; the tenth percentiles of the parts do not add up to the whole's).
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
-        [--where "cnn cs R=2"] [--fake-gpus] [--phases [--views] [--functions]]
-        [--phase-steps 200]
+        [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
+        [--functions]] [--phase-steps 200]
     python benchmarks/bench_overhead.py --phases --workers [--functions]
 """
 
