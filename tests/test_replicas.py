@@ -198,7 +198,8 @@ def test_an_interrupt_just_after_the_last_thread_left_ends_the_wait_for_threads(
 
 def test_the_common_environment_of_a_replica_thread_is_grad_mode_alone() -> None:
     """No inference mode, autocast or CUDA streams to carry over: a replica thread enters
-    torch's grad-mode context and nothing else (an ``ExitStack`` cost 40 lines a hand-off)."""
+    torch's grad-mode context and nothing else (an ``ExitStack`` ran about 40 lines of Python
+    each time a replica thread entered it)."""
     with torch.no_grad():
         environment = _replicas.Environment()
     assert torch.is_grad_enabled()
