@@ -4,6 +4,8 @@ already there, and a failed run puts those back."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from paths import each_path, run_on, strategy_on
@@ -387,12 +389,22 @@ def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> 
 
 
 def mixed_tensors() -> list[torch.Tensor]:
-    """Vectors and scalars of two dtypes each, a matrix, and a vector alone of its dtype."""
+    """Vectors and scalars of two dtypes each, a matrix, a vector alone of its dtype, a
+    boolean mask, and a transposed matrix (not contiguous)."""
     return [
         torch.randn(3), torch.tensor(4), torch.randn(5), torch.tensor(7), torch.randn(2, 2),
         torch.randn(4, dtype=torch.float64), torch.tensor(9), torch.tensor(1.5),
-        torch.tensor(2.5),
+        torch.tensor(2.5), torch.rand(3) > 0.5, torch.randn(3, 2).t(),
     ]
+
+
+def scramble(tensors: list[torch.Tensor]) -> None:
+    """Change every element of ``tensors`` in place."""
+    for tensor in tensors:
+        if tensor.dtype is torch.bool:
+            tensor.logical_not_()
+        else:
+            tensor.mul_(2).add_(1)
 
 
 def test_copies_restore_every_tensor_exactly_from_fresh_memory() -> None:
@@ -402,15 +414,16 @@ def test_copies_restore_every_tensor_exactly_from_fresh_memory() -> None:
     before = [t.clone() for t in tensors]
     copier = Copier()
     copies = copier.copy(tensors)
-    # vectors (float32), scalars (int64), scalars (float32), then the matrix and the lone
-    # float64 vector cloned
-    assert len(copies._parts) == 4
+    # the bytes of every contiguous tensor in one tensor, whatever its dtype and shape;
+    # the transposed matrix cloned
+    assert len(copies._parts) == 2
+    assert copies._parts[0][2].dtype == torch.uint8
+    assert isinstance(copies._parts[1][2], list) and len(copies._parts[1][2]) == 1
     originals = {t.untyped_storage().data_ptr() for t in tensors}
     for group, _, copy in copies._parts:
         for piece in group.pieces(copy):
             assert piece.untyped_storage().data_ptr() not in originals
-    for tensor in tensors:
-        tensor.add_(1)
+    scramble(tensors)
     copies.restore()
     for tensor, old in zip(tensors, before, strict=True):
         assert torch.equal(tensor, old)
@@ -422,20 +435,120 @@ def test_a_copier_groups_again_when_a_tensor_changes_in_place() -> None:
     tensors = mixed_tensors()
     copier = Copier()
     copier.copy(tensors)
-    changes = [
-        (0, torch.randn(6)),  # a vector of another size
-        (1, torch.tensor(3.0, dtype=torch.float64)),  # a scalar of another dtype
-        (3, torch.ones(2)),  # a scalar that became a vector
+
+    def assign(value: torch.Tensor) -> Callable[[torch.Tensor], object]:
+        return lambda tensor: setattr(tensor, "data", value)
+
+    changes: list[tuple[int, Callable[[torch.Tensor], object]]] = [
+        (0, assign(torch.randn(6))),  # a vector of another size
+        (1, assign(torch.tensor(3.0, dtype=torch.float64))),  # a scalar of another dtype
+        (3, assign(torch.ones(2))),  # a scalar that became a vector
+        (2, lambda t: t.resize_(2)),  # fewer bytes where they began
+        (0, assign(torch.randn(7))),  # (copied afresh while the former is short)
+        (2, lambda t: t.resize_(5)),  # more bytes again, in the same memory
+        (4, lambda t: t.set_(torch.randn(3))),  # other memory
     ]
-    for index, value in changes:
-        tensors[index].data = value
+    for index, change in changes:
+        change(tensors[index])
         before = [t.clone() for t in tensors]
         copies = copier.copy(tensors)
-        for tensor in tensors:
-            tensor.mul_(2)
+        scramble(tensors)
         copies.restore()
         for tensor, old in zip(tensors, before, strict=True):
             assert torch.equal(tensor, old) and tensor.dtype == old.dtype
+
+
+def test_a_copier_reads_unchanged_tensors_through_the_same_views() -> None:
+    """The views of the tensors as bytes are made once: a later copy of the same tensors
+    joins the same views, and its restore writes the tensors themselves."""
+    from centralstore.variables.direct import Copier
+
+    tensors = mixed_tensors()
+    copier = Copier()
+    first = copier.copy(tensors)._parts[0][1]
+    scramble(tensors)
+    before = [t.clone() for t in tensors]
+    copies = copier.copy(tensors)
+    assert all(map(lambda a, b: a is b, copies._parts[0][1], first))
+    for tensor in tensors:
+        tensor.zero_()
+    copies.restore()
+    for tensor, old in zip(tensors, before, strict=True):
+        assert torch.equal(tensor, old)
+
+
+def test_a_copier_keeps_which_tensors_are_state_while_its_key_and_flags_stay() -> None:
+    """``Copier.state``: the tensors that do not require grad and are not parameters. It is
+    worked out again when the requires_grad flags or the key differ, and only then (the key
+    vouches that the list holds the same tensors)."""
+    from centralstore.variables.direct import Copier
+
+    weight, frozen = nn.Parameter(torch.randn(2)), nn.Parameter(torch.randn(2))
+    frozen.requires_grad_(False)
+    buffer, learned = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    tensors = [weight, frozen, buffer, learned]
+    key = object()
+    copier = Copier()
+
+    def state(tensors: list[torch.Tensor], key: object) -> list[torch.Tensor]:
+        return copier.state(tensors, [t.requires_grad for t in tensors], key)
+
+    assert state(tensors, key) == [buffer]
+    learned.requires_grad_(False)  # frozen since: state now
+    got = state(tensors, key)
+    assert len(got) == 2 and got[0] is buffer and got[1] is learned
+    other = nn.Parameter(torch.zeros(2), requires_grad=False)  # where the buffer was
+    swapped = [weight, frozen, other, learned]
+    assert state(swapped, key)[0] is other  # the same key: the same positions
+    assert state(swapped, object()) == [learned]  # another key: worked out again
+    assert state(swapped, None) == [learned]
+
+
+def test_a_failed_run_of_one_replica_restores_statistics_given_other_memory() -> None:
+    """Buffers given other memory between runs (``.data =``, ``set_``), or reshaped in
+    place, are copied and put back where they now are."""
+    strategy = strategy_of(1)
+    model = normalized(strategy)
+    x = torch.randn(4, 3, 4, 4)
+    norm = model[1]
+
+    def fails(xs: torch.Tensor) -> None:
+        model(xs).pow(2).mean().backward()
+        raise RuntimeError("the replica fails")
+
+    changes = [
+        lambda: setattr(norm.running_mean, "data", torch.randn(4)),
+        lambda: norm.running_var.set_(torch.rand(4) + 1),
+        lambda: norm.num_batches_tracked.resize_(1).resize_(()),
+        lambda: setattr(norm.num_batches_tracked, "data", torch.tensor(5)),
+    ]
+    for change in changes:
+        strategy.run(lambda xs: model(xs).pow(2).mean().backward(), args=(x,))
+        change()
+        kept = {name: value.clone() for name, value in model.state_dict().items()}
+        with pytest.raises(RuntimeError, match="the replica fails"):
+            strategy.run(fails, args=(x,))
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, kept[name]), name
+
+
+def test_a_failed_run_of_one_replica_restores_statistics_in_any_mode() -> None:
+    """The views through which a run copies the statistics serve runs in any mode: made in
+    a run under ``torch.inference_mode``, they put the statistics back after one outside."""
+    strategy = strategy_of(1)
+    model = normalized(strategy)
+    x = torch.randn(4, 3, 4, 4)
+
+    def fails(xs: torch.Tensor) -> None:
+        model(xs)
+        raise RuntimeError("the replica fails")
+
+    kept = {name: value.clone() for name, value in model.state_dict().items()}
+    for mode in (torch.inference_mode(), torch.inference_mode(False), torch.no_grad()):
+        with mode, pytest.raises(RuntimeError, match="the replica fails"):
+            strategy.run(fails, args=(x,))
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, kept[name]), name
 
 
 def test_a_failed_run_of_one_replica_leaves_batch_norm_as_before_it() -> None:

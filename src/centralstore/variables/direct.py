@@ -21,9 +21,10 @@ keep their views.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import itemgetter, not_
+from operator import attrgetter, itemgetter
 from typing import Protocol
 
 import torch
@@ -36,7 +37,7 @@ from .._autograd import requires_grad_of as _requires_grad
 from .._autograd import some as _any
 from .._autograd import version_of as _version
 from .folding import HeldHooks, add_in_order, all_dense, plus
-from .records import Central
+from .records import Central, alive
 
 _NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
 
@@ -51,68 +52,77 @@ def _hooked(hooks: HeldHooks) -> list[torch.Tensor]:
     return [tensor for tensor in hooks.tensors if tensor.grad is not None]
 
 
-_CAT, _STACK, _CLONE = range(3)
-Copy = torch.Tensor | list[torch.Tensor]  # a group's copy: one flat tensor, or a clone each
+Copy = torch.Tensor | list[torch.Tensor]  # a group's copy: the bytes of all, or a clone each
+_address = torch.Tensor.data_ptr
+_size_in_bytes = attrgetter("nbytes")
+
+
+def _stamps(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Where each tensor's memory starts, and how many bytes it holds."""
+    return list(map(_address, tensors)), list(map(_size_in_bytes, tensors))
 
 
 class _Group:
-    """Tensors copied together (``Copier``): vectors of one dtype by one ``cat``, scalars of
-    one dtype by one ``stack``, or (``_CLONE``) the others, one clone each."""
+    """Tensors copied together (``Copier``): plain dense contiguous tensors of one device,
+    whose bytes one ``cat`` joins, read through views of them as bytes that are kept from
+    run to run (``views``); or (``views`` None) the others, a clone each."""
 
-    __slots__ = ("dtype", "indices", "kind", "sizes", "take", "total")
+    __slots__ = ("_stamps", "indices", "sizes", "take", "views")
 
-    def __init__(self, kind: int, indices: list[int], tensors: list[torch.Tensor]) -> None:
-        self.kind = kind
+    def __init__(self, indices: list[int], tensors: list[torch.Tensor], as_bytes: bool) -> None:
         self.indices = indices
         self.take = itemgetter(*indices) if len(indices) > 1 else None
-        self.dtype = tensors[indices[0]].dtype
-        self.sizes = [tensors[i].numel() for i in indices]
-        self.total = sum(self.sizes)
+        self.views: list[torch.Tensor] | None = None
+        self.sizes: list[int] = []
+        self._stamps: tuple[list[int], list[int]] = ([], [])
+        if as_bytes:
+            members = self.members(tensors)
+            with no_grad(), torch.inference_mode(False):  # a rollback writes them in any mode
+                self.views = [tensor.view(-1).view(torch.uint8) for tensor in members]
+            self.sizes = [view.numel() for view in self.views]
+            self._stamps = _stamps(members)
+
+    def members(self, tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
+        return [tensors[self.indices[0]]] if self.take is None else self.take(tensors)
+
+    def reads(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether the views still read the group's tensors in ``tensors``: each begins
+        where its view does and holds as many bytes. (The views keep the memory they read
+        alive, so no other memory begins there; ``.data =``, ``set_`` or a ``resize_`` that
+        moves a tensor shows.) Raises ``RuntimeError`` for a tensor without storage."""
+        return self.views is None or _stamps(self.members(tensors)) == self._stamps
 
     def copy(self, tensors: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Copy]:
-        """The group's tensors in ``tensors``, and their copy."""
-        members = [tensors[self.indices[0]]] if self.take is None else self.take(tensors)
-        if self.kind == _CLONE:
+        """The tensors that a restore writes (the views, or the group's tensors in
+        ``tensors``), and their copy."""
+        if self.views is None:
+            members = self.members(tensors)
             return members, list(map(torch.Tensor.clone, members))
-        flat = torch.cat(members) if self.kind == _CAT else torch.stack(members)
-        if flat.dtype is not self.dtype or flat.numel() != self.total:
-            raise _Changed
-        return members, flat
+        return self.views, torch.cat(self.views)
 
     def pieces(self, copy: Copy) -> Sequence[torch.Tensor]:
-        """Each member's copy, in order: views of a flat copy, or the clones."""
-        if isinstance(copy, list):
-            return copy
-        return torch.split(copy, self.sizes) if self.kind == _CAT else copy.unbind()
-
-
-class _Changed(Exception):
-    """A tensor of a ``Copier``'s list changed its dtype or size in place."""
+        """Each member's copy, in order: pieces of the joined bytes, or the clones."""
+        return copy if isinstance(copy, list) else torch.split(copy, self.sizes)
 
 
 def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
-    """How ``tensors`` are copied: plain dense vectors and scalars together by dtype and
-    device (a group of one is cloned), the rest (matrices, subclasses, sparse or quantized
-    tensors) cloned."""
-    together: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    """How ``tensors`` are copied: the bytes of plain dense contiguous tensors together by
+    device, whatever their dtypes and shapes; the rest (subclasses, sparse, quantized,
+    strided or conjugated views, tensors that require grad) cloned."""
+    together: dict[torch.device, list[int]] = {}
     alone: list[int] = []
     for i, tensor in enumerate(tensors):
-        rank = tensor.dim()
         if (
-            rank < 2 and type(tensor) is torch.Tensor and tensor.layout is torch.strided
-            and not tensor.is_quantized
+            type(tensor) is torch.Tensor and tensor.layout is torch.strided
+            and not tensor.is_quantized and tensor.is_contiguous() and not tensor.is_conj()
+            and not tensor.is_neg() and not tensor.requires_grad
         ):
-            together.setdefault((rank, tensor.dtype, tensor.device), []).append(i)
+            together.setdefault(tensor.device, []).append(i)
         else:
             alone.append(i)
-    groups = []
-    for (rank, _, _), indices in together.items():
-        if len(indices) > 1:
-            groups.append(_Group(_CAT if rank else _STACK, indices, tensors))
-        else:
-            alone += indices
+    groups = [_Group(indices, tensors, as_bytes=True) for indices in together.values()]
     if alone:
-        groups.append(_Group(_CLONE, sorted(alone), tensors))
+        groups.append(_Group(alone, tensors, as_bytes=False))
     return groups
 
 
@@ -140,30 +150,55 @@ class Copies:
 
 
 class Copier:
-    """Copies of the same tensors run after run (the buffers of a one-replica run: running
-    statistics, counters), in few kernels: the vectors of one dtype in one ``cat``, the
-    scalars of one dtype in one ``stack``, each tensor's copy a view of the result; any
-    other tensor cloned. (A clone each costs a kernel per tensor: 30 for ten batch-norm
-    layers, a launch each on a GPU.) How they group is worked out again whenever the list
-    holds other tensors (by identity) or one of them changed its dtype or size in place."""
+    """What the runs of one replica over the same variables keep from run to run, so that
+    setting up their ``Undo`` costs little: which variables are state to copy, and how.
 
-    __slots__ = ("_groups", "_ids")
+    The state (running statistics, counters, masks) is copied in one kernel per device: the
+    bytes of every plain dense contiguous tensor, read through views of it as bytes that
+    are made once, joined by one ``cat``. (A ``cat`` per dtype, and a ``stack`` for scalars,
+    cost ten batch-norm layers two kernels and 26 us a run right after a step; a clone each
+    costs a kernel per tensor, a launch each on a GPU.) Any other tensor is cloned. The
+    views are made again when a tensor no longer begins where its view does or changed its
+    size in bytes; until then they keep the memory they read alive, a copy's worth for a
+    deleted model until the next run."""
+
+    __slots__ = ("_count", "_flags", "_groups", "_key", "_state")
 
     def __init__(self) -> None:
-        self._ids: list[int] = []
+        self._count = -1
         self._groups: list[_Group] = []
+        self._key: object = None
+        self._flags: list[bool] = []
+        self._state: list[bool] = []
+
+    def state(
+        self, tensors: list[torch.Tensor], flags: list[bool], key: object
+    ) -> list[torch.Tensor]:
+        """The tensors of ``tensors`` that a failed run must put back: those that do not
+        require grad (``flags``) and are not parameters (frozen weights are not copied:
+        see the module's docstring). ``key``: an object that is the same in a later call
+        only while ``tensors`` holds the same tensors (the store's weak references while
+        they all live), or None; which tensors qualify is worked out again when it or
+        ``flags`` differ."""
+        if key is None or key is not self._key or flags != self._flags:
+            self._state = [
+                not learned and not issubclass(type(tensor), torch.nn.Parameter)
+                for tensor, learned in zip(tensors, flags, strict=True)
+            ]
+            self._key, self._flags = key, flags
+        return list(compress(tensors, self._state))
 
     def copy(self, tensors: list[torch.Tensor]) -> Copies:
         """A copy of ``tensors`` as they are now."""
-        ids = list(map(id, tensors))
-        if ids != self._ids:
-            self._groups, self._ids = _groups(tensors), ids
         try:
-            parts = [(group, *group.copy(tensors)) for group in self._groups]
-        except (_Changed, RuntimeError):  # (a stack of tensors whose shapes now differ)
-            self._groups = _groups(tensors)
-            parts = [(group, *group.copy(tensors)) for group in self._groups]
-        return Copies(tensors, parts)
+            current = len(tensors) == self._count and all(
+                group.reads(tensors) for group in self._groups
+            )
+        except RuntimeError:  # a tensor without storage where one with storage was
+            current = False
+        if not current:
+            self._groups, self._count = _groups(tensors), len(tensors)
+        return Copies(tensors, [(group, *group.copy(tensors)) for group in self._groups])
 
 
 class Undo:
@@ -171,19 +206,17 @@ class Undo:
 
     __slots__ = ("_copies", "_held", "_hooks", "_old", "_tensors")
 
-    def __init__(self, tensors: list[torch.Tensor], copier: Copier) -> None:
+    def __init__(self, refs: list[weakref.ref[torch.Tensor]], copier: Copier) -> None:
+        """``refs``: the weak references of every variable, a list that stays the same
+        object while the variables do (the store's)."""
         self._copies: Copies | None = None
+        tensors = alive(refs)
         flags = list(map(_requires_grad, tensors))
         if all(flags):  # a model of parameters only: passes in C
             learned = tensors
         else:
             learned = list(compress(tensors, flags))
-            others = list(compress(tensors, map(not_, flags)))
-            # frozen weights are not copied (passes in C: ``isinstance`` of a Parameter
-            # runs its metaclass's Python)
-            state = list(compress(others, map(
-                not_, map(issubclass, map(type, others), repeat(torch.nn.Parameter))
-            )))
+            state = copier.state(tensors, flags, refs if len(tensors) == len(refs) else None)
             if state:
                 self._copies = copier.copy(state)
         self._tensors = learned

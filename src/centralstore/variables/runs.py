@@ -62,7 +62,7 @@ class Store(Protocol):
     on_parameters: tuple[bool, ...]
     copier: Copier
 
-    def live(self) -> list[torch.Tensor]: ...
+    def refs(self) -> list[weakref.ref[torch.Tensor]]: ...
 
 
 class Plan:
@@ -229,7 +229,7 @@ class OwnRun(Run):
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._undo = Undo(store.live(), store.copier)
+        self._undo = Undo(store.refs(), store.copier)
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
         return NOTHING  # nothing to do on entry or exit: the variables are the replica's own
@@ -240,7 +240,7 @@ class OwnRun(Run):
             with resolving(None):
                 yield
         finally:  # the merge's sync point committed
-            self._undo = Undo(self._store.live(), self._store.copier)
+            self._undo = Undo(self._store.refs(), self._store.copier)
 
     def commit(self) -> list[torch.Tensor]:
         return self._undo.commit()

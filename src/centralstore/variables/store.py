@@ -299,13 +299,17 @@ class VariableStore:
             self._user = None
         self._lock.release()
 
-    def live(self) -> list[torch.Tensor]:
-        """The central variables still alive, in registration order (every run of one
-        replica reads them: the weak references are kept while the records stay)."""
+    def refs(self) -> list[weakref.ref[torch.Tensor]]:
+        """The central variables' weak references, in registration order: the same list
+        while the records stay (every run of one replica follows them)."""
         refs = self._refs
         if refs is None:
             refs = self._refs = [record.ref for record in self.records.values()]
-        return alive(refs)
+        return refs
+
+    def live(self) -> list[torch.Tensor]:
+        """The central variables still alive, in registration order."""
+        return alive(self.refs())
 
     def plan(self) -> Plan:
         if self._plan is None:
