@@ -382,6 +382,34 @@ def test_writes_through_data_reach_every_replica(fake_gpu_placement: FakePlaceme
             assert model.weight.is_pinned()  # replaced storage is pinned again
 
 
+def test_frozen_parameters_and_buffers_written_in_place_reach_every_replica(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """Between runs, a frozen parameter (an EMA's), a floating buffer and an integer buffer
+    written in place under ``torch.no_grad()`` move their version counters, so the GPU
+    replicas' copies of them are refreshed at the next run (docs/porting.md)."""
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        holder = nn.Module()
+        holder.frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+        holder.register_buffer("mask", torch.zeros(3))
+        holder.register_buffer("count", torch.zeros(3, dtype=torch.long))
+    names = ("frozen", "mask", "count")
+
+    def seen() -> list[list[float]]:
+        out = strategy.run(
+            lambda: [getattr(holder, name).detach().float().sum().cpu() for name in names]
+        )
+        return [[float(v) for v in values] for values in local(strategy, out)]
+
+    assert seen() == [[0.0, 0.0, 0.0]] * 2
+    with torch.no_grad():
+        holder.frozen.lerp_(torch.ones(3, device=holder.frozen.device), 0.5)
+        holder.mask.fill_(2.0)
+        holder.count.add_(3)
+    assert seen() == [[1.5, 6.0, 9.0]] * 2
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_each_replica_sees_only_its_own_writes_to_an_integer_buffer(
     fake_gpu_placement: FakePlacement, mixed: bool,
