@@ -158,12 +158,12 @@ class Copier:
 
     The state (running statistics, counters, masks) is copied in one kernel per device: the
     bytes of every plain dense contiguous tensor, read through views of it as bytes that
-    are made once, joined by one ``cat``. (A ``cat`` per dtype, and a ``stack`` for scalars,
-    cost ten batch-norm layers two kernels and 26 us a run right after a step; a clone each
-    costs a kernel per tensor, a launch each on a GPU.) Any other tensor is cloned. The
-    views are made again when a tensor no longer begins where its view does or changed its
-    size in bytes; until then they keep the memory they read alive, a copy's worth for a
-    deleted model until the next run."""
+    are made once, joined by one ``cat``. (Right after a step each kernel costs about 13 us
+    on the CPU, a launch on a GPU: ten batch-norm layers took two when a ``cat`` joined the
+    vectors of each dtype and a ``stack`` the scalars, and a clone each would take 30.) Any
+    other tensor is cloned. The views are made again when a tensor no longer begins where
+    its view does or changed its size in bytes; until then they keep the memory they read
+    alive, a copy's worth for a deleted model until the next run."""
 
     __slots__ = ("_count", "_flags", "_groups", "_key", "_state")
 
