@@ -507,6 +507,37 @@ def test_ema_of_the_weights_outside_run(path: str) -> None:
 
 
 @each_path
+@pytest.mark.parametrize("kind", ["frozen", "mask", "count"])
+def test_frozen_parameters_and_buffers_written_in_place_between_runs(
+    path: str, kind: str
+) -> None:
+    """A frozen parameter (an EMA's), a floating buffer or an integer buffer, written in
+    place under ``torch.no_grad()`` between runs, is what every replica reads next, also
+    where the replicas write the integer buffer first (docs/porting.md; the GPU path's twin
+    is in test_gpu_paths.py). Each alone, so that the direct path shares what it can."""
+    strategy = strategy_on(path)
+    with strategy.scope():
+        holder = nn.Module()
+        holder.weight = nn.Parameter(torch.zeros(1))  # (a run of buffers alone takes views)
+        if kind == "frozen":
+            holder.value = nn.Parameter(torch.zeros(3), requires_grad=False)
+        else:
+            dtype = torch.long if kind == "count" else None
+            holder.register_buffer("value", torch.zeros(3, dtype=dtype))
+
+    def read() -> float:
+        if kind == "count":
+            holder.value.add_(1)  # each replica's own write; the first replica's is kept
+        return float(holder.value.sum())
+
+    counted = kind == "count"
+    assert list(local(strategy, run_on(path, strategy, read))) == [3.0 if counted else 0.0] * 2
+    with torch.no_grad():
+        holder.value.add_(2)
+    assert list(local(strategy, run_on(path, strategy, read))) == [12.0 if counted else 6.0] * 2
+
+
+@each_path
 def test_evaluation_under_no_grad_and_eval_mode(path: str) -> None:
     strategy = strategy_on(path)
     model = build(strategy, lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)))
