@@ -90,10 +90,7 @@ class _Group:
         where its view does and holds as many bytes. (The views keep the memory they read
         alive, so no other memory begins there; ``.data =``, ``set_`` or a ``resize_`` that
         moves a tensor shows.) Raises ``RuntimeError`` for a tensor without storage."""
-        if self.views is None:
-            return True
-        members = [tensors[self.indices[0]]] if self.take is None else self.take(tensors)
-        return _stamps(members) == self._stamps
+        return self.views is None or _stamps(self.members(tensors)) == self._stamps
 
     def copy(self, tensors: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Copy]:
         """The tensors that a restore writes (the views, or the group's tensors in
