@@ -17,16 +17,18 @@ point leaves what views would. Two kinds qualify (``BufferGroups``):
   ``.data`` moves no counter: it applies at once, as on one device.)
 * **running statistics** of normalization layers (floating ``running_mean`` /
   ``running_var`` of batch and instance norm, aggregation MEAN): their kernel writes them
-  behind their version counters, so every run copies them, into one flat tensor (of one
-  dtype, reused from run to run: ``StatisticsMemory``), and the sync point compares each
-  replica's copy with the one from before the run, in one operation (element by element,
-  then, unless every element changed, statistic by statistic: a training step can leave a
-  value as it was, the running mean of a channel of zeros). If every replica's kernel
-  changed every statistic (training), they become the mean of the replicas' values
-  in replica order, on the flat copies (``(w0 + w1 + ...) / R``, the arithmetic of
-  views); any other pattern (a replica that did not change one, a write that moved a
-  counter) goes statistic by statistic: those every replica changed are averaged, the
-  others' writes go to the writers' views, whose fold is the general one.
+  behind their version counters, so every run copies them, each copy into a row of one
+  tensor (of one dtype, reused from run to run: ``StatisticsMemory``), and the sync point
+  compares the replicas' rows with the one from before the run in one operation, and
+  tests the result in another (element by element, then, unless every element changed,
+  statistic by statistic: a training step can leave a value as it was, the running mean
+  of a channel of zeros). Stacking the copies and reducing the comparison took two more,
+  each 10 to 15 us right after a step. If every replica's kernel changed every statistic
+  (training), they become the mean of the replicas' values in replica order, on their
+  rows (``(w0 + w1 + ...) / R``, the arithmetic of views); any other pattern (a replica
+  that did not change one, a write that moved a counter) goes statistic by statistic:
+  those every replica changed are averaged, the others' writes go to the writers' views,
+  whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
@@ -221,24 +223,36 @@ class SharedIntegers:
         self._written, self._kept = {}, {}
 
 
-class Flat:
-    """Memory for one copy of a plan's statistics: one tensor, and a view of it shaped like
-    each statistic, so that copying them in is one ``cat``, putting them back one
-    ``_foreach_copy_``, and a comparison or a mean of all of them one operation."""
+class Rows:
+    """Memory for the copies of a plan's statistics in one run of ``replicas``: one tensor
+    whose ``rows`` are the values from before the run, then each replica's, then their
+    mean, and views of each row shaped like each statistic (``pieces``), so that copying the
+    statistics in is one ``cat``, putting them back one ``_foreach_copy_``, and comparing
+    every replica's with those from before the run one operation (into ``differs``, whose
+    elements are all True, like ``every``'s, when every replica changed every element)."""
 
-    __slots__ = ("flat", "pieces")
+    __slots__ = ("differs", "every", "pieces", "replicas", "rows")
 
-    def __init__(self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int]) -> None:
+    def __init__(
+        self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int], replicas: int
+    ) -> None:
+        size, device = sum(sizes), like.device
         with torch.inference_mode(False):  # written again by later runs, in any mode
-            self.flat = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-        pieces = torch.split(self.flat, sizes)
-        self.pieces = [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+            data = torch.empty((replicas + 2, size), dtype=like.dtype, device=device)
+            self.rows = list(data)
+            self.replicas = data[1:-1]
+            self.differs = torch.empty((replicas, size), dtype=torch.bool, device=device)
+            self.every = torch.ones((replicas, size), dtype=torch.bool, device=device)
+            self.pieces = [
+                [piece.view(shape) for piece, shape in zip(row.split(sizes), shapes, strict=True)]
+                for row in self.rows
+            ]
 
 
 class StatisticsMemory:
-    """The ``Flat`` copies of a plan's statistics (all of one dtype), reused from run to run
-    (each is lent to one run at a time: a run inside ``merge_call`` takes others), and the
-    index of each element's statistic, for comparisons statistic by statistic."""
+    """The ``Rows`` of a plan's statistics (all of one dtype), reused from run to run (each
+    is lent to one run at a time: a run inside ``merge_call`` takes others), and the index
+    of each element's statistic, for comparisons statistic by statistic."""
 
     __slots__ = ("_like", "_shapes", "_sizes", "_spare", "segments")
 
@@ -246,27 +260,27 @@ class StatisticsMemory:
         self._like = torch.empty((), dtype=tensors[0].dtype, device=tensors[0].device)
         self._shapes = [tensor.shape for tensor in tensors]
         self._sizes = [tensor.numel() for tensor in tensors]
-        self._spare: list[Flat] = []
+        self._spare: dict[int, list[Rows]] = {}  # number of replicas -> rows
         self.segments = torch.repeat_interleave(
             torch.arange(len(tensors), device=self._like.device),
             torch.tensor(self._sizes, device=self._like.device),
         )
 
-    def lend(self, values: list[torch.Tensor] | None = None) -> Flat:
-        """A copy, holding ``values`` if given."""
-        copy = self._spare.pop() if self._spare else Flat(self._like, self._shapes, self._sizes)
-        if values is not None:  # (vectors: one concatenation, where a copy each costs more)
-            torch.cat(values, out=copy.flat)
-        return copy
+    def lend(self, replicas: int, values: list[torch.Tensor]) -> Rows:
+        """Rows for a run of ``replicas``, ``values`` in its row of values from before."""
+        spare = self._spare.get(replicas)
+        rows = spare.pop() if spare else Rows(self._like, self._shapes, self._sizes, replicas)
+        torch.cat(values, out=rows.rows[0])  # (vectors: one kernel, where a copy each costs more)
+        return rows
 
-    def take_back(self, copies: list[Flat]) -> None:
-        self._spare += copies
+    def take_back(self, rows: Rows) -> None:
+        self._spare.setdefault(len(rows.differs), []).append(rows)
 
 
 class SharedStatistics:
     """The running statistics of one run (see the module's docstring)."""
 
-    __slots__ = ("_before", "_kept", "_memory", "_moved", "_records", "_replicas", "_versions",
+    __slots__ = ("_kept", "_memory", "_moved", "_records", "_replicas", "_rows", "_versions",
                  "tensors")
 
     def __init__(
@@ -277,9 +291,9 @@ class SharedStatistics:
         self._records = records
         self._replicas = replicas
         self._memory = memory
-        self._before = memory.lend(tensors)
+        self._rows = memory.lend(len(replicas), tensors)
         self._versions = list(map(_version, tensors))
-        self._kept: dict[int, Flat] = {}  # replica -> its values
+        self._kept: set[int] = set()  # the replicas whose values are in their rows
         self._moved: dict[int, list[bool]] = {}  # replica -> its writes that moved a counter
 
     def take(self, replica: int, last: bool) -> None:
@@ -291,52 +305,48 @@ class SharedStatistics:
             _note(self._moved, replica, versions, self._versions)
         if last:
             return
-        self._kept[replica] = self._memory.lend(self.tensors)
-        torch._foreach_copy_(self.tensors, self._before.pieces)
+        torch.cat(self.tensors, out=self._rows.rows[replica + 1])
+        self._kept.add(replica)
+        torch._foreach_copy_(self.tensors, self._rows.pieces[0])
         self._versions = list(map(_version, self.tensors))
 
     def put_back(self, replica: int) -> None:
         """Replica ``replica`` runs on after a rendezvous: its values are back."""
-        kept = self._kept.pop(replica, None)
-        if kept is not None:
-            torch._foreach_copy_(self.tensors, kept.pieces)
-            self._memory.take_back([kept])
+        if replica in self._kept:
+            self._kept.discard(replica)
+            torch._foreach_copy_(self.tensors, self._rows.pieces[replica + 1])
             self._versions = list(map(_version, self.tensors))
 
     def commit(self) -> None:
         """Fold the replicas' values: a statistic every replica changed by its kernel is
         their mean, in replica order; any other write goes to the writers' views
         (``folding.apply_writes`` folds them next)."""
-        count = len(self._replicas)
-        last = self._kept.get(count - 1)  # (every replica's are kept at a merge's sync point)
-        if last is None:
-            last = self._kept[count - 1] = self._memory.lend(self.tensors)
-        values = [self._kept[r] for r in range(count)]
-        size = len(self.tensors)
-        differs = torch.stack([v.flat for v in values]).ne_(self._before.flat)  # NaN differs
-        if not self._moved and bool(differs.all()):  # training: every element changed
-            self._mean_of_all(values)
+        rows, count = self._rows, len(self._replicas)
+        if count - 1 not in self._kept:  # (every replica's are kept at a merge's sync point)
+            torch.cat(self.tensors, out=rows.rows[count])
+        differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
+        if not self._moved and torch.equal(differs, rows.every):  # training: all changed
+            self._mean_of_all()
         else:  # statistic by statistic (a value that a training step left as it was counts)
+            size = len(self.tensors)
             changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
             found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
             if not self._moved and all(map(all, found)):
-                self._mean_of_all(values)
+                self._mean_of_all()
             elif self._moved or any(map(any, found)):  # (none changed: evaluation)
-                self._fold([v.pieces for v in values], found)
-        self._memory.take_back([self._before, *values])
-        self._kept, self._moved = {}, {}
+                self._fold(rows.pieces[1:-1], found)
+        self._memory.take_back(rows)
+        self._kept, self._moved = set(), {}
 
-    def _mean_of_all(self, copies: list[Flat]) -> None:
+    def _mean_of_all(self) -> None:
         """Each statistic becomes the mean of the replicas' values, in replica order, on
-        the flat ``copies``: what ``folding.apply_writes`` computes for averaged
-        assignments."""
-        total = self._memory.lend()
-        torch.add(copies[0].flat, copies[1].flat, out=total.flat)
-        for copy in copies[2:]:
-            total.flat.add_(copy.flat)
-        total.flat.div_(len(copies))
-        torch._foreach_copy_(self.tensors, total.pieces)
-        self._memory.take_back([total])
+        their rows: what ``folding.apply_writes`` computes for averaged assignments."""
+        first, second, *more, total = self._rows.rows[1:]
+        torch.add(first, second, out=total)
+        for row in more:
+            total.add_(row)
+        total.div_(len(more) + 2)
+        torch._foreach_copy_(self.tensors, self._rows.pieces[-1])
 
     def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
         """``_mean_of_all`` for some statistics only (``targets``), tensor by tensor."""
@@ -374,7 +384,7 @@ class SharedStatistics:
         as an assignment (``modules.record_unseen``'s rule)."""
         record, tensor = self._records[index], self.tensors[index]
         with no_grad(), torch.inference_mode(False):
-            tensor.copy_(self._before.pieces[index])
+            tensor.copy_(self._rows.pieces[0][index])
             for replica in writers:
                 views = self._replicas[replica]
                 view = views.validate(record, tensor, views.views.get(record.key))
@@ -387,6 +397,6 @@ class SharedStatistics:
 
     def restore(self) -> None:
         """The run failed: the statistics as before it."""
-        torch._foreach_copy_(self.tensors, self._before.pieces)
-        self._memory.take_back([self._before, *self._kept.values()])
-        self._kept, self._moved = {}, {}
+        torch._foreach_copy_(self.tensors, self._rows.pieces[0])
+        self._memory.take_back(self._rows)
+        self._kept, self._moved = set(), {}
