@@ -274,7 +274,7 @@ class StatisticsMemory:
         return rows
 
     def take_back(self, rows: Rows) -> None:
-        self._spare.setdefault(len(rows.differs), []).append(rows)
+        self._spare.setdefault(len(rows.replicas), []).append(rows)
 
 
 class SharedStatistics:
