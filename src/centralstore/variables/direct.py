@@ -5,9 +5,10 @@ variables uses them directly (its writes apply at once, as in TensorFlow). Such 
 a transaction: at its start ``Undo`` sets the gradients already in ``.grad`` aside and copies
 the variables that do not require grad and are not parameters (buffers, counters), both small
 next to a step; the sync point adds the gradients back (commit) or restores both (rollback).
-A parameter written in place by a failed run (``p.clamp_()``, or a frozen weight) is the one
-thing not undone: copying every frozen weight at every step would cost what fine-tuning a
-large frozen model cannot afford.
+A parameter written in place by a failed run (``p.clamp_()``, or a frozen weight) is not
+undone: copying every frozen weight at every step would cost what fine-tuning a large frozen
+model cannot afford. Nor is a write through ``.data`` to a buffer of integers, whose copy is
+kept from run to run while no version counter moves (``_Group``).
 
 Several replicas in one process that compute where the parameters live (logical CPU devices,
 or the GPU that holds them) also use directly the parameters that no replica may write
@@ -62,12 +63,22 @@ def _stamps(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
     return list(map(_address, tensors)), list(map(_size_in_bytes, tensors))
 
 
+def _is_integral(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex()
+
+
 class _Group:
     """Tensors copied together (``Copier``): plain dense contiguous tensors of one device,
     whose bytes one ``cat`` joins, read through views of them as bytes that are kept from
-    run to run (``views``); or (``views`` None) the others, a clone each."""
+    run to run (``views``); or (``views`` None) the others, a clone each.
 
-    __slots__ = ("_stamps", "indices", "sizes", "take", "views")
+    A group of integers only (position ids, ``token_type_ids``, step counters) keeps its
+    copy too, while no member's version counter moves: every write to an integer moves it
+    (one through ``.data`` moves none: it applies at once, as on one device, and as the
+    integers shared by several replicas do, ``direct_buffers.py``). Floating buffers are
+    copied at every run: batch norm's kernel writes its statistics behind the counters."""
+
+    __slots__ = ("_kept", "_stamps", "_versions", "indices", "sizes", "take", "views")
 
     def __init__(self, indices: list[int], tensors: list[torch.Tensor], as_bytes: bool) -> None:
         self.indices = indices
@@ -75,12 +86,16 @@ class _Group:
         self.views: list[torch.Tensor] | None = None
         self.sizes: list[int] = []
         self._stamps: tuple[list[int], list[int]] = ([], [])
+        self._kept: torch.Tensor | None = None  # the copy an integer group keeps
+        self._versions: list[int] | None = None  # its members' counters when copied
         if as_bytes:
             members = self.members(tensors)
             with no_grad(), torch.inference_mode(False):  # a rollback writes them in any mode
                 self.views = [tensor.view(-1).view(torch.uint8) for tensor in members]
             self.sizes = [view.numel() for view in self.views]
             self._stamps = _stamps(members)
+            if all(map(_is_integral, members)):
+                self._versions = []  # an integer group, not copied yet
 
     def members(self, tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         return [tensors[self.indices[0]]] if self.take is None else self.take(tensors)
@@ -92,13 +107,21 @@ class _Group:
         moves a tensor shows.) Raises ``RuntimeError`` for a tensor without storage."""
         return self.views is None or _stamps(self.members(tensors)) == self._stamps
 
-    def copy(self, tensors: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Copy]:
+    def copy(
+        self, tensors: list[torch.Tensor]
+    ) -> tuple[Sequence[torch.Tensor], Copy, list[int] | None]:
         """The tensors that a restore writes (the views, or the group's tensors in
-        ``tensors``), and their copy."""
+        ``tensors``), their copy, and for an integer group the version counters it was
+        copied at (its views share their tensors' counters)."""
         if self.views is None:
             members = self.members(tensors)
-            return members, list(map(torch.Tensor.clone, members))
-        return self.views, torch.cat(self.views)
+            return members, list(map(torch.Tensor.clone, members)), None
+        if self._versions is None:
+            return self.views, torch.cat(self.views), None
+        versions = list(map(_version, self.views))
+        if versions != self._versions or self._kept is None:  # written since its last copy
+            self._kept, self._versions = torch.cat(self.views), versions
+        return self.views, self._kept, versions
 
     def pieces(self, copy: Copy) -> Sequence[torch.Tensor]:
         """Each member's copy, in order: pieces of the joined bytes, or the clones."""
@@ -133,15 +156,19 @@ class Copies:
     __slots__ = ("_parts", "tensors")
 
     def __init__(
-        self, tensors: list[torch.Tensor], parts: list[tuple[_Group, Sequence[torch.Tensor], Copy]]
+        self,
+        tensors: list[torch.Tensor],
+        parts: list[tuple[_Group, Sequence[torch.Tensor], Copy, list[int] | None]],
     ) -> None:
         self.tensors = tensors
         self._parts = parts
 
     def restore(self) -> None:
-        """The tensors take back the copied values."""
+        """The tensors take back the copied values (integers only if one was written)."""
         with no_grad():
-            for group, members, copy in self._parts:
+            for group, members, copy, versions in self._parts:
+                if versions is not None and list(map(_version, members)) == versions:
+                    continue
                 if isinstance(copy, list):  # clones: a ``copy_`` each, which any layout has
                     for tensor, value in zip(members, copy, strict=True):
                         tensor.copy_(value)
@@ -160,7 +187,9 @@ class Copier:
     vectors of each dtype and a ``stack`` the scalars, and a clone each would take 30.) Any
     other tensor is cloned. The views are made again when a tensor no longer begins where
     its view does or changed its size in bytes; until then they keep the memory they read
-    alive, a copy's worth for a deleted model until the next run."""
+    alive, a copy's worth for a deleted model until the next run. A device's tensors that
+    are all integers keep their copy while no one writes them (``_Group``): BERT's position
+    ids and token types cost no kernel a run."""
 
     __slots__ = ("_count", "_flags", "_groups", "_key", "_state")
 
