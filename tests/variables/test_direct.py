@@ -722,22 +722,26 @@ def test_a_run_of_one_replica_copies_no_integer_buffer_that_no_one_wrote() -> No
     assert not run.counts - alone.counts, run.counts - alone.counts
 
 
-def test_a_failed_run_of_one_replica_puts_back_the_integers_it_wrote() -> None:
-    """The copy of integer buffers kept from run to run is made again after a run that
-    wrote one: each failed run leaves the counter where the last passing run left it."""
-    strategy = strategy_of(1)
+@each_path
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_failed_run_puts_back_the_integers_it_wrote(path: str, replicas: int) -> None:
+    """The copies of integer buffers kept from run to run are made again after a run that
+    wrote one: each failed run leaves the counter where the last passing run left it (each
+    run adds one: the first replica's write), on every path."""
+    strategy = strategy_on(path, replicas)
     with strategy.scope():
         model = Positions(counting=True)
-    x = torch.randn(2, 4)
+    x = torch.randn(2 * replicas, 4)
+    inputs = x if replicas == 1 else cs.PerReplica(list(x.chunk(replicas)))
 
     def fails(xs: torch.Tensor) -> None:
         model(xs).sum().backward()
         raise RuntimeError("the replica fails")
 
     for passed in range(1, 4):
-        strategy.run(lambda xs: model(xs).sum().backward(), args=(x,))
+        run_on(path, strategy, lambda xs: model(xs).sum().backward(), (inputs,))
         for _ in range(2):
             with pytest.raises(RuntimeError, match="the replica fails"):
-                strategy.run(fails, args=(x,))
+                run_on(path, strategy, fails, (inputs,))
             assert model.steps.item() == passed
         assert model.ids.tolist() == [[0, 1, 2, 3]] and not model.types.any()
