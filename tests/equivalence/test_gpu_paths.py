@@ -438,6 +438,48 @@ def test_each_replica_sees_only_its_own_writes_to_an_integer_buffer(
     assert int(holder.count) == 10
 
 
+def _counts_through_failures(compute: tuple[str, ...], parameters: str) -> None:
+    """Runs that each add one to an integer counter (the first replica's write), beside
+    integer position ids no run writes, alternating with runs that fail after their
+    backward: each failed run leaves the counter where the last passing one left it, so the
+    copy kept from run to run is made again after each write."""
+    strategy = cs.CentralStorageStrategy(list(compute), parameter_device=parameters)
+    with strategy.scope():
+        holder = nn.Module()
+        holder.linear = nn.Linear(4, 4)
+        holder.register_buffer("ids", torch.arange(4).unsqueeze(0), persistent=False)
+        holder.register_buffer("steps", torch.zeros((), dtype=torch.long))
+    inputs: Any = torch.randn(2 * len(compute), 4)
+    inputs = to_replicas(inputs, compute) if len(compute) > 1 else inputs.to(compute[0])
+
+    def step(xs: torch.Tensor, fail: bool = False) -> None:
+        holder.steps.add_(1)
+        (holder.linear(xs) + holder.ids.to(xs.device).float()).sum().backward()
+        if fail:
+            raise RuntimeError("the replica fails")
+
+    for passed in range(1, 4):
+        strategy.run(step, args=(inputs,))
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="the replica fails"):
+                strategy.run(step, args=(inputs,), kwargs={"fail": True})
+            assert int(holder.steps) == passed
+    assert holder.ids.cpu().tolist() == [[0, 1, 2, 3]]
+
+
+def test_failed_runs_put_back_the_integer_buffers_they_wrote(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    placement = fake_gpu_placement
+    _counts_through_failures(placement.compute_devices, placement.parameter_device)
+
+
+@pytest.mark.usefixtures("fake_gpus")
+def test_failed_runs_of_one_replica_on_the_gpu_of_its_variables_put_back_its_integers() -> None:
+    """One replica on the GPU that holds the variables uses them directly (``Undo``)."""
+    _counts_through_failures(("cuda:0",), "cuda:0")
+
+
 METRIC_VARIABLES = {  # name: (initial value, aggregation); each replica adds to its copy
     "total": (torch.zeros(2), "SUM"),
     "count": (torch.zeros((), dtype=torch.long), "SUM"),
