@@ -321,8 +321,8 @@ def test_host_replicas_make_steps_on_the_calling_thread() -> None:
 
 def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> None:
     """On the host the first steps are made on the calling thread; once the loop's steps
-    take time (here sleeps longer than making a batch; the first time, after 8 steps timed),
-    the source moves to the prefetch thread for the rest of the pass, and the steps are those
+    take time (here sleeps longer than making a batch; the first time, after 8 steps timed
+    past the dataset's first 8, here those of the empty loop), the source moves to the prefetch thread for the rest of the pass, and the steps are those
     made without it."""
     made_on: list[threading.Thread] = []
 
@@ -361,16 +361,16 @@ def _made_slowly(batch: torch.Tensor) -> torch.Tensor:
 
 def test_a_position_saved_while_steps_are_made_ahead_resumes_exactly() -> None:
     dataset = distribute_dataset(
-        Dataset.range(80).shuffle(80, seed=1).batch(4).map(_made_slowly), TWO
+        Dataset.range(120).shuffle(120, seed=1).batch(4).map(_made_slowly), TWO
     )
     before = set(input_threads())
     iterator = iter(dataset)
-    for _ in range(10):
+    for _ in range(20):  # moved ahead at the 17th: 8 steps of warm-up, 8 of the baseline
         next(iterator)
         time.sleep(0.01)
     assert set(input_threads()) - before  # the rest of the pass is made ahead
     state = iterator.state_dict()
-    assert state["steps"] == 10  # counted where the loop takes them
+    assert state["steps"] == 20  # counted where the loop takes them
     expected = [per_replica(step) for step in iterator]
     restored = iter(dataset)
     restored.load_state_dict(state)

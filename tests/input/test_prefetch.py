@@ -197,12 +197,20 @@ def paid() -> OverlapVerdict:
     return verdict
 
 
+def warm() -> OverlapVerdict:
+    """The verdict of a dataset past its first steps: a baseline is the next 8 timed."""
+    verdict = OverlapVerdict()
+    verdict.warm_up = 0
+    return verdict
+
+
 def overlap_steps(
     away: list[float], make: float = 1.0, verdict: OverlapVerdict | None = None
 ) -> tuple[OverlapIterator, Timed]:
     """An OverlapIterator whose consumer is away ``away[i]`` after taking item ``i``."""
     clock = Clock()
     source = Timed(clock, make)
+    verdict = warm() if verdict is None else verdict
     iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
     for seconds in away:
         next(iterator)
@@ -342,7 +350,7 @@ def trial(
     ``away_ahead`` while items are made ahead (a step slowed by the thread, or not)."""
     clock = Clock()
     source = CallingThreadSource(clock, 1.0, count, error)
-    verdict = OverlapVerdict() if verdict is None else verdict
+    verdict = warm() if verdict is None else verdict
     iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
     taken = []
     for item in iterator:
@@ -363,6 +371,46 @@ def test_a_thread_that_shortens_the_cycle_stays_and_the_verdict_says_so() -> Non
     assert taken == list(range(40))
     assert iterator.ahead and verdict.pays is True
     assert source.threads[-1] is not threading.current_thread()
+
+
+def test_a_thread_that_hides_less_than_half_an_items_making_hands_the_source_back() -> None:
+    # made here a cycle is 2.0 (away 1.0, making 1.0); ahead it is what the consumer is away
+    for away_ahead, kept in [(1.7, False), (1.5, True), (1.2, True)]:
+        before = input_threads()
+        taken, iterator, source, verdict = trial(away_here=1.0, away_ahead=away_ahead)
+        assert taken == list(range(40)), away_ahead
+        assert verdict.pays is kept and iterator.ahead is kept, away_ahead
+        assert (source.threads[-1] is threading.current_thread()) is not kept, away_ahead
+        assert wait_until(lambda before=before: input_threads() <= before)
+
+
+def test_a_datasets_first_eight_steps_are_no_baseline() -> None:
+    iterator, _ = overlap_steps([1.0] * 16, verdict=OverlapVerdict())
+    assert not iterator.ahead  # 15 cycles timed: 8 of warm-up, 7 of the baseline
+    next(iterator)
+    assert iterator.ahead
+    verdict = OverlapVerdict()
+    for _ in range(2):  # the warm-up goes on across passes: 5 cycles timed in each
+        iterator, _ = overlap_steps([1.0] * 6, verdict=verdict)
+        assert not iterator.ahead
+    assert verdict.warm_up == 0
+    iterator, _ = overlap_steps([1.0] * 9, verdict=verdict)
+    assert iterator.ahead
+
+
+def test_slow_first_steps_do_not_make_a_thread_that_saves_nothing_look_faster() -> None:
+    # a program's first steps are slower: here the first four cycles (11, 3, 3, 3; then 2),
+    # which as a baseline would be 3.0 against the 2.05 of a thread that slows the step by
+    # what it hides of the making (the consumer away 2.05 instead of 1.0): it saves nothing
+    clock = Clock()
+    source = CallingThreadSource(clock, 1.0, 40)
+    verdict = OverlapVerdict()
+    iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)
+    warm_up = [10.0, 2.0, 2.0, 2.0, 2.0]
+    for step, _ in enumerate(iterator):
+        clock.now += 2.05 if iterator.ahead else warm_up[step] if step < 5 else 1.0
+    assert verdict.pays is False and not iterator.ahead
+    assert source.threads[-1] is threading.current_thread()
 
 
 def test_a_thread_that_slows_the_step_hands_the_source_back_in_order() -> None:
@@ -399,7 +447,7 @@ def moves_of(
     is away 1.0 after an item made here (which costs 1.0) and ``ahead_cost(step)`` after one
     made ahead (which costs it nothing)."""
     moves: list[tuple[int, str]] = []
-    verdict = OverlapVerdict()
+    verdict = warm()
     clock = Clock()
     source = CallingThreadSource(clock, 1.0, count)
     iterator = OverlapIterator(iter(source), buffer_size=1, clock=clock, verdict=verdict)

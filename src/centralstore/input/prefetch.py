@@ -29,6 +29,8 @@ _WORTH_S = 1e-4  # and both take this long: two hand-offs cost tens of microseco
 _STREAK = 2  # in this many consecutive steps (one long pause, a collection, is not a step)
 _TRIAL = 6  # steps made ahead, after the first, that decide whether making ahead paid
 _KEPT = 8  # steps made on the calling thread that the trial is compared with
+_GAIN = 2  # the trial must shorten the cycle by 1/_GAIN of the time an item took to make here
+_WARM_UP = 8  # a dataset's first steps timed on the calling thread, not kept as a baseline
 _RETRY = 64  # steps made on the calling thread after a failed trial before the next one
 _POLL_S = 0.1  # how often a producer waiting for room checks the stop event
 _JOIN_S = 1.0  # how long close() waits for the producer thread
@@ -137,16 +139,20 @@ class OverlapVerdict:
     steps have been made on the calling thread, and after one that paid the thread is checked
     again once ``wait`` steps have been made ahead. Each wait doubles the last of its kind
     (``failed``, ``passed``), so that trials, right or wrong, grow with the logarithm of the
-    steps, not with them.
+    steps, not with them. ``warm_up``: how many of the dataset's first steps timed on the
+    calling thread are still to come; they are not kept as a trial's baseline, since a
+    program's first steps run slower than the rest (the demo's first took 13 ms, its next
+    three 4.1 to 4.6, then 3.8) and would make any trial after them look faster.
     """
 
-    __slots__ = ("failed", "passed", "pays", "wait")
+    __slots__ = ("failed", "passed", "pays", "wait", "warm_up")
 
     def __init__(self) -> None:
         self.pays: bool | None = None
         self.failed = 0
         self.passed = 0
         self.wait = 0
+        self.warm_up = _WARM_UP
 
     def fail(self) -> None:
         """A trial did not pay: the next waits twice as long as the last."""
@@ -171,16 +177,18 @@ class OverlapIterator(Iterator[Any]):
     whatever the consumer does between two ``next`` calls. So the first items are made here,
     and each ``next`` compares the time the consumer was away since the last one with the time
     the item took to make: once the consumer has been away at least 1/8 of it, and both took
-    at least 0.1 ms, in two steps in a row (and 8 steps have been timed here, the first
-    time), the source moves to a background thread. A loop that only iterates never starts a
-    thread, nor do items that cost less than the hand-offs.
+    at least 0.1 ms, in two steps in a row (and 8 steps have been timed here, after the
+    dataset's first 8, the first time), the source moves to a background thread. A loop that
+    only iterates never starts a thread, nor do items that cost less than the hand-offs.
 
     Overlap needs a step that lets go of the GIL: a sleep, I/O, a wait for a device. A step of
     many small torch calls takes turns with the thread instead, and waits for the GIL at
     every call, which can cost more than making the item did. So the move is a trial: the
     time from one ``next`` to the next over the first 6 steps made ahead (after the first) is
-    compared with that over the last steps made here, and unless it is shorter the source
-    comes back to the calling thread. ``verdict`` keeps the outcome for later passes: after a
+    compared with that over the last 8 steps made here (medians; not the dataset's first 8:
+    ``OverlapVerdict.warm_up``), and unless it is shorter by at least half the time an item
+    took to make here, the source comes back to the calling thread: a smaller gain cannot be
+    told from the noise of six steps. ``verdict`` keeps the outcome for later passes: after a
     trial that paid they make every item ahead, from the first (waiting for two steps worth
     it again would leave each pass's first three steps without overlap); after one that did
     not, another trial may start once 64 steps have been made here, then 128, 256 and so on.
@@ -208,6 +216,7 @@ class OverlapIterator(Iterator[Any]):
         self._returned: float | None = None  # when the consumer got the last item
         self._streak = 0
         self._here: collections.deque[float] = collections.deque(maxlen=_KEPT)  # cycles
+        self._making: collections.deque[float] = collections.deque(maxlen=_KEPT)  # items' times
         self._trial: list[float] | None = None  # cycles since the move, while on trial
         self._made: collections.deque[Any] = collections.deque()  # handed back, not taken
         self._ended: _Signal | None = None  # how the source ended while it was made ahead
@@ -251,7 +260,11 @@ class OverlapIterator(Iterator[Any]):
         returned = self._returned
         away, making = (start - returned if returned is not None else 0.0), made - start
         if returned is not None:
-            self._here.append(made - returned)
+            if verdict.warm_up:
+                verdict.warm_up -= 1
+            else:
+                self._here.append(made - returned)
+                self._making.append(making)
         if verdict.wait:
             verdict.wait -= 1
         if away * _WORTH >= making and min(away, making) >= _WORTH_S:
@@ -268,7 +281,8 @@ class OverlapIterator(Iterator[Any]):
 
     def _judge(self) -> None:
         """A step made ahead has been taken: note its cycle; after the trial's last, keep
-        the thread if it shortened the cycle, else take the source back."""
+        the thread if it shortened the cycle by half an item's making time, else take the
+        source back."""
         now = self._clock()
         trial = self._trial
         assert trial is not None and self._ahead is not None
@@ -278,7 +292,8 @@ class OverlapIterator(Iterator[Any]):
         if len(trial) <= _TRIAL:  # the first includes the thread's start
             return
         self._trial = None
-        if statistics.median(trial[1:]) < statistics.median(self._here):
+        saved = statistics.median(self._here) - statistics.median(trial[1:])
+        if saved >= statistics.median(self._making) / _GAIN:
             self._verdict.succeed()
         else:
             self._verdict.fail()
@@ -293,6 +308,7 @@ class OverlapIterator(Iterator[Any]):
         self._made.extend(made)
         self._ahead = None
         self._here.clear()
+        self._making.clear()
         self._streak = 0
         self._returned = self._clock()
 
