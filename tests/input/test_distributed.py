@@ -322,8 +322,8 @@ def test_host_replicas_make_steps_on_the_calling_thread() -> None:
 def test_a_loop_whose_steps_take_time_gets_its_next_steps_made_on_a_thread() -> None:
     """On the host the first steps are made on the calling thread; once the loop's steps
     take time (here sleeps longer than making a batch; the first time, after 8 steps timed
-    past the dataset's first 8, here those of the empty loop), the source moves to the prefetch thread for the rest of the pass, and the steps are those
-    made without it."""
+    past the dataset's first 8, here those of the empty loop), the source moves to the
+    prefetch thread for the rest of the pass, and the steps are those made without it."""
     made_on: list[threading.Thread] = []
 
     class Source:
