@@ -142,7 +142,7 @@ class OverlapVerdict:
     steps, not with them. ``warm_up``: how many of the dataset's first steps timed on the
     calling thread are still to come; they are not kept as a trial's baseline, since a
     program's first steps run slower than the rest (the demo's first took 13 ms, its next
-    three 4.1 to 4.6, then 3.8) and would make any trial after them look faster.
+    two 4.6 and 4.1, then about 3.8) and would make any trial after them look faster.
     """
 
     __slots__ = ("failed", "passed", "pays", "wait", "warm_up")
