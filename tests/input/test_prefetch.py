@@ -399,9 +399,9 @@ def test_a_datasets_first_eight_steps_are_no_baseline() -> None:
 
 
 def test_slow_first_steps_do_not_make_a_thread_that_saves_nothing_look_faster() -> None:
-    # a program's first steps are slower: here the first four cycles (11, 3, 3, 3; then 2),
-    # which as a baseline would be 3.0 against the 2.05 of a thread that slows the step by
-    # what it hides of the making (the consumer away 2.05 instead of 1.0): it saves nothing
+    # a program's first steps are slower: here the first five cycles (11, then four of 3;
+    # then 2), which as a baseline would read 3.0 against the 2.05 of a thread that slows
+    # the step by what it hides of the making (the consumer away 2.05, not 1.0): no gain
     clock = Clock()
     source = CallingThreadSource(clock, 1.0, 40)
     verdict = OverlapVerdict()
