@@ -70,15 +70,20 @@ worker prints its row: a worker waits at the sync point for the slower one. Medi
 tenth percentiles: the quiet steps, where neither worker waited long for the other, show
 the fixed cost of each phase. With ``--functions``, ``--phase-steps`` more cs steps then
 time the functions of ``WORKER_FUNCTIONS`` (entering and leaving the views, the local
-fold, the agreement and its all-gather, the buckets' sums handed out, ``.grad`` set, and
-``sync_across``, the sync point's exchange around them), printed under each worker's cs
-row: the median per step, then the tenth percentile (a time nested in another counts in
-both; the tenth percentiles of the parts do not add up to the whole's).
+fold, the agreement and its all-gather, the buckets' sums handed out, ``.grad`` set,
+``sync_across``, the sync point's exchange around them, the views' gradient hooks, and what
+buffers' writes cost: folded locally, noted, carried in the agreement and combined),
+printed under each worker's cs row: the median per step, then the tenth percentile (a time
+nested in another counts in both; the tenth percentiles of the parts do not add up to the
+whole's; a function the step never calls is not printed). ``--worker-model bn`` times
+bench_multiworker.py's batch-norm CNN instead of the transformer: its sixty buffers take
+the view path's writes.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
         [--functions]] [--phase-steps 200]
     python benchmarks/bench_overhead.py --phases --workers [--functions]
+        [--worker-model transformer|bn]
 """
 
 from __future__ import annotations
@@ -195,6 +200,13 @@ WORKER_FUNCTIONS = [
     ("centralstore.strategies._cross_worker:Collectives", "all_gather", "its all-gather"),
     ("centralstore.strategies._buckets:EarlyExchange", "exchanged", "sums handed out"),
     ("centralstore.strategies._exchange", "_add_back", "grad set"),
+    # what buffers' writes cost (the batch-norm CNN's running statistics and counts)
+    ("centralstore.variables.folding", "apply_writes", "writes folded"),
+    ("centralstore.strategies._exchange", "local_writes", "writes noted"),
+    ("centralstore.strategies._writes:CarriedWrites", "payload", "writes carried"),
+    ("centralstore.strategies._writes:CarriedWrites", "combine", "writes combined"),
+    # the views' gradient hooks, each bucket's packing and start included
+    ("centralstore.strategies._buckets:EarlyExchange", "gradient_accumulated", "gradient hooks"),
 ]
 
 
@@ -335,8 +347,8 @@ def phases(models: list[str], steps: int, views: bool = False, functions: bool =
 
 
 class _Worker(NamedTuple):
-    """(In a worker process.) The small transformer under this strategy, and under DDP on
-    this worker's share of the same batch of 32."""
+    """(In a worker process.) A model (``WORKER_MODELS``) under this strategy, and under
+    DDP on this worker's share of the same batch of 32."""
 
     strategy: cs.Strategy
     model: nn.Module
@@ -347,20 +359,32 @@ class _Worker(NamedTuple):
     mine: tuple[torch.Tensor, torch.Tensor]  # DDP's share
 
 
-def _worker() -> _Worker:
+def _worker_models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+    """``--worker-model``'s choices: bench_multiworker.py's small transformer and its
+    batch-norm CNN (twenty convolutions, each with batch norm, whose running statistics and
+    counts every run writes), each with one example's shape."""
+    from bench_multiworker import _batch_norm_cnn
     from bench_train import Transformer
 
+    return {"transformer": (Transformer, (16, 64)), "bn": (_batch_norm_cnn, (3, 16, 16))}
+
+
+WORKER_MODELS = {"transformer": "small transformer", "bn": "batch-norm CNN"}
+
+
+def _worker(model_name: str = "transformer") -> _Worker:
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
+    build, shape = _worker_models()[model_name]
     torch.manual_seed(0)
-    x, y = torch.randn(32, 16, 64), torch.randint(0, 10, (32,))
+    x, y = torch.randn(32, *shape), torch.randint(0, 10, (32,))
     strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
     rank, world = strategy.worker_index, strategy.num_workers
     with strategy.scope():
-        model = Transformer()
+        model = build()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-    ddp = nn.parallel.DistributedDataParallel(Transformer())
+    ddp = nn.parallel.DistributedDataParallel(build())
     ddp_optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3)
     share = 32 // world
     mine = (x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])
@@ -421,15 +445,18 @@ def worker_counts() -> dict[str, dict[str, Any]]:
 WORKER_PHASES = ("opening", "forward", "backward", "sync point", "opt step", "step")
 
 
-def worker_phases(steps: int, functions: bool = False) -> dict[str, Any]:
+def worker_phases(
+    steps: int, functions: bool = False, model_name: str = "transformer"
+) -> dict[str, Any]:
     """(In a worker process started by ``--phases --workers``.) Medians and tenth
     percentiles in microseconds of ``WORKER_PHASES`` for cs, then for DDP, over ``steps``
-    steps of each in drawn turns; with ``functions`` (``--functions``), then ``steps`` more
-    cs steps timing ``WORKER_FUNCTIONS`` (``inside``: label -> [median, tenth percentile])."""
+    steps of each in drawn turns, on ``model_name`` (``WORKER_MODELS``); with
+    ``functions`` (``--functions``), then ``steps`` more cs steps timing
+    ``WORKER_FUNCTIONS`` (``inside``: label -> [median, tenth percentile])."""
     import random
 
     clock = time.perf_counter
-    strategy, model, optimizer, inputs, ddp, ddp_optimizer, (xs, ys) = _worker()
+    strategy, model, optimizer, inputs, ddp, ddp_optimizer, (xs, ys) = _worker(model_name)
     marks: list[float] = []  # the replica's first line, forward's end, backward's end
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
@@ -700,18 +727,24 @@ def main() -> None:
     parser.add_argument("--rendezvous", action="store_true",
                         help="count the lines of a run whose replicas meet (merge_call, "
                         "all_reduce) on every thread")
+    parser.add_argument("--worker-model", choices=list(WORKER_MODELS), default="transformer",
+                        help="with --phases --workers: the model of the two workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if (options.views or options.functions) and not options.phases:
         parser.error("--views and --functions go with --phases: add --phases")
+    if options.worker_model != "transformer" and not (
+        options.worker or (options.phases and options.workers)
+    ):
+        parser.error("--worker-model goes with --phases --workers: add both")
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
     if options.worker:
         torch.set_num_threads(1)
         result = (
-            worker_phases(options.phase_steps, options.functions) if options.phases
-            else worker_counts()
+            worker_phases(options.phase_steps, options.functions, options.worker_model)
+            if options.phases else worker_counts()
         )
         if options.phases or os.environ["RANK"] == "0":  # phases: each worker its row
             print(json.dumps(result))
@@ -724,7 +757,7 @@ def main() -> None:
         rendezvous_counts()
         return
     if options.phases and options.workers:
-        print_worker_phases(options.phase_steps, options.functions)
+        print_worker_phases(options.phase_steps, options.functions, options.worker_model)
         return
     if options.phases:
         phases(options.models, options.phase_steps, options.views, options.functions)
@@ -774,13 +807,15 @@ def _worker_outputs(*flags: str) -> list[Any]:
     return [json.loads(output) for output in outputs if output.strip()]
 
 
-def print_worker_phases(steps: int, functions: bool = False) -> None:
+def print_worker_phases(
+    steps: int, functions: bool = False, model_name: str = "transformer"
+) -> None:
     """The ``--phases --workers`` table (see the module's docstring); ``functions``:
-    ``--functions``."""
-    flags = ["--phases", "--phase-steps", str(steps)] + (["--functions"] if functions else [])
-    outputs = _worker_outputs(*flags)
+    ``--functions``; ``model_name``: ``--worker-model``."""
+    flags = ["--phases", "--phase-steps", str(steps), "--worker-model", model_name]
+    outputs = _worker_outputs(*flags, *(["--functions"] if functions else []))
     for k, (statistic, title) in enumerate((("median", "medians"), ("p10", "tenth percentiles"))):
-        print(f"small transformer, 2 gloo workers x 1 replica against DDP in the same "
+        print(f"{WORKER_MODELS[model_name]}, 2 gloo workers x 1 replica against DDP in the same "
               f"processes; us, wall-clock {title} of {steps} steps")
         print(f"{'worker':<7} {'':<4} " + " ".join(f"{name:>10}" for name in WORKER_PHASES))
         for rank, output in enumerate(outputs):
