@@ -191,6 +191,7 @@ FUNCTIONS = [
 WORKER_FUNCTIONS = [
     ("centralstore.variables.store:VariableStore", "open_run", "open run"),
     ("centralstore.variables.modules:Filled", "_fill_all", "fill parameters"),
+    ("centralstore.variables.modules:Filled", "_fill_buffers", "fill buffers"),
     ("centralstore.variables.modules:Filled", "empty", "empty slots"),
     ("centralstore.variables.store:VariableStore", "close_run", "close run"),
     ("centralstore.strategies._exchange", "sync_across", "sync across"),
