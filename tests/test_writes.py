@@ -5,6 +5,7 @@ aggregation. Two workers of real processes: ``test_multi_worker.py``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch
 
 from centralstore import VariableAggregation
 from centralstore.strategies import _writes
-from centralstore.strategies._writes import CarriedWrites, wide
+from centralstore.strategies._flat import pack, unpack
+from centralstore.strategies._writes import CarriedWrites, ValuesBefore, wide
 
 
 def test_integer_writes_travel_as_float64_only_while_every_sum_is_exact() -> None:
@@ -148,3 +150,76 @@ def test_carried_values_arrive_bit_for_bit(dtype: torch.dtype) -> None:
     carried.combine(row[None], zero, records, {}, writers, torch.zeros_like(writers))
     for got, sent in zip(zero, tensors, strict=True):
         assert torch.equal(got, sent)
+
+
+def test_values_before_are_copies_handed_back_in_each_shape() -> None:
+    """``ValuesBefore`` copies the variables it is given (one kernel per dtype and device)
+    and hands each back in its own shape and dtype, as it was, whatever the fold then
+    writes; a variable it was not given is not in it."""
+    tensors = [
+        torch.tensor([1.0, 2.0]), torch.tensor(3), torch.arange(6.0).double().reshape(2, 3),
+        torch.tensor([4.0, 5.0, 6.0], requires_grad=True), torch.tensor(9.0),
+    ]
+    before = ValuesBefore(tensors, [3, 0, 1, 2])
+    expected = {i: tensors[i].detach().clone() for i in range(4)}
+    with torch.no_grad():
+        for tensor in tensors:
+            tensor.add_(1)
+    assert sorted(before) == [0, 1, 2, 3] and len(before) == 4
+    assert 4 not in before and before.get(4) is None
+    for i, value in before.items():
+        assert value.dtype == expected[i].dtype and torch.equal(value, expected[i])
+        assert not value.requires_grad
+
+
+class _Counted(Mapping[int, torch.Tensor]):
+    """The values from before, counting which ones are read."""
+
+    def __init__(self, values: dict[int, torch.Tensor]) -> None:
+        self.values, self.read = values, []
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.read.append(index)
+        return self.values[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+def test_final_values_combine_without_reading_the_values_from_before() -> None:
+    """MEAN and ONLY_FIRST_REPLICA writes combine from every worker's final values, so
+    ``combine`` reads none of the values from before the fold for them (batch norm's
+    statistics and counts, at every step); a SUM's changes read its own."""
+    records: Any = [SimpleNamespace(aggregation=a) for a in (MEAN, FIRST, SUM, MEAN)]
+    starts = [torch.zeros(2), torch.tensor(7), torch.tensor([10.0]), torch.ones(3)]
+    finals = [  # each worker's values after its fold; variable 3 is carried, not written
+        [torch.tensor([1.0, 3.0]), torch.tensor(8), torch.tensor([12.0]), torch.ones(3)],
+        [torch.tensor([3.0, 5.0]), torch.tensor(8), torch.tensor([11.0]), torch.ones(3)],
+    ]
+    carried = CarriedWrites.of(records, finals[0], [0, 1, 2, 3], workers=2)
+    assert carried is not None
+    rows = torch.stack([carried.payload(records, tensors) for tensors in finals])  # type: ignore[misc]
+    writers = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]])
+    assigned = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0]])
+    for tensors in finals:
+        before = _Counted({i: starts[i].clone() for i in range(3)})
+        carried.combine(rows, tensors, records, before, writers, assigned)
+        assert before.read == [2]
+        assert torch.equal(tensors[0], torch.tensor([2.0, 4.0]))
+        assert torch.equal(tensors[1], torch.tensor(8))
+        assert torch.equal(tensors[2], torch.tensor([13.0]))  # 10 + 2 + 1
+        assert torch.equal(tensors[3], torch.ones(3))
+
+
+@pytest.mark.parametrize("shapes", [[(3,), (1,), (4,)], [(3,), (), (2, 2)]])
+def test_unpack_copies_each_piece_into_its_tensor(shapes: list[tuple[int, ...]]) -> None:
+    """``unpack`` undoes ``pack`` into the tensors themselves, vectors (one
+    ``split_with_sizes_copy``) or any other shapes (a view of each piece copied)."""
+    sources = [torch.randn(shape) for shape in shapes]
+    targets = [torch.zeros(shape) for shape in shapes]
+    unpack(pack(sources), targets)
+    for target, source in zip(targets, sources, strict=True):
+        assert torch.equal(target, source)

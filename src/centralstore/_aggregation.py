@@ -88,7 +88,7 @@ def by_value(aggregation: VariableAggregation) -> bool:
 
 def write_term(
     aggregation: VariableAggregation,
-    start: torch.Tensor,
+    start: torch.Tensor | None,
     value: torch.Tensor,
     count: int,
     assigned: bool,
@@ -97,6 +97,7 @@ def write_term(
     """One group's term in the sum that combines the writes to a variable: ``count`` replicas
     moved it from ``start`` to ``value`` (their own combination by ``aggregation``;
     ``assigned``: one of them assigned; ``any_assigned``: some writer of any group did).
+    Only SUM reads ``start``: it may be None where writes combine by value (``by_value``).
 
     >>> c = torch.tensor(10.0)
     >>> write_term(VariableAggregation.SUM, c, torch.tensor(13.0), 2, False, False)
@@ -108,22 +109,26 @@ def write_term(
     """
     if aggregation is VariableAggregation.MEAN:  # final values, a group weighted by its writers
         return value * count if count != 1 else value
-    if not any_assigned and not by_value(aggregation):  # SUM's deltas
+    if by_value(aggregation):
+        return value
+    assert start is not None, "a SUM's writes combine from the value before them"
+    if not any_assigned:  # SUM's deltas
         return value - start
-    if aggregation is VariableAggregation.SUM and not assigned and count != 1:
+    if not assigned and count != 1:
         return value + start * (count - 1)  # the sum of its writers' finals: start + delta each
     return value
 
 
 def written_value(
     aggregation: VariableAggregation,
-    start: torch.Tensor,
+    start: torch.Tensor | None,
     total: torch.Tensor,
     count: int,
     any_assigned: bool,
 ) -> torch.Tensor:
     """The variable's value after its writes: ``total`` is the sum of every group's
     ``write_term`` and ``count`` the number of replicas that wrote (MEAN's denominator).
+    As in ``write_term``, only SUM reads ``start``.
 
     >>> c = torch.tensor(10.0)  # replicas writing 1 and 2 by add_ (SUM's deltas, MEAN's finals)
     >>> [float(written_value(a, c, torch.tensor(t), 2, False)) for a, t in
@@ -135,7 +140,10 @@ def written_value(
     """
     if aggregation is VariableAggregation.MEAN:
         total = total / count
-    return total if any_assigned or by_value(aggregation) else start + total
+    if any_assigned or by_value(aggregation):
+        return total
+    assert start is not None, "a SUM's writes combine from the value before them"
+    return start + total
 
 
 def sum_in_order(terms: list[torch.Tensor]) -> torch.Tensor:

@@ -66,7 +66,7 @@ from ._buckets import (
 )
 from ._cross_worker import AGREEMENT_FIELDS, CARRIED_AT, Collectives, Kind, signature
 from ._flat import as_bytes, padded
-from ._writes import CarriedWrites, exchange_writes, local_writes, wide
+from ._writes import CarriedWrites, ValuesBefore, exchange_writes, local_writes, wide
 
 if TYPE_CHECKING:
     from ..variables.buckets import GradientBuckets
@@ -289,7 +289,7 @@ def sync_across(
     worker's agreement flags, which gradients were summed sparse, and which variables some
     worker's replicas wrote."""
     writes = {} if run_error is not None else local_writes(store, layout.records)
-    before = {i: layout.tensors[i].detach().clone() for i in writes}
+    before = ValuesBefore(layout.tensors, writes) if writes else {}
     trainable = layout.trainable
     stash = list(map(grad_of, trainable))
     if some(stash):

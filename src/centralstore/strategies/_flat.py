@@ -23,6 +23,20 @@ def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Te
     return torch._C._nn.unflatten_dense_tensors(flat, list(like))
 
 
+def unpack(flat: torch.Tensor, into: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat``'s pieces, one after another, into the tensors ``into`` (what ``pack``
+    joined; the same dtype and device): one ``split_with_sizes_copy`` where each is a
+    contiguous vector (forty batch-norm statistics: 25 us here, against 62 for ``unflatten``
+    and a ``_foreach_copy_``), else a view of each piece copied."""
+    targets = list(into)
+    if set(map(torch.Tensor.dim, targets)) == {1} and all(
+        map(torch.Tensor.is_contiguous, targets)
+    ):
+        torch.split_with_sizes_copy(flat, list(map(torch.Tensor.numel, targets)), out=targets)
+    else:
+        torch._foreach_copy_(targets, unflatten(flat, targets))
+
+
 def padded(size: int) -> int:
     """``size`` bytes rounded up to 8, so that every piece of a row of bytes starts where
     any dtype may be viewed."""

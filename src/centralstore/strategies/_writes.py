@@ -19,16 +19,22 @@ in one of two ways:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import groupby
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING
 
 import torch
 
-from .._aggregation import VariableAggregation, sum_in_order, write_term, written_value
+from .._aggregation import (
+    VariableAggregation,
+    by_value,
+    sum_in_order,
+    write_term,
+    written_value,
+)
 from .._autograd import no_grad
-from ._flat import as_bytes, is_integer, is_real, pack, padded, unflatten
+from ._flat import as_bytes, is_integer, is_real, pack, padded, unflatten, unpack
 
 if TYPE_CHECKING:
     from ..variables.records import Central
@@ -63,9 +69,49 @@ def local_writes(store: VariableStore, records: Sequence[Central]) -> dict[int, 
     return writes
 
 
+class ValuesBefore(Mapping[int, torch.Tensor]):
+    """The values of the variables ``indices`` of ``tensors`` before a sync point's fold
+    writes them: what a failed run puts back and what a SUM's terms start from. Copied in
+    one kernel per dtype and device (``pack``), where a clone each took 106 us for a
+    batch-norm network's sixty buffers in a warm loop; a group's values are cut into
+    tensors of each variable's shape (one C call) only when one of them is read. A step
+    whose writes are final values carried in the agreement (batch norm's statistics and
+    counts: MEAN, ONLY_FIRST_REPLICA) reads none unless the run failed."""
+
+    __slots__ = ("_flats", "_group_of", "_members", "_pieces", "_tensors")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], indices: Iterable[int]) -> None:
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i in indices:
+            tensor = tensors[i]
+            groups.setdefault((tensor.dtype, tensor.device), []).append(i)
+        self._tensors = tensors
+        self._members = list(groups.values())
+        with no_grad():
+            self._flats = [pack([tensors[i] for i in members]) for members in self._members]
+        self._group_of = {i: g for g, members in enumerate(self._members) for i in members}
+        self._pieces: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        piece = self._pieces.get(index)
+        if piece is None:
+            g = self._group_of[index]  # KeyError for a variable not copied
+            members = self._members[g]
+            like = [self._tensors[i] for i in members]
+            self._pieces.update(zip(members, unflatten(self._flats[g], like), strict=True))
+            piece = self._pieces[index]
+        return piece
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._group_of)
+
+    def __len__(self) -> int:
+        return len(self._group_of)
+
+
 def wide(
     tensors: Sequence[torch.Tensor], writes: dict[int, tuple[int, bool]],
-    before: dict[int, torch.Tensor], workers: int,
+    before: Mapping[int, torch.Tensor], workers: int,
 ) -> bool:
     """Whether a write term of this worker's integer variables, summed over ``workers``
     such, may pass 2**53, where float64 stops holding every integer. A term
@@ -106,7 +152,7 @@ def exchange_writes(
     workers: Collectives,
     tensors: Sequence[torch.Tensor],
     records: Sequence[Central],
-    before: dict[int, torch.Tensor],
+    before: Mapping[int, torch.Tensor],
     writers: torch.Tensor,
     assigned: torch.Tensor,
     widen: bool = False,
@@ -213,7 +259,7 @@ class CarriedWrites:
         rows: torch.Tensor,
         tensors: Sequence[torch.Tensor],
         records: Sequence[Central],
-        before: dict[int, torch.Tensor],
+        before: Mapping[int, torch.Tensor],
         writers: torch.Tensor,
         assigned: torch.Tensor,
     ) -> None:
@@ -221,14 +267,14 @@ class CarriedWrites:
         every worker's carried values (``rows``, [workers, words] int64), each worker one
         group of ``write_term``, the terms added in worker order (floating ones in float64,
         as the sum across workers adds them), then ``written_value``. A stretch of variables
-        whose writers and aggregation are alike is computed as one flat tensor."""
-        targets: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
+        whose writers and aggregation are alike is computed as one flat tensor. Only a SUM's
+        terms read its values from before (``write_term``): final values (batch norm's)
+        read none."""
+        combined: list[tuple[torch.Tensor, list[torch.Tensor]]] = []  # written at the end
         raw = rows.contiguous().view(torch.uint8)
         with no_grad():
             for dtype, device, chosen, offset, numel in self._groups:
                 every = raw[:, offset : offset + numel * dtype.itemsize].view(dtype).to(device)
-                starts = pack([before.get(i, tensors[i]) for i in chosen])
                 kinds = zip(
                     [records[i].aggregation for i in chosen],
                     map(tuple, writers[:, chosen].t().tolist()),
@@ -238,11 +284,14 @@ class CarriedWrites:
                 for (aggregation, counts, assignments), members in groupby(
                     zip(chosen, kinds), key=itemgetter(1)
                 ):
-                    stretch = [tensors[i] for i, _ in members]
+                    indices = [i for i, _ in members]
+                    stretch = [tensors[i] for i in indices]
                     lo, hi = hi, hi + sum(map(torch.Tensor.numel, stretch))
                     if not any(counts):
                         continue  # carried, not written this time
-                    start = starts[lo:hi]
+                    start = None  # (final values: by_value)
+                    if not by_value(aggregation):
+                        start = pack([before.get(i, tensors[i]) for i in indices])
                     terms = [
                         write_term(aggregation, start, every[worker, lo:hi], *group)
                         for worker, group in enumerate(
@@ -257,6 +306,6 @@ class CarriedWrites:
                         aggregation, start, sum_in_order(terms).to(dtype),
                         _writers_everywhere(aggregation, counts), any(assignments),
                     )
-                    targets += stretch
-                    values += unflatten(value, stretch)
-            torch._foreach_copy_(targets, values)
+                    combined.append((value, stretch))
+            for value, stretch in combined:
+                unpack(value, stretch)
