@@ -214,6 +214,31 @@ def test_final_values_combine_without_reading_the_values_from_before() -> None:
         assert torch.equal(tensors[3], torch.ones(3))
 
 
+class _OneWorker:
+    """The collectives of a single worker: a sum across workers is its own terms."""
+
+    worker_index = 0
+
+    def sum_across(self, what: str, terms: list[torch.Tensor], widen: bool) -> list[torch.Tensor]:
+        return list(terms)
+
+
+def test_summed_writes_read_the_values_from_before_only_for_sum() -> None:
+    """``exchange_writes`` (writes not carried) follows ``combine``'s rule: final values
+    need no start, a SUM's changes read its own."""
+    records: Any = [SimpleNamespace(aggregation=a) for a in (MEAN, FIRST, SUM)]
+    tensors = [torch.tensor([1.0, 3.0]), torch.tensor(8), torch.tensor([12.0])]
+    before = _Counted({0: torch.zeros(2), 1: torch.tensor(7), 2: torch.tensor([10.0])})
+    writers = torch.tensor([[1, 1, 1]])
+    assigned = torch.tensor([[1, 1, 0]])
+    workers: Any = _OneWorker()
+    _writes.exchange_writes(workers, tensors, records, before, writers, assigned)
+    assert before.read == [2]
+    assert torch.equal(tensors[0], torch.tensor([1.0, 3.0]))
+    assert torch.equal(tensors[1], torch.tensor(8))
+    assert torch.equal(tensors[2], torch.tensor([12.0]))  # 10 + (12 - 10)
+
+
 @pytest.mark.parametrize("shapes", [[(3,), (1,), (4,)], [(3,), (), (2, 2)]])
 def test_unpack_copies_each_piece_into_its_tensor(shapes: list[tuple[int, ...]]) -> None:
     """``unpack`` undoes ``pack`` into the tensors themselves, vectors (one

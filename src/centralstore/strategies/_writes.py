@@ -169,8 +169,8 @@ def exchange_writes(
     every_count = writers[:, written].t().tolist()
     every_assigned = assigned[:, written].t().tolist()
     for i, counts, assignments in zip(written, every_count, every_assigned, strict=True):
-        tensor = tensors[i].detach()
-        start, aggregation = before.get(i, tensor), records[i].aggregation
+        tensor, aggregation = tensors[i].detach(), records[i].aggregation
+        start = None if by_value(aggregation) else before.get(i, tensor)  # as in ``combine``
         group = _term_of(aggregation, counts, assignments, rank)
         if group is None:
             terms.append(torch.zeros_like(tensor))
