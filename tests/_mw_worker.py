@@ -814,6 +814,90 @@ def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
     return out
 
 
+STATISTICS_WRITES = ["none", "skip", "add", "fail", "eval", "merge", "dead"]
+
+
+def normalized() -> nn.Sequential:
+    """Batch norm of both kinds, and a cumulative average (``num_batches_tracked``)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2),
+        nn.BatchNorm1d(2, momentum=None),
+    )
+
+
+def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
+    """Three steps of ``normalized`` on ``strategy``'s W x R replicas (the global batch the
+    same on every worker), with ``write`` besides (``tests/variables/test_direct.py``'s
+    patterns: ``skip``: the last replica makes no forward; ``add``: each adds to a
+    statistic in place; ``fail``: the last one raises in the second step; ``eval``: the
+    second step evaluates; ``merge``: a ``merge_call`` between two forwards; ``dead``: a
+    channel that training leaves at its running mean). Returns the final state and how
+    many buffers some local replica saw through a view of its own."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = normalized()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replicas = strategy.num_replicas_in_sync
+    x = torch.randn(2 * replicas, 3, 4, 4).chunk(replicas)
+
+    def step(xs: torch.Tensor, second: bool) -> None:
+        context = cs.get_replica_context()
+        assert context is not None
+        replica = context.replica_id_in_sync_group
+        if write == "skip" and replica == replicas - 1:
+            return
+        if write == "dead":
+            hidden = model[0](xs) * torch.tensor([0.0, 1.0, 1.0, 1.0]).view(1, 4, 1, 1)
+            model[1:](hidden).pow(2).mean().backward()
+        else:
+            model(xs).pow(2).mean().backward()
+        if write == "add":
+            model[1].running_mean.add_(replica + 0.1)
+        if write == "fail" and second and replica == replicas - 1:
+            raise RuntimeError("the last replica fails")
+        if write == "merge":
+            context.merge_call(lambda strategy: None)
+            model(xs * 2).pow(2).mean().backward()
+
+    for second in (False, True, False):
+        model.train(not (write == "eval" and second))
+        optimizer.zero_grad()
+        inputs = strategy.experimental_distribute_values_from_function(
+            lambda c: x[c.replica_id_in_sync_group]
+        )
+        try:
+            strategy.run(step, args=(inputs, second))
+        except RuntimeError:
+            assert write == "fail"
+        optimizer.step()
+    buffers = {id(b) for b in model.buffers()}
+    store = strategy._store  # type: ignore[attr-defined]
+    viewed = {key for views in store.replicas for key in views.views if key in buffers}
+    return {
+        "state": {name: value.clone() for name, value in model.state_dict().items()},
+        "viewed": len(viewed),
+    }
+
+
+def statistics_scenario(local: int) -> dict[str, Any]:
+    """``statistics_after`` for every pattern, with the buffers written in place by the
+    worker's replicas (which compute where the variables live) and through views."""
+    from replicas import see_views
+
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    devices = [f"cpu:{i}" for i in range(local)]
+    results: dict[str, Any] = {}
+    for write in STATISTICS_WRITES:
+        results[write] = statistics_after(
+            MultiWorkerCentralStorageStrategy(devices, timeout=60), write
+        )
+        views = MultiWorkerCentralStorageStrategy(devices, timeout=60)
+        see_views(views)  # type: ignore[arg-type]
+        results[f"{write}/views"] = statistics_after(views, write)
+    return results
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     if scenario == "survivor":
@@ -834,6 +918,8 @@ def main() -> None:
         results = patterns_scenario()
     elif scenario == "sparse":
         results = sparse_scenario(int(sys.argv[3]))
+    elif scenario == "statistics":
+        results = statistics_scenario(int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

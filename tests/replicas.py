@@ -18,10 +18,12 @@ def strategy_of(replicas: int, direct: bool = True) -> cs.CentralStorageStrategy
 
 
 def see_views(strategy: cs.CentralStorageStrategy) -> None:
-    """Make ``strategy``'s replicas see views of every parameter (``strategy_of``'s
-    ``direct=False``), for a strategy made elsewhere (by an integration's tests)."""
+    """Make ``strategy``'s replicas see views of every parameter and buffer
+    (``strategy_of``'s ``direct=False``), for a strategy made elsewhere (by an
+    integration's tests)."""
     store = strategy._store
     store.on_parameters = (False,) * len(store.on_parameters)
+    store.on_storage = (False,) * len(store.on_storage)
     store._plan = None
 
 

@@ -289,6 +289,38 @@ def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) 
             assert torch.equal(value, results[0]["rows"]["state"][key]), (rank, key)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+def test_batch_norm_buffers_written_in_place_combine_like_views_bit_for_bit(
+    tmp_path: Path, local: int
+) -> None:
+    """A worker's replicas compute where the variables live, so they write batch norm's
+    running statistics and counters in place, as replicas in one process do: no buffer
+    gets a view of its own, except a statistic that some replica left alone (``skip``'s
+    last replica) or wrote through its counter (``add``). Every pattern of writes
+    (``_mw_worker.statistics_after``) leaves the same bits as views would, on every
+    worker, and what one process of all the replicas leaves (close: the workers' sums
+    group the replicas' terms otherwise)."""
+    results = launch(tmp_path, 2, "statistics", str(tmp_path), str(local))
+    for write in helper.STATISTICS_WRITES:
+        twin = helper.statistics_after(
+            cs.CentralStorageStrategy([f"cpu:{i}" for i in range(2 * local)]), write
+        )
+        for rank, result in enumerate(results):
+            got, views = result[write], result[f"{write}/views"]
+            assert views["viewed"] == 6, (write, rank)  # 2 layers: 2 statistics, a counter
+            if write not in ("skip", "add"):
+                assert got["viewed"] == 0, (write, rank)
+            for name, value in views["state"].items():
+                assert torch.equal(got["state"][name], value), (write, rank, name)
+                assert torch.equal(value, results[0][write]["state"][name]), (write, rank, name)
+                if write != "eval":  # (whose second step grows some weights past 1e4,
+                    largest = max(1.0, float(value.abs().max()))  # and their rounding)
+                    torch.testing.assert_close(
+                        value, twin["state"][name], rtol=0, atol=1e-4 * largest,
+                        msg=f"{write}, rank {rank}: {name}",
+                    )
+
+
 def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
     results = launch(tmp_path, 2, "errors", str(tmp_path))
     for result in results:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from replicas import see_views
 from torch import nn
 
 import centralstore as cs
@@ -105,10 +106,8 @@ def replicated(
     strategy = cs.CentralStorageStrategy(list(devices))
     assert strategy.compute_devices == devices
     assert strategy.num_replicas_in_sync == len(devices)
-    if not direct:  # every replica on views of the parameters, as replicas on GPUs are
-        store = strategy._store
-        store._on_parameters = (False,) * len(devices)
-        store._plan = None
+    if not direct:  # every replica on views of the variables, as replicas on GPUs are
+        see_views(strategy)
     with strategy.scope():
         model = make_model()
         model.load_state_dict(state)

@@ -304,23 +304,39 @@ def test_a_failed_run_leaves_an_integer_buffer_as_before_it(path: str) -> None:
     assert writes_to_a_counter(path, fail=True) == ([0, 5, 5, 0, 5, 5], [0, 6, 6, 0, 6, 6], 0)
 
 
-def normalized(strategy: cs.Strategy) -> nn.Sequential:
+class Masked(nn.Module):
+    """A floating buffer that is not a running statistic: it keeps its views, so that a
+    run of replicas computing where the variables live is a ``ReplicasRun``."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask
+
+
+def normalized(strategy: cs.Strategy, masked: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
     with strategy.scope():
         return nn.Sequential(
-            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2),
+            nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+            Masked(16) if masked else nn.Identity(), nn.Linear(16, 2),
             nn.BatchNorm1d(2, momentum=None),  # a cumulative average: num_batches_tracked
         )
 
 
-def statistics_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor]:
+def statistics_after(
+    path: str, replicas: int, write: str, masked: bool = False
+) -> dict[str, torch.Tensor]:
     """Three steps of a model with batch norm; ``write``: what the replicas do besides
     (``skip``: the last one makes no forward; ``add``: each adds to a statistic in
     place; ``fail``: the last one raises after its forward, in the second step; ``eval``:
     the model evaluates in the second step; ``merge``: a ``merge_call`` between two
-    forwards; ``dead``: a channel that training leaves at its running mean)."""
+    forwards; ``dead``: a channel that training leaves at its running mean). ``masked``:
+    with a floating buffer that keeps its views."""
     strategy = strategy_on(path, replicas)
-    model = normalized(strategy)
+    model = normalized(strategy, masked)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2 * replicas, 3, 4, 4)
 
@@ -361,6 +377,24 @@ def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
     got = statistics_after(path, replicas, write)
     want = statistics_after("views", replicas, write)
     assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge", "dead"])
+def test_statistics_shared_beside_buffers_with_views_fold_like_views_bit_for_bit(
+    write: str,
+) -> None:
+    """A floating mask keeps its views, so the run is a ``ReplicasRun``; its replicas still
+    share the statistics and counters, and leave what views leave."""
+    strategy = strategy_on("direct")
+    model = normalized(strategy, masked=True)
+    modes = modes_of(strategy)
+    seen = strategy._store.replicas[0].views
+    assert modes == ["ReplicasRun", "ReplicasRun"]
+    assert id(model[4].mask) in seen and id(model[1].running_mean) not in seen
+    got = statistics_after("direct", 2, write, masked=True)
+    want = statistics_after("views", 2, write, masked=True)
     for name, value in want.items():
         assert torch.equal(got[name], value), name
 

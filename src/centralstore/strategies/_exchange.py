@@ -288,8 +288,8 @@ def sync_across(
     ``kind``: the agreement's, ``Kind.STEP`` for an optimizer step's). Returns every
     worker's agreement flags, which gradients were summed sparse, and which variables some
     worker's replicas wrote."""
-    writes = {} if run_error is not None else local_writes(store, layout.records)
-    before = ValuesBefore(layout.tensors, writes) if writes else {}
+    writes, starts = ({}, {}) if run_error is not None else local_writes(store, layout.records)
+    before = ValuesBefore(layout.tensors, writes, starts) if writes else {}
     trainable = layout.trainable
     stash = list(map(grad_of, trainable))
     if some(stash):

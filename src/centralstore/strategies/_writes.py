@@ -49,11 +49,24 @@ CARRY_TOTAL_BYTES = 2**20
 _private_of = attrgetter("private")
 
 
-def local_writes(store: VariableStore, records: Sequence[Central]) -> dict[int, tuple[int, bool]]:
+def local_writes(
+    store: VariableStore, records: Sequence[Central]
+) -> tuple[dict[int, tuple[int, bool]], dict[int, torch.Tensor]]:
     """Index in ``records`` of each variable this worker's replicas wrote -> (how many
-    wrote it, whether any assigned)."""
+    wrote it, whether any assigned); and, for the buffers they wrote in place (shared by
+    replicas computing where the variables live, ``direct_buffers.py``), whose local fold
+    this makes first, their values from before the run."""
     writes: dict[int, tuple[int, bool]] = {}
+    starts: dict[int, torch.Tensor] = {}
     index: dict[int, int] | None = None
+    in_place = store.run.commit_buffers()
+    if in_place:
+        index = {r.key: i for i, r in enumerate(records)}
+        for key, (count, assigned, before) in in_place.items():
+            i = index.get(key)
+            if i is not None:
+                writes[i] = (count, assigned)
+                starts[i] = before
     for views in store.replicas:
         if not any(map(_private_of, views.touched)):  # only a private copy can be written
             continue
@@ -66,29 +79,34 @@ def local_writes(store: VariableStore, records: Sequence[Central]) -> dict[int, 
             if i is not None:
                 count, assigned = writes.get(i, (0, False))
                 writes[i] = (count + 1, assigned or view.assigned)
-    return writes
+    return writes, starts
 
 
 class ValuesBefore(Mapping[int, torch.Tensor]):
     """The values of the variables ``indices`` of ``tensors`` before a sync point's fold
-    writes them: what a failed run puts back and what a SUM's terms start from. Copied in
-    one kernel per dtype and device (``pack``), where a clone each took 106 us for a
-    batch-norm network's sixty buffers in a warm loop; a group's values are cut into
-    tensors of each variable's shape (one C call) only when one of them is read. A step
-    whose writes are final values carried in the agreement (batch norm's statistics and
-    counts: MEAN, ONLY_FIRST_REPLICA) reads none unless the run failed."""
+    writes them (``starts``: those of the variables written already, in place): what a
+    failed run puts back and what a SUM's terms start from. Copied in one kernel per dtype
+    and device (``pack``), where a clone each took 106 us for a batch-norm network's sixty
+    buffers in a warm loop; a group's values are cut into tensors of each variable's shape
+    (one C call) only when one of them is read. A step whose writes are final values
+    carried in the agreement (batch norm's statistics and counts: MEAN,
+    ONLY_FIRST_REPLICA) reads none unless the run failed."""
 
     __slots__ = ("_flats", "_group_of", "_members", "_pieces", "_tensors")
 
-    def __init__(self, tensors: Sequence[torch.Tensor], indices: Iterable[int]) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], indices: Iterable[int],
+        starts: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i in indices:
             tensor = tensors[i]
             groups.setdefault((tensor.dtype, tensor.device), []).append(i)
         self._tensors = tensors
         self._members = list(groups.values())
+        values = tensors if not starts else [starts.get(i, t) for i, t in enumerate(tensors)]
         with no_grad():
-            self._flats = [pack([tensors[i] for i in members]) for members in self._members]
+            self._flats = [pack([values[i] for i in members]) for members in self._members]
         self._group_of = {i: g for g, members in enumerate(self._members) for i in members}
         self._pieces: dict[int, torch.Tensor] = {}
 

@@ -37,6 +37,7 @@ from .._autograd import no_grad, set_grads
 from .._autograd import requires_grad_of as _requires_grad
 from .._autograd import some as _any
 from .._autograd import version_of as _version
+from .direct_buffers import Written
 from .folding import HeldHooks, add_in_order, all_dense, plus
 from .records import Central, alive
 
@@ -303,7 +304,7 @@ class SharedBuffers(Protocol):
 
     def take(self, replica: int, last: bool) -> None: ...
     def put_back(self, replica: int) -> None: ...
-    def commit(self) -> None: ...
+    def commit(self) -> dict[int, Written]: ...
     def restore(self) -> None: ...
     def again(self) -> SharedBuffers: ...
 
@@ -321,7 +322,10 @@ class DirectReplicas:
     finishes or hands the baton on. ``buffers``: the buffers they share too, if any.
     """
 
-    __slots__ = ("_grads", "_held", "_hooks", "_old", "_open", "_versions", "buffers", "tensors")
+    __slots__ = (
+        "_buffers_open", "_grads", "_held", "_hooks", "_old", "_open", "_versions", "buffers",
+        "tensors",
+    )
 
     def __init__(
         self, tensors: list[torch.Tensor], buffers: Sequence[SharedBuffers] = ()
@@ -335,6 +339,7 @@ class DirectReplicas:
             set_grads(tensors, repeat(None))
         self._grads: dict[int, list[torch.Tensor | None]] = {}  # replica -> its gradients
         self._open = True  # until the sync point commits or rolls back
+        self._buffers_open = bool(buffers)  # until the buffers are committed
         self._hooks = _held_hooks(tensors)
 
     def again(self) -> DirectReplicas:
@@ -382,8 +387,7 @@ class DirectReplicas:
         Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
-        for shared in self.buffers:
-            shared.commit()
+        self.commit_buffers()
         taken = [self._grads[r] for r in sorted(self._grads)]
         if self._held:
             sums = list(self._old)
@@ -396,6 +400,18 @@ class DirectReplicas:
         hooked = _hooked(self._hooks) if self._hooks.tensors else []
         self._forget()
         return hooked
+
+    def commit_buffers(self) -> dict[int, Written]:
+        """The shared buffers' part of ``commit``, which a sync point across workers makes
+        first: it combines their writes with the other workers' (by record key; only once
+        per sync point)."""
+        if not self._buffers_open:
+            return {}
+        self._buffers_open = False
+        written: dict[int, Written] = {}
+        for shared in self.buffers:
+            written.update(shared.commit())
+        return written
 
     def _add_to_last(self, taken: list[list[torch.Tensor | None]]) -> None:
         """Nothing was set aside: the earlier replicas' gradients, summed in replica order,
@@ -435,11 +451,12 @@ class DirectReplicas:
         if not self._open:
             return
         set_grads(self.tensors, self._old)
-        for shared in self.buffers:
-            shared.restore()
+        if self._buffers_open:  # (else the sync point puts back their values from before)
+            for shared in self.buffers:
+                shared.restore()
         self._forget()
 
     def _forget(self) -> None:
-        self._old, self._grads, self._open = [], {}, False
+        self._old, self._grads, self._open, self._buffers_open = [], {}, False, False
         if self._hooks.tensors:
             self._hooks.release()

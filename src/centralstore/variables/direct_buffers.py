@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from itertools import compress
 from operator import attrgetter
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -84,6 +84,17 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 _dtype = attrgetter("dtype")
+
+
+class Written(NamedTuple):
+    """A shared buffer that a sync point left holding its replicas' combined write: how many
+    replicas wrote it, whether one assigned it, and its value from before the run. A sync
+    point across workers combines these with the other workers' (``_writes.py``), as it
+    combines the writes that views fold."""
+
+    writers: int
+    assigned: bool
+    before: torch.Tensor
 
 
 def _note(
@@ -187,17 +198,23 @@ class SharedIntegers:
             torch._foreach_copy_(self.tensors, kept)
             self._versions = list(map(_version, self.tensors))
 
-    def commit(self) -> None:
+    def commit(self) -> dict[int, Written]:
         """Each written buffer takes its first writer's value (the last replica's is in
-        the buffer already)."""
+        the buffer already). Returns the written ones, by record key."""
         if not self._written:
-            return
+            return {}
+        records, before = self._groups.integers, self._before
+        counts = list(map(sum, zip(*self._written.values(), strict=True)))
+        written = {
+            records[i].key: Written(count, False, before[i])
+            for i, count in enumerate(counts) if count
+        }
         kept = self._kept.get(0)
         if kept is not None and all(self._written[0]):  # replica 0 wrote every one
             torch._foreach_copy_(self.tensors, kept)  # (so they hold its copies exactly)
             self._groups.remember(self.tensors, kept)
             self._written, self._kept = {}, {}
-            return
+            return written
         first: dict[int, int] = {}  # buffer -> its first writer
         for replica in sorted(self._written, reverse=True):
             for index in compress(range(len(self.tensors)), self._written[replica]):
@@ -211,6 +228,7 @@ class SharedIntegers:
         if targets:
             torch._foreach_copy_(targets, sources)
         self._written, self._kept = {}, {}
+        return written
 
     def again(self) -> SharedIntegers:
         """The same buffers, used afresh from a sync point on (a merge's)."""
@@ -317,36 +335,49 @@ class SharedStatistics:
             torch._foreach_copy_(self.tensors, self._rows.pieces[replica + 1])
             self._versions = list(map(_version, self.tensors))
 
-    def commit(self) -> None:
+    def commit(self) -> dict[int, Written]:
         """Fold the replicas' values: a statistic every replica changed by its kernel is
         their mean, in replica order; any other write goes to the writers' views
-        (``folding.apply_writes`` folds them next)."""
+        (``folding.apply_writes`` folds them next). Returns the statistics left holding a
+        mean, by record key."""
         rows, count = self._rows, len(self._replicas)
         if count - 1 not in self._kept:  # (every replica's are kept at a merge's sync point)
             torch.cat(self.tensors, out=rows.rows[count])
         differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
+        averaged: list[int] | range = []
         if not self._moved and torch.equal(differs, rows.every):  # training: all changed
-            self._mean_of_all()
+            averaged = self._mean_of_all()
         else:  # statistic by statistic (a value that a training step left as it was counts)
             size = len(self.tensors)
             changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
             found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
             if not self._moved and all(map(all, found)):
-                self._mean_of_all()
+                averaged = self._mean_of_all()
             elif self._moved or any(map(any, found)):  # (none changed: evaluation)
-                self._fold(rows.pieces[1:-1], found)
+                averaged = self._fold(rows.pieces[1:-1], found)
+        before = rows.pieces[0]  # (rows lent again only after this sync point)
         self._memory.take_back(rows)
         self._kept, self._moved = set(), {}
+        return {
+            self._records[index].key: Written(count, True, before[index]) for index in averaged
+        }
 
-    def _mean_of_all(self) -> None:
+    def _mean_of_all(self) -> range:
         """Each statistic becomes the mean of the replicas' values, in replica order, on
-        their rows: what ``folding.apply_writes`` computes for averaged assignments."""
+        their rows: what ``folding.apply_writes`` computes for averaged assignments. (One
+        replica's, a worker's only, are its values: in the statistics already, unless it
+        waits in a ``merge_call``.)"""
+        if len(self._replicas) == 1:
+            if self._kept:
+                torch._foreach_copy_(self.tensors, self._rows.pieces[1])
+            return range(len(self.tensors))
         first, second, *more, total = self._rows.rows[1:]
         torch.add(first, second, out=total)
         for row in more:
             total.add_(row)
         total.div_(len(more) + 2)
         torch._foreach_copy_(self.tensors, self._rows.pieces[-1])
+        return range(len(self.tensors))
 
     def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
         """``_mean_of_all`` for some statistics only (``targets``), tensor by tensor."""
@@ -356,10 +387,10 @@ class SharedStatistics:
         torch._foreach_div_(sums, len(values))
         torch._foreach_copy_(targets, sums)
 
-    def _fold(self, values: list[list[torch.Tensor]], found: list[list[int]]) -> None:
+    def _fold(self, values: list[list[torch.Tensor]], found: list[list[int]]) -> list[int]:
         """Some replica left a statistic unchanged or moved its counter: the statistics
-        every replica changed by kernel are averaged, those some replica wrote go to the
-        writers' views, where ``folding.apply_writes`` folds them next."""
+        every replica changed by kernel are averaged (returned), those some replica wrote
+        go to the writers' views, where ``folding.apply_writes`` folds them next."""
         size, count = len(self.tensors), len(values)
         moved = [self._moved.get(r, [False] * size) for r in range(count)]
         fast: list[int] = []
@@ -369,11 +400,16 @@ class SharedStatistics:
                 fast.append(index)
             elif writers:
                 self._to_views(index, writers, values, moved)
-        if fast:
+        if fast and count > 1:
             self._mean(
                 [self.tensors[index] for index in fast],
                 [[v[index] for index in fast] for v in values],
             )
+        elif fast and self._kept:  # one replica, waiting in a merge_call: its values
+            torch._foreach_copy_(
+                [self.tensors[index] for index in fast], [values[0][index] for index in fast]
+            )
+        return fast
 
     def _to_views(
         self, index: int, writers: list[int], values: list[list[torch.Tensor]],

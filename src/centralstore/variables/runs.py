@@ -40,7 +40,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .direct import Copier, DirectReplicas, SharedBuffers, Undo, shared_parameters
-from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics
+from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, Written
 from .modules import (
     Filled,
     Replaced,
@@ -60,6 +60,7 @@ class Store(Protocol):
     records: dict[int, Central]
     replicas: list[ReplicaViews]
     on_parameters: tuple[bool, ...]
+    on_storage: tuple[bool, ...]
     copier: Copier
 
     def refs(self) -> list[weakref.ref[torch.Tensor]]: ...
@@ -68,20 +69,24 @@ class Store(Protocol):
 class Plan:
     """How the replicas of a run see the records, kept while the records stay the same:
     the module slots (``slots``); the parameters that replicas computing where they live
-    use directly (``shared``, ``DirectReplicas``), the other records (``others``) and the
-    slots such a replica fills (``direct_slots``). ``shared_refs`` and ``others_refs`` are
-    the records' weak references, which every run follows in one pass in C. When every
-    replica computes where the variables live, ``buffers`` are the others that they may
-    share as well, and ``direct`` says whether those are all the others (``DirectRun``)."""
+    use directly (``shared``, ``DirectReplicas``) and the other records (``others``).
+    ``shared_refs`` and ``others_refs`` are the records' weak references, which every run
+    follows in one pass in C. When every local replica computes where the variables live
+    (``on_storage``), ``buffers`` are the others that they may share as well (integers and
+    running statistics, ``direct_buffers.py``), and ``direct`` says whether those are all
+    the others (``DirectRun``); ``viewed_refs`` are the others without them. The slots that
+    a replica computing where the variables live fills: ``direct_slots`` without the shared
+    parameters and buffers, ``direct_slots_with_buffers`` without the shared parameters only
+    (for a run whose buffers turned out not to be plain tensors)."""
 
     __slots__ = (
-        "buffers", "direct", "direct_slots", "others", "others_refs", "shared", "shared_refs",
-        "slots",
+        "buffers", "direct", "direct_slots", "direct_slots_with_buffers", "others",
+        "others_refs", "shared", "shared_refs", "slots", "viewed_refs",
     )
 
     def __init__(
         self, records: dict[int, Central], on_parameters: Sequence[bool],
-        parameter_storage: torch.device,
+        on_storage: Sequence[bool], parameter_storage: torch.device,
     ) -> None:
         _refuse_sparse(records.values())
         slots = slots_of(records)
@@ -94,12 +99,18 @@ class Plan:
         keys = {record.key for record in self.shared}
         self.others = [record for record in records.values() if record.key not in keys]
         self.others_refs = [record.ref for record in self.others]
-        self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
         self.buffers: BufferGroups | None = None
-        if all(on_parameters):
+        if on_storage and all(on_storage):
             with DisableTorchFunctionSubclass():
                 self.buffers = BufferGroups(self.others, parameter_storage)
-        self.direct = self.buffers is not None and len(self.buffers.records) == len(self.others)
+        buffer_keys = {r.key for r in self.buffers.records} if self.buffers else set()
+        self.direct = self.buffers is not None and len(buffer_keys) == len(self.others)
+        self.viewed_refs = [r.ref for r in self.others if r.key not in buffer_keys]
+        self.direct_slots_with_buffers = Slots([slot for slot in slots if slot[2].key not in keys])
+        self.direct_slots = self.direct_slots_with_buffers
+        if buffer_keys:
+            keys |= buffer_keys
+            self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
 
 
 def _refuse_sparse(records: Iterable[Central]) -> None:
@@ -155,6 +166,13 @@ class Run(abc.ABC):
     @abc.abstractmethod
     def rollback(self) -> None:
         """The run failed: the variables themselves, and their ``.grad``, as before it."""
+
+    def commit_buffers(self) -> dict[int, Written]:
+        """The part of ``commit`` for the buffers that the replicas wrote in place, which a
+        sync point across workers makes before the rest, to combine their writes with the
+        other workers': each such buffer by record key, with how its replicas wrote it and
+        its value from before the run. (The other modes have none.)"""
+        return {}
 
     # -- defaults: a mode whose replicas use the variables themselves, untouched ------------
 
@@ -275,21 +293,9 @@ class DirectRun(Run):
         tensors = _all_of(plan.shared_refs, torch.nn.Parameter)
         if tensors is None:
             return None
-        groups: BufferGroups = plan.buffers  # type: ignore[assignment]
-        buffers: list[SharedBuffers] = []
-        if groups.integer_refs:
-            integers = _all_of(groups.integer_refs, torch.Tensor)
-            if integers is None:
-                return None
-            buffers.append(SharedIntegers(groups, integers))
-        if groups.statistic_refs:
-            statistics = _all_of(groups.statistic_refs, torch.Tensor)
-            if statistics is None:
-                return None
-            buffers.append(SharedStatistics(
-                groups.statistics, statistics, groups.memory,  # type: ignore[arg-type]
-                store.replicas,
-            ))
+        buffers = _shared_buffers(store, plan.buffers)  # type: ignore[arg-type]
+        if buffers is None:
+            return None
         return cls(store, plan, tensors, buffers)
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
@@ -316,6 +322,26 @@ class DirectRun(Run):
 
     def rollback(self) -> None:
         self._shared.rollback()
+
+
+def _shared_buffers(store: Store, groups: BufferGroups) -> list[SharedBuffers] | None:
+    """The buffers of ``groups`` that a run's replicas share, or None when one has died or
+    is not a plain ``torch.Tensor`` (then they keep their views)."""
+    buffers: list[SharedBuffers] = []
+    if groups.integer_refs:
+        integers = _all_of(groups.integer_refs, torch.Tensor)
+        if integers is None:
+            return None
+        buffers.append(SharedIntegers(groups, integers))
+    if groups.statistic_refs:
+        statistics = _all_of(groups.statistic_refs, torch.Tensor)
+        if statistics is None:
+            return None
+        buffers.append(SharedStatistics(
+            groups.statistics, statistics, groups.memory,  # type: ignore[arg-type]
+            store.replicas,
+        ))
+    return buffers
 
 
 class _Finishing:
@@ -376,7 +402,13 @@ class ReplicasRun(Run):
     def __init__(self, store: Store, plan: Plan) -> None:
         self._store = store
         self._plan = plan
-        lent = alive(plan.others_refs)
+        buffers = None
+        if plan.buffers is not None and plan.buffers.records:
+            buffers = _shared_buffers(store, plan.buffers)
+        self._direct_slots = (
+            plan.direct_slots_with_buffers if buffers is None else plan.direct_slots
+        )
+        lent = alive(plan.others_refs if buffers is None else plan.viewed_refs)
         found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
         if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C
@@ -386,7 +418,7 @@ class ReplicasRun(Run):
             lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
-        self._shared = DirectReplicas(shared) if shared else None
+        self._shared = DirectReplicas(shared, buffers or ()) if shared or buffers else None
         self.uses_views = bool(lent) or (bool(shared) and not all(store.on_parameters))
         self._shared_lent = False  # whether the shared parameters have the class now
         self._filled: Filled | None = None
@@ -394,7 +426,7 @@ class ReplicasRun(Run):
         self._kept: dict[int, list[Replaced]] = {}
 
     def _direct(self, replica: int) -> bool:
-        return self._shared is not None and self._store.on_parameters[replica]
+        return self._shared is not None and self._store.on_storage[replica]
 
     def replica(self, replica: int) -> contextlib.AbstractContextManager[None]:
         return _Resolving(self, replica, resolving(self._store.replicas[replica]))
@@ -403,7 +435,7 @@ class ReplicasRun(Run):
         direct = self._direct(replica)
         if self._shared is not None:
             self._lend_shared(not direct)
-        slots = self._plan.direct_slots if direct else self._plan.slots
+        slots = self._direct_slots if direct else self._plan.slots
         if slots:
             self._filled = Filled(self._store.replicas[replica], slots)
 
@@ -437,7 +469,7 @@ class ReplicasRun(Run):
             self._lend_shared(not direct)
             if direct:
                 shared.unpark(replica)
-        slots = self._plan.direct_slots if direct else self._plan.slots
+        slots = self._direct_slots if direct else self._plan.slots
         if slots:
             self._filled = Filled(self._store.replicas[replica], slots)
         put_back(self._kept.pop(replica, []))
@@ -452,7 +484,7 @@ class ReplicasRun(Run):
         finally:
             lend_class(lent)
             if self._shared is not None:  # the merge's sync point committed what came before
-                self._shared = DirectReplicas(self._shared.tensors)
+                self._shared = self._shared.again()
 
     def _lend_shared(self, lent: bool) -> None:
         """Give the shared parameters the resolving class (for a replica that sees views of
@@ -465,6 +497,9 @@ class ReplicasRun(Run):
         else:
             restore_class(tensors)
         self._shared_lent = lent
+
+    def commit_buffers(self) -> dict[int, Written]:
+        return {} if self._shared is None else self._shared.commit_buffers()
 
     def commit(self) -> list[torch.Tensor]:
         if self._shared is None:

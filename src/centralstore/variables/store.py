@@ -126,6 +126,13 @@ class VariableStore:
             several and device == placement.parameter_storage
             for device in placement.storage_devices
         )
+        # whether each replica computes where the variables live in a run of several, across
+        # workers too (whose replicas see views of the parameters): when all do, they write
+        # the buffers they may share in place (``direct_buffers.py``)
+        self.on_storage = tuple(
+            placement.num_replicas > 1 and device == placement.parameter_storage
+            for device in placement.storage_devices
+        )
         self._lock = threading.RLock()  # held by the thread inside a run or sync point
         self._user: int | None = None  # the ident of the thread inside a run or sync point
         self._doing = ""
@@ -314,7 +321,8 @@ class VariableStore:
     def plan(self) -> Plan:
         if self._plan is None:
             self._plan = Plan(
-                self.records, self.on_parameters, self.placement.parameter_storage
+                self.records, self.on_parameters, self.on_storage,
+                self.placement.parameter_storage,
             )
         return self._plan
 
