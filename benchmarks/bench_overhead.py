@@ -206,6 +206,11 @@ WORKER_FUNCTIONS = [
     ("centralstore.strategies._exchange", "local_writes", "writes noted"),
     ("centralstore.strategies._writes:CarriedWrites", "payload", "writes carried"),
     ("centralstore.strategies._writes:CarriedWrites", "combine", "writes combined"),
+    # buffers the worker's replicas write in place (``direct_buffers.py``): their values
+    # from before the run copied, and their writes combined locally (inside writes noted)
+    ("centralstore.variables.direct_buffers:SharedStatistics", "__init__", "statistics before"),
+    ("centralstore.variables.direct_buffers:SharedIntegers", "__init__", "integers before"),
+    ("centralstore.variables.direct:DirectReplicas", "commit_buffers", "buffers committed"),
     # the views' gradient hooks, each bucket's packing and start included
     ("centralstore.strategies._buckets:EarlyExchange", "gradient_accumulated", "gradient hooks"),
 ]
@@ -279,6 +284,7 @@ def phase_steps(
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     if views:  # as replicas on GPUs away from the parameters do (tests/replicas.py)
         strategy._store.on_parameters = (False,) * replicas
+        strategy._store.on_storage = (False,) * replicas
     with strategy.scope():
         model = build()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
