@@ -2,10 +2,12 @@
 
 Views give every replica a private copy of each buffer and fold the copies' writes at the
 sync point (``folding.apply_writes``): Python per buffer and per replica, which made a
-network of ten batch-norm layers cost 1.17 to 1.19x two half-batch passes at R = 2. The
-replicas of a ``DirectRun`` compute one after another on the calling thread, so they can
-share the buffers themselves instead, if each finds them as they were before the run and the sync
-point leaves what views would. Two kinds qualify (``BufferGroups``):
+network of ten batch-norm layers cost 1.17 to 1.19x two half-batch passes at R = 2. Where
+every replica of a process computes where the variables live (a ``DirectRun``; a
+``ReplicasRun`` whose other variables keep views; a worker's replicas, which see views of
+the parameters), the replicas compute one after another, so they can share the buffers
+themselves instead, if each finds them as they were before the run and the sync point
+leaves what views would. Two kinds qualify (``BufferGroups``):
 
 * **integers** taking the first replica's write (their default aggregation: position ids,
   ``num_batches_tracked``): a write moves the version counter, so a run that writes none
@@ -33,8 +35,11 @@ point leaves what views would. Two kinds qualify (``BufferGroups``):
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
 replica that runs on after a rendezvous finds its own again. The last replica's stay in the
-buffers until the sync point. Other floating buffers (a float mask, which views copy only
-when it changes) and buffers whose aggregation was set keep their views.
+buffers until the sync point. Across workers, the sync point commits the buffers first and
+combines the written ones with the other workers' writes, from their values from before
+the run (``Written``), as it combines the writes views fold. Other floating buffers (a
+float mask, which views copy only when it changes) and buffers whose aggregation was set
+keep their views.
 """
 
 from __future__ import annotations

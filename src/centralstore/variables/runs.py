@@ -20,9 +20,10 @@ The modes:
   (``DirectReplicas``, ``direct_buffers.py``), without views.
 * ``ReplicasRun``: several replicas otherwise, or one away from the variables. A replica that
   computes where the parameters live uses those no replica may write directly
-  (``DirectReplicas``); every other variable, and every variable of the other replicas, is
-  seen through views, in the module slots (``modules.py``) and through the variables' class
-  (``views.py``).
+  (``DirectReplicas``); where every local replica computes where the variables live (a
+  worker's, too), they share the integers and running statistics as well; every other
+  variable, and every variable of the other replicas, is seen through views, in the module
+  slots (``modules.py``) and through the variables' class (``views.py``).
 
 Replicas run one at a time, so each mode's state is that of the replica holding the baton.
 """
