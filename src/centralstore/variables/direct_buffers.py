@@ -93,9 +93,11 @@ _dtype = attrgetter("dtype")
 
 class Written(NamedTuple):
     """A shared buffer that a sync point left holding its replicas' combined write: how many
-    replicas wrote it, whether one assigned it, and its value from before the run. A sync
-    point across workers combines these with the other workers' (``_writes.py``), as it
-    combines the writes that views fold."""
+    replicas wrote it, whether one assigned it (a statistic's kernel write counts as an
+    assignment, as views note it; an integer's write, of unknown kind, as a change: both
+    combine by value, MEAN and ONLY_FIRST_REPLICA, whatever the kind), and its value from
+    before the run. A sync point across workers combines these with the other workers'
+    (``_writes.py``), as it combines the writes that views fold."""
 
     writers: int
     assigned: bool
