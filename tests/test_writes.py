@@ -172,6 +172,20 @@ def test_values_before_are_copies_handed_back_in_each_shape() -> None:
         assert not value.requires_grad
 
 
+def test_values_before_of_variables_written_in_place_come_from_their_starts() -> None:
+    """Buffers that a worker's replicas wrote in place hold their new values already: their
+    values from before come from the copies the run kept (``starts``), copied again, and
+    the others' from the variables."""
+    tensors = [torch.tensor([7.0, 8.0]), torch.tensor([1.0, 2.0]), torch.tensor(5)]
+    starts = {0: torch.tensor([3.0, 4.0]), 2: torch.tensor(4)}
+    before = ValuesBefore(tensors, [0, 1, 2], starts)
+    expected = {0: starts[0].clone(), 1: tensors[1].clone(), 2: starts[2].clone()}
+    for start in starts.values():
+        start.zero_()  # (the run's copies are reused by the next run)
+    for i, value in before.items():
+        assert torch.equal(value, expected[i]), i
+
+
 class _Counted(Mapping[int, torch.Tensor]):
     """The values from before, counting which ones are read."""
 
