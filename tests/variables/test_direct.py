@@ -381,19 +381,21 @@ def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.parametrize("path", ["direct", "threads"])
 @pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge", "dead"])
 def test_statistics_shared_beside_buffers_with_views_fold_like_views_bit_for_bit(
-    write: str,
+    path: str, write: str,
 ) -> None:
     """A floating mask keeps its views, so the run is a ``ReplicasRun``; its replicas still
-    share the statistics and counters, and leave what views leave."""
+    share the statistics and counters, and leave what views leave, on the calling thread
+    and on replica threads after a rendezvous."""
     strategy = strategy_on("direct")
     model = normalized(strategy, masked=True)
     modes = modes_of(strategy)
     seen = strategy._store.replicas[0].views
     assert modes == ["ReplicasRun", "ReplicasRun"]
     assert id(model[4].mask) in seen and id(model[1].running_mean) not in seen
-    got = statistics_after("direct", 2, write, masked=True)
+    got = statistics_after(path, 2, write, masked=True)
     want = statistics_after("views", 2, write, masked=True)
     for name, value in want.items():
         assert torch.equal(got[name], value), name

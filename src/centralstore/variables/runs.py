@@ -403,9 +403,7 @@ class ReplicasRun(Run):
     def __init__(self, store: Store, plan: Plan) -> None:
         self._store = store
         self._plan = plan
-        buffers = None
-        if plan.buffers is not None and plan.buffers.records:
-            buffers = _shared_buffers(store, plan.buffers)
+        buffers = None if plan.buffers is None else _shared_buffers(store, plan.buffers)
         self._direct_slots = (
             plan.direct_slots_with_buffers if buffers is None else plan.direct_slots
         )
