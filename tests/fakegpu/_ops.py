@@ -57,6 +57,9 @@ _MIXING = frozenset({
     "__deepcopy__", "_has_compatible_shallow_copy_type", "register_hook",
     "register_post_accumulate_grad_hook", "is_same_size", "set_",
 })
+# Calls that read only the shapes of some arguments, which may be meta tensors (CUDA's
+# ``unflatten_dense_tensors`` views the flat tensor as each template's sizes).
+_SHAPES_ONLY = frozenset({"unflatten_dense_tensors"})
 _IN_PLACE_DUNDERS = frozenset({
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__",
@@ -407,6 +410,8 @@ class Call:
             raise _mixing_error(f"cuda:{a}", f"cuda:{b}")
         for x in self.flat:
             if isinstance(x, torch.Tensor) and not is_fake(x) and x.dim() > 0:
+                if x.is_meta and self.name in _SHAPES_ONLY:
+                    continue
                 raise _mixing_error(f"cuda:{first}", str(x.device))
         return int(first)
 

@@ -49,7 +49,10 @@ class FakeCudaTensor(torch.Tensor):
         index = next(
             (x._fakegpu_index for x in _leaves((args, kwargs)) if is_fake(x)), 0
         )
-        out = func(*unwrap(tuple(args)), **unwrap(dict(kwargs or {})))
+        # (below the torch-function layer, as on a real device: a mode such as a strategy
+        # scope's, which registers new leaves, must not see the CPU tensors inside)
+        with torch._C.DisableTorchFunction():
+            out = func(*unwrap(tuple(args)), **unwrap(dict(kwargs or {})))
         return tree_map(lambda x: wrap(x, index) if isinstance(x, torch.Tensor) else x, out)
 
 
