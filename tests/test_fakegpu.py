@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -470,6 +471,75 @@ def test_training_on_two_fake_gpus_matches_one_cpu(fake_gpu_placement: Any) -> N
     for name, value in model.state_dict().items():
         assert value.device == home, name
         torch.testing.assert_close(value.cpu(), reference.state_dict()[name], rtol=0, atol=1e-6)
+
+
+@uses_gpus
+@pytest.mark.parametrize(
+    "devices, direct, viewed",
+    [(["cuda:0", "cuda:0"], True, [0, 0]), (["cuda:0", "cuda:1"], False, [3, 7])],
+    ids=["both-on-the-parameter-gpu", "one-on-it"],
+)
+def test_replicas_on_the_fake_gpu_of_the_variables_use_them_as_on_a_real_one(
+    devices: list[str], direct: bool, viewed: list[int]
+) -> None:
+    """Variables on ``cuda:0``: the replicas there compute on the parameters themselves, as
+    they would on a real GPU (a fake tensor counts as a plain one). Two of them there take
+    the run without views (``DirectRun``), sharing batch norm's buffers too; beside a
+    replica on ``cuda:1``, the one on ``cuda:0`` sees views of the buffers only."""
+    from centralstore.variables.runs import DirectRun
+
+    strategy = cs.CentralStorageStrategy(devices, parameter_device="cuda:0")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    modes: list[bool] = []
+
+    def step(x: torch.Tensor) -> None:
+        modes.append(isinstance(strategy._store.run, DirectRun))  # type: ignore[attr-defined]
+        model(x).sum().backward()
+
+    strategy.run(step, args=(_per_replica(torch.randn(8, 3), tuple(devices)),))
+    assert modes == [direct, direct]
+    assert [len(v.views) for v in strategy._store.replicas] == viewed  # type: ignore[attr-defined]
+    assert all(p.grad is not None and p.grad.device == torch.device("cuda:0")
+               for p in model.parameters())
+
+
+@uses_gpus
+def test_a_scope_registers_what_a_parametrization_registers_and_no_cpu_tensor_inside() -> None:
+    """``spectral_norm`` swaps a fake weight's contents with ``set_`` below the torch-function
+    layer; the scope, which registers new leaves there, registers the module's four
+    tensors, none of the CPU tensors the fake ones hold."""
+    strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cuda:0")
+    with strategy.scope():
+        layer = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 8))
+    records = [r.ref() for r in strategy._store.records.values()]  # type: ignore[attr-defined]
+    assert len(records) == 4
+    assert all(fakegpu.is_fake(t) for t in records)
+    assert {id(t) for t in records} == {
+        id(t) for t in [*layer.parameters(), *layer.buffers()]
+    }
+
+
+def test_batch_norm_writes_on_fake_gpus_combine_in_passes_as_on_a_real_one(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """Two replicas' writes to batch norm's buffers on ``cuda:0`` combine per dtype, as a
+    real GPU's plain tensors do (``folding.py``), not variable by variable: the transfers
+    of a run do not grow with the number of layers."""
+    devices = ("cuda:0", "cuda:1")
+    xs = _per_replica(torch.randn(8, 4), devices)
+
+    def transfers(layers: int) -> int:
+        strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cuda:0")
+        with strategy.scope():
+            model = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(layers)])
+        strategy.run(lambda x: model(x).sum(), args=(xs,))  # the views made
+        before = Counter(fake_gpus.calls)
+        strategy.run(lambda x: model(x).sum(), args=(xs,))
+        return sum(n for (what, _), n in (Counter(fake_gpus.calls) - before).items()
+                   if what.startswith("copy"))
+
+    assert transfers(2) == transfers(6) > 0
 
 
 def _evaluate_then_write_on_the_host() -> None:

@@ -5,8 +5,11 @@ own (``CentralParameter`` or ``CentralTensor``, ``variables/views.py``) whose
 ``__torch_function__`` swaps it for the running replica's view, and it refuses tensor
 subclasses it has no such class for. A variable on a fake GPU is a ``FakeCudaTensor``, so
 while the fake GPUs are active this registers ``FakeCentral``: a ``FakeCudaTensor`` with the
-views' ``__torch_function__``. Nothing else of centralstore is touched; if its views module
-is renamed this is the function to re-point.
+views' ``__torch_function__``; and it counts ``FakeCudaTensor`` as a plain tensor and as a
+parameter where replicas share variables without views (``EXACT_CLASSES``), so that replicas
+on the fake GPU that holds the parameters take the path they take on a real one. Nothing
+else of centralstore is touched; if its views module is renamed this is the function to
+re-point.
 """
 
 from __future__ import annotations
@@ -34,3 +37,7 @@ def install(patches: Any) -> None:
     })
     patches.setitem(central, FakeCudaTensor, fake_central)
     patches.setitem(plain, fake_central, FakeCudaTensor)
+    exact = getattr(views, "EXACT_CLASSES", None)
+    if exact is not None:  # fake tensors share parameters and buffers as real ones do
+        for kind, classes in list(exact.items()):
+            patches.setitem(exact, kind, classes | {FakeCudaTensor})

@@ -31,7 +31,7 @@ from .._aggregation import (
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
 from .buckets import GradientBuckets, take_all
 from .records import Central
-from .views import View
+from .views import EXACT_CLASSES, View
 
 
 def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
@@ -427,6 +427,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         _reduce_all_copies(list(on_read.values()), len(touched))
     batched: dict[tuple[Any, ...], list[tuple[torch.Tensor, list[View]]]] = {}
     alone: list[tuple[torch.Tensor, torch.Tensor]] = []  # one replica: its values, as written
+    plain = _plain_classes()
     for views in writers.values():
         record = views[0].record
         central = record.ref()
@@ -441,7 +442,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
         any_assigned = any(map(_assigned_of, views))
         if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             views = views[:1]
-        if _combinable(aggregation, central):  # the usual writes, batch norm's statistics
+        if _combinable(aggregation, central, plain):  # the usual writes, batch norm's statistics
             # and counters: with the others like them
             batched.setdefault(
                 (aggregation, len(views), any_assigned, central.dtype), []
@@ -477,15 +478,21 @@ _BATCHED = (
 )
 _MEAN = VariableAggregation.MEAN
 _ONLY_FIRST = VariableAggregation.ONLY_FIRST_REPLICA
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # (a Keras variable's value is a Parameter)
+def _plain_classes() -> frozenset[type]:
+    """The classes of the variables whose writes may combine in ``_foreach`` kernels:
+    ``torch.Tensor`` and ``nn.Parameter`` exactly (``EXACT_CLASSES``; a subclass may
+    dispatch otherwise; a Keras variable's value is a Parameter)."""
+    return EXACT_CLASSES[torch.Tensor] | EXACT_CLASSES[torch.nn.Parameter]
 
 
-def _combinable(aggregation: VariableAggregation, central: torch.Tensor) -> bool:
+def _combinable(
+    aggregation: VariableAggregation, central: torch.Tensor, plain: frozenset[type]
+) -> bool:
     """Whether writes to ``central`` combine with those to other variables like it in
-    ``_foreach`` kernels: a dense tensor or parameter of no other class (a subclass may
-    dispatch otherwise), not boolean, of an aggregation that adds (an integer MEAN rounds
-    its quotient, which ``copy_`` does one variable at a time)."""
-    if aggregation not in _BATCHED or type(central) not in _PLAIN:
+    ``_foreach`` kernels: a dense tensor of a ``plain`` class (``_plain_classes``), not
+    boolean, of an aggregation that adds (an integer MEAN rounds its quotient, which
+    ``copy_`` does one variable at a time)."""
+    if aggregation not in _BATCHED or type(central) not in plain:
         return False
     return central.layout is torch.strided and central.dtype is not torch.bool and (
         central.is_floating_point() or aggregation is not _MEAN
@@ -514,7 +521,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
     dtypes = list(map(_dtype_of, centrals))
     if not all(map(all, zip(  # ``_combinable`` of each, in passes in C
         map(_BATCHED.__contains__, aggregations),
-        map(_PLAIN.__contains__, map(type, centrals)),
+        map(_plain_classes().__contains__, map(type, centrals)),
         map(is_, map(_layout_of, centrals), repeat(torch.strided)),
         map(is_not, dtypes, repeat(torch.bool)),
         map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
@@ -612,10 +619,11 @@ def _reduce_all_copies(every: list[list[tuple[int, View]]], local_replicas: int)
     in one copy per dtype, its changes in one ``_foreach_sub``, summed in replica order and
     added to the central values. The others are reduced one by one."""
     together: dict[tuple[Any, ...], list[tuple[torch.Tensor, Central, list[View]]]] = {}
+    plain = _plain_classes()
     for copies in every:
         record = copies[0][1].record
         central = record.ref()
-        if central is None or not _combinable(record.aggregation, central):
+        if central is None or not _combinable(record.aggregation, central, plain):
             _reduce_copies(copies, local_replicas)
             continue
         if record.aggregation is _ONLY_FIRST:  # (in replica order: global replica 0 first)

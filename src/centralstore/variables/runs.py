@@ -52,7 +52,7 @@ from .modules import (
     slots_of,
 )
 from .records import Central, alive
-from .views import ReplicaViews, lend_class, resolving, restore_class
+from .views import EXACT_CLASSES, ReplicaViews, lend_class, resolving, restore_class
 
 
 class Store(Protocol):
@@ -142,9 +142,11 @@ def _refuse_sparse(records: Iterable[Central]) -> None:
 
 def _all_of(refs: list[weakref.ref[torch.Tensor]], kind: type) -> list[torch.Tensor] | None:
     """The tensors of ``refs`` if every one is alive and of class ``kind`` exactly (one
-    pass in C), else None."""
+    pass in C; ``EXACT_CLASSES``), else None."""
     tensors = list(map(call, refs))
-    return tensors if set(map(type, tensors)) == {kind} else None  # type: ignore[return-value]
+    if set(map(type, tensors)) <= EXACT_CLASSES[kind]:
+        return tensors  # type: ignore[return-value]
+    return None
 
 
 class Run(abc.ABC):
@@ -410,11 +412,12 @@ class ReplicasRun(Run):
         lent = alive(plan.others_refs if buffers is None else plan.viewed_refs)
         found = list(map(call, plan.shared_refs))
         shared: list[torch.Tensor]
-        if set(map(type, found)) == {torch.nn.Parameter}:  # the usual case, one pass in C
+        parameters = EXACT_CLASSES[torch.nn.Parameter]
+        if set(map(type, found)) <= parameters:  # the usual case, one pass in C
             shared = found  # type: ignore[assignment]
         else:  # dead ones, or another class, which must take the resolving one
-            shared = [t for t in found if type(t) is torch.nn.Parameter]
-            lent += [t for t in found if t is not None and type(t) is not torch.nn.Parameter]
+            shared = [t for t in found if t is not None and type(t) in parameters]
+            lent += [t for t in found if t is not None and type(t) not in parameters]
         lend_class(lent)  # TypeError for a variable of another class
         self._lent = lent
         self._shared = DirectReplicas(shared, buffers or ()) if shared or buffers else None

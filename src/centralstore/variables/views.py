@@ -603,6 +603,16 @@ _CENTRAL_CLASS: dict[type, type] = {
     torch.nn.Parameter: CentralParameter, torch.Tensor: CentralTensor,
 }
 _PLAIN_CLASS: dict[type, type] = {central: plain for plain, central in _CENTRAL_CLASS.items()}
+# The classes that count as ``nn.Parameter`` and as ``torch.Tensor`` exactly where a
+# variable's class chooses a path: replicas share such variables without views
+# (``runs.py``), and their writes combine in passes in C (``folding.py``); a subclass,
+# whose calls may dispatch anything, keeps its views and its writes go one by one. The test
+# suite's fake GPUs add their tensor class to both, as they add it to ``_CENTRAL_CLASS``,
+# so that they take the paths real GPUs take.
+EXACT_CLASSES: dict[type, frozenset[type]] = {
+    torch.nn.Parameter: frozenset({torch.nn.Parameter}),
+    torch.Tensor: frozenset({torch.Tensor}),
+}
 
 
 def lend_class(tensors: list[torch.Tensor]) -> None:
