@@ -9,6 +9,7 @@ test builds its twin from the same code. Not collected by pytest (no ``test_`` p
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -833,21 +834,25 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
     second step evaluates; ``merge``: a ``merge_call`` between two forwards; ``dead``: a
     channel that training leaves at its running mean). Returns the final state and how
     many buffers some local replica saw through a view of its own."""
-    torch.manual_seed(0)
+    replicas = strategy.num_replicas_in_sync
+    torch.manual_seed(0)  # all drawn on the host: a GPU draws otherwise
+    initial = normalized().state_dict()
+    x = torch.randn(2 * replicas, 3, 4, 4).chunk(replicas)
     with strategy.scope():
         model = normalized()
+        model.load_state_dict(initial)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    replicas = strategy.num_replicas_in_sync
-    x = torch.randn(2 * replicas, 3, 4, 4).chunk(replicas)
 
     def step(xs: torch.Tensor, second: bool) -> None:
         context = cs.get_replica_context()
         assert context is not None
         replica = context.replica_id_in_sync_group
+        xs = xs.to(model[0].weight.device)  # (a GPU replica's: cpu:i's stay where they are)
         if write == "skip" and replica == replicas - 1:
             return
         if write == "dead":
-            hidden = model[0](xs) * torch.tensor([0.0, 1.0, 1.0, 1.0]).view(1, 4, 1, 1)
+            mask = torch.tensor([0.0, 1.0, 1.0, 1.0], device=xs.device)
+            hidden = model[0](xs) * mask.view(1, 4, 1, 1)
             model[1:](hidden).pow(2).mean().backward()
         else:
             model(xs).pow(2).mean().backward()
@@ -873,28 +878,103 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
     buffers = {id(b) for b in model.buffers()}
     store = strategy._store  # type: ignore[attr-defined]
     viewed = {key for views in store.replicas for key in views.views if key in buffers}
-    return {
-        "state": {name: value.clone() for name, value in model.state_dict().items()},
-        "viewed": len(viewed),
-    }
+    return {"state": host_state(model), "viewed": len(viewed)}
 
 
-def statistics_scenario(local: int) -> dict[str, Any]:
+def host_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state, copied to the host (from a fake GPU too)."""
+    return {name: value.to("cpu", copy=True) for name, value in model.state_dict().items()}
+
+
+def statistics_scenario(devices: list[str], parameter_device: str | None = None) -> dict[str, Any]:
     """``statistics_after`` for every pattern, with the buffers written in place by the
-    worker's replicas (which compute where the variables live) and through views."""
+    worker's replicas (where they compute where the variables live) and through views."""
     from replicas import see_views
 
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
-    devices = [f"cpu:{i}" for i in range(local)]
+    def strategy() -> MultiWorkerCentralStorageStrategy:
+        return MultiWorkerCentralStorageStrategy(
+            devices, parameter_device=parameter_device, timeout=60
+        )
+
     results: dict[str, Any] = {}
     for write in STATISTICS_WRITES:
-        results[write] = statistics_after(
-            MultiWorkerCentralStorageStrategy(devices, timeout=60), write
-        )
-        views = MultiWorkerCentralStorageStrategy(devices, timeout=60)
+        results[write] = statistics_after(strategy(), write)
+        views = strategy()
         see_views(views)  # type: ignore[arg-type]
         results[f"{write}/views"] = statistics_after(views, write)
+    return results
+
+
+def trained_in_scope(strategy: cs.Strategy, inside: bool) -> dict[str, Any]:
+    """Three steps of ``bn_model`` whose ``run`` (with a ``merge_call``) and ``reduce`` are
+    called inside ``strategy.scope()`` (``inside``) or outside it. The scope's
+    ``torch.device`` context (the parameter device's) must not reach what the sync point
+    makes on the host: agreement rows, carried writes, a reduced loss's words. Returns the
+    final state and the reduced losses."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = bn_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replicas = strategy.num_replicas_in_sync
+    x = torch.randn(4 * replicas, 6).chunk(replicas)
+
+    def step(xs: torch.Tensor) -> torch.Tensor:
+        loss = model(xs.to(model[0].weight.device)).pow(2).mean()
+        loss.backward()
+        context = cs.get_replica_context()
+        assert context is not None
+        context.merge_call(lambda strategy: None)
+        return loss.detach()
+
+    losses = []
+    with strategy.scope() if inside else contextlib.nullcontext():
+        for _ in range(3):
+            optimizer.zero_grad()
+            inputs = strategy.experimental_distribute_values_from_function(
+                lambda c: x[c.replica_id_in_sync_group]
+            )
+            per_replica = strategy.run(step, args=(inputs,))
+            losses.append(strategy.reduce("MEAN", per_replica, axis=None).cpu())
+            optimizer.step()
+    return {"state": host_state(model), "losses": losses}
+
+
+# The fake-GPU scenario's placements: each worker's replicas, and its parameter device.
+GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
+    "one-gpu": (["cuda:0"], "cuda:0"),
+    "one-gpu-params-on-host": (["cuda:0"], "cpu"),
+    "two-on-the-parameter-gpu": (["cuda:0", "cuda:0"], "cuda:0"),
+    "two-gpus": (["cuda:0", "cuda:1"], "cuda:0"),
+}
+
+
+def gpus_scenario(placement: str) -> dict[str, Any]:
+    """``statistics_scenario`` and ``trained_in_scope`` on two fake GPUs per worker
+    (``tests/fakegpu``), placed as ``GPU_PLACEMENTS[placement]``; a stream hazard fails
+    the worker (``fakegpu.checked``). With ``CENTRALSTORE_REAL_GPUS=1``, on the real GPUs
+    (``benchmarks/gpu_check.py``), with cuDNN deterministic and without TF32, whose
+    convolutions stray from the CPU's by 1e-2. The workers meet over gloo (the fake GPUs
+    have no NCCL, and a real one may be the only GPU of both): the collectives' buffers
+    stay on the host."""
+    import fakegpu
+
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    devices, parameter_device = GPU_PLACEMENTS[placement]
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    real = bool(os.environ.get("CENTRALSTORE_REAL_GPUS"))
+    if real:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    with contextlib.nullcontext() if real else fakegpu.checked(2):
+        results = statistics_scenario(devices, parameter_device)
+        for inside in (False, True):
+            strategy = MultiWorkerCentralStorageStrategy(
+                devices, parameter_device=parameter_device, timeout=60
+            )
+            results[f"scope/{inside}"] = trained_in_scope(strategy, inside)
     return results
 
 
@@ -919,7 +999,9 @@ def main() -> None:
     elif scenario == "sparse":
         results = sparse_scenario(int(sys.argv[3]))
     elif scenario == "statistics":
-        results = statistics_scenario(int(sys.argv[3]))
+        results = statistics_scenario([f"cpu:{i}" for i in range(int(sys.argv[3]))])
+    elif scenario == "gpus":
+        results = gpus_scenario(sys.argv[3])
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -322,6 +322,54 @@ def test_batch_norm_buffers_written_in_place_combine_like_views_bit_for_bit(
                     )
 
 
+@pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
+def test_workers_on_gpus_combine_buffers_like_views_and_train_alike_in_scope(
+    tmp_path: Path, placement: str
+) -> None:
+    """The sync point across workers whose replicas are on fake GPUs (tests/fakegpu; no
+    stream hazard, or the worker fails), or with ``CENTRALSTORE_REAL_GPUS=1`` on real ones:
+    every pattern of batch-norm writes leaves the same bits as views would on every worker,
+    and what one process of all the replicas on logical CPU devices leaves. Replicas on
+    the GPU that holds the parameters write the buffers in place (fake tensors count as
+    plain ones, so the fake GPUs take that path too). ``run`` with a ``merge_call`` and
+    ``reduce``, called inside ``scope()``, whose ``torch.device`` context is the parameter
+    device's, train as they do outside it."""
+    devices, parameter_device = helper.GPU_PLACEMENTS[placement]
+    gpus = 1 + max(torch.device(device).index or 0 for device in devices)
+    if os.environ.get("CENTRALSTORE_REAL_GPUS") and torch.cuda.device_count() < gpus:
+        pytest.skip(f"{placement} needs {gpus} GPUs")
+    on_storage = all(device == parameter_device for device in devices)
+    local = len(devices)
+    results = launch(tmp_path, 2, "gpus", str(tmp_path), placement)
+    for write in helper.STATISTICS_WRITES:
+        twin = helper.statistics_after(
+            cs.CentralStorageStrategy([f"cpu:{i}" for i in range(2 * local)]), write
+        )
+        for rank, result in enumerate(results):
+            got, views = result[write], result[f"{write}/views"]
+            assert views["viewed"] == 6, (write, rank)
+            if not on_storage:
+                assert got["viewed"] == 6, (write, rank)
+            elif write != "add" and not (write == "skip" and local > 1):
+                assert got["viewed"] == 0, (write, rank)
+            for name, value in views["state"].items():
+                assert torch.equal(got["state"][name], value), (write, rank, name)
+                assert torch.equal(value, results[0][write]["state"][name]), (write, rank, name)
+                if write != "eval":  # (see the test above)
+                    largest = max(1.0, float(value.abs().max()))
+                    torch.testing.assert_close(
+                        value, twin["state"][name], rtol=0, atol=1e-4 * largest,
+                        msg=f"{write}, rank {rank}: {name}",
+                    )
+    for rank, result in enumerate(results):
+        outside, inside = result["scope/False"], result["scope/True"]
+        assert len(inside["losses"]) == 3, rank
+        for before, after in zip(outside["losses"], inside["losses"], strict=True):
+            assert torch.equal(before, after), rank
+        for name, value in outside["state"].items():
+            assert torch.equal(inside["state"][name], value), (rank, name)
+
+
 def test_mistakes_are_reported_by_every_worker(tmp_path: Path) -> None:
     results = launch(tmp_path, 2, "errors", str(tmp_path))
     for result in results:

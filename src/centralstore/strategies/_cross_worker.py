@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 # An agreement row (``agree``): its fields (kind, failed, signature, a to d), a slot in
 # which a small reduce's sums travel (``reduce``), then the carried words (``carry_words``).
+# Where agreement rows and other host-side words are made, whatever ``torch.device``
+# context the sync point runs in: a merge's (the parameter device), ``scope()``'s, a user's.
+HOST = torch.device("cpu")
 AGREEMENT_FIELDS = 7
 SMALL_WORDS = 8
 CARRIED_AT = AGREEMENT_FIELDS + SMALL_WORDS
@@ -298,7 +301,7 @@ class Collectives(Workers):
         (gloo) instead of raising."""
         row = torch.tensor(
             [int(kind), int(failed), signature, a, b, c, d, *[0] * SMALL_WORDS],
-            dtype=torch.int64,
+            dtype=torch.int64, device=HOST,
         )
         if small is not None:
             row[AGREEMENT_FIELDS:CARRIED_AT] = small
@@ -417,7 +420,9 @@ class Collectives(Workers):
             for t, d in zip(locals_, dims, strict=True)
         ]
         local_replicas = len(parts[0]) if parts else 0
-        flat_sizes = torch.tensor([s for row in sizes for s in row], dtype=torch.int64)
+        flat_sizes = torch.tensor(
+            [s for row in sizes for s in row], dtype=torch.int64, device=HOST
+        )
         small = _small_words([flat_sizes])  # the sizes travel in the agreement's slot if they fit
         table = self.agree(
             Kind.GATHER, signature(layout), len(parts), local_replicas, small=small
@@ -504,7 +509,7 @@ def _small_words(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
     data = torch.cat([
         *(as_bytes(t.detach().reshape(-1).cpu()) for t in tensors),
-        torch.zeros(8 * SMALL_WORDS, dtype=torch.uint8),
+        torch.zeros(8 * SMALL_WORDS, dtype=torch.uint8, device=HOST),
     ])
     return data[: 8 * SMALL_WORDS].view(torch.int64)
 

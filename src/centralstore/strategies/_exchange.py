@@ -64,7 +64,7 @@ from ._buckets import (
     bucket_indices,
     flat_gradient,
 )
-from ._cross_worker import AGREEMENT_FIELDS, CARRIED_AT, Collectives, Kind, signature
+from ._cross_worker import AGREEMENT_FIELDS, CARRIED_AT, HOST, Collectives, Kind, signature
 from ._flat import as_bytes, padded
 from ._writes import CarriedWrites, ValuesBefore, exchange_writes, local_writes, wide
 
@@ -318,7 +318,9 @@ def sync_across(
     order = workers.sparse_order
     entries = None
     if flags & SPARSE and order:
-        entries = torch.tensor([_entries(fresh, j) for j in order], dtype=torch.int64)
+        entries = torch.tensor(
+            [_entries(fresh, j) for j in order], dtype=torch.int64, device=HOST
+        )
     words = _carried_words(workers, payload, entries)
     fits = early is not None and early.plan.fits(layout.records, layout.trainable_flags)
     # this worker's per-variable flags, where they are not implied by ``state`` alone
@@ -391,7 +393,9 @@ def sync_across(
         every_entries = None
         if alike and sparse:  # the last words of the rows
             carried_entries = table[:, table.shape[1] - len(order) :].int()
-            every_entries = torch.zeros(workers.num_workers, len(fresh), dtype=torch.int32)
+            every_entries = torch.zeros(
+                workers.num_workers, len(fresh), dtype=torch.int32, device=HOST
+            )
             for k, j in enumerate(order):
                 if j < len(fresh):
                     every_entries[:, j] = carried_entries[:, k]
@@ -472,8 +476,9 @@ def _carried_words(
         return None
     writes_words = 0 if workers.carried is None else workers.carried.words
     return torch.cat([
-        torch.zeros(writes_words, dtype=torch.int64) if payload is None else payload,
-        torch.zeros(len(workers.sparse_order), dtype=torch.int64) if entries is None else entries,
+        torch.zeros(writes_words, dtype=torch.int64, device=HOST) if payload is None else payload,
+        torch.zeros(len(workers.sparse_order), dtype=torch.int64, device=HOST)
+        if entries is None else entries,
     ])
 
 
@@ -492,7 +497,8 @@ def _flags(
     worker's numbers of entries came with the agreement (``entries``: [workers, trainable])."""
     n, m = len(layout.records), len(fresh)
     if alike is not None:
-        table = torch.tensor(alike, dtype=torch.int32).expand(workers.num_workers, -1)
+        table = torch.tensor(alike, dtype=torch.int32, device=HOST)
+        table = table.expand(workers.num_workers, -1)
         if entries is not None:
             table = torch.cat([table, entries], dim=1)
     else:
@@ -560,8 +566,10 @@ def _exchange_sparse(
     pieces: list[torch.Tensor] = []
     for j, (dims, counts) in kept.items():
         variable, grad, longest = trainable[j], fresh[j], max(counts)
-        mine_indices = torch.zeros(dims, longest, dtype=torch.int64)
-        mine_values = torch.zeros(longest, *variable.shape[dims:], dtype=variable.dtype)
+        mine_indices = torch.zeros(dims, longest, dtype=torch.int64, device=HOST)
+        mine_values = torch.zeros(
+            longest, *variable.shape[dims:], dtype=variable.dtype, device=HOST
+        )
         if grad is not None:
             mine_indices[:, : grad._nnz()] = grad._indices()
             mine_values[: grad._nnz()] = grad._values()
