@@ -10,8 +10,10 @@ such a machine can tell:
    (tests/equivalence/test_gpu_paths.py, run on the real GPUs): refuted or confirmed; then
    the counts of all the file's cases, with pytest's output when any of them failed.
 1. It runs tests/test_cuda.py (``pytest -m cuda``), which compares training on the GPUs with
-   training on one device, and prints pytest's output and the counts of passed, failed and
-   skipped tests.
+   training on one device, then tests/test_multi_worker.py's case on GPUs (two worker
+   processes over gloo, each with its replicas on the GPUs: batch norm's buffers written
+   in place and through views, a run inside ``scope()``), and prints pytest's output and
+   the counts of passed, failed and skipped tests of each.
 2. It prints one table of training steps on bench_train.py's models: the MLP 784-1024-1024-10
    and the CNN with BatchNorm (batch 512, SGD with momentum), and the small transformer (2
    encoder layers, d = 64, batch 32, Adam), each under these configurations:
@@ -94,6 +96,11 @@ DEFECTS = [
     ("a pinned block per gradient and step", "test_the_early_gradient_copy_pins_its"),
 ]
 DEFECTS_TIMEOUT_S = 90
+WORKER_TESTS = [
+    sys.executable, "-m", "pytest", "-q", "tests/test_multi_worker.py", "-k", "on_gpus",
+    "-p", "no:cacheprovider", "-o", "addopts=",
+]
+WORKER_TESTS_TIMEOUT_S = 90  # four placements of two processes, each ~10 s on a CPU
 # The tests' share of the 8 minutes the whole check may take: a little more than pytest's
 # own limit per test (300 s, pyproject.toml), so that a test stuck there still reports.
 TESTS_TIMEOUT_S = 330
@@ -188,19 +195,24 @@ def check_defects() -> bool:
     return passed
 
 
-def run_tests() -> bool:
-    """Run the CUDA-marked tests in a fresh process; print their output and counts. True
-    when pytest reports success."""
-    print("$ python " + " ".join(TESTS[1:]), flush=True)
+def run_tests(
+    command: Sequence[str] = TESTS, timeout_s: int = TESTS_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> bool:
+    """Run the tests of ``command`` (the CUDA-marked ones) in a fresh process, with ``env``
+    added to the environment; print their output and counts. True when pytest reports
+    success."""
+    settings = "".join(f"{name}={value} " for name, value in (env or {}).items())
+    print(f"$ {settings}python " + " ".join(command[1:]), flush=True)
     try:
         done = subprocess.run(
-            TESTS, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            timeout=TESTS_TIMEOUT_S, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            timeout=timeout_s, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     except subprocess.TimeoutExpired as timeout:  # unbuffered: its output so far is here
         partial = timeout.stdout
         print(partial.decode() if isinstance(partial, bytes) else partial or "")
-        print(f"tests: stopped after {TESTS_TIMEOUT_S} s\n")
+        print(f"tests: stopped after {timeout_s} s\n")
         return False
     print(done.stdout.rstrip())
     counts = summary_counts(done.stdout)
@@ -501,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20,
                         help="training steps per round (default 20)")
     parser.add_argument("--skip-tests", action="store_true",
-                        help="only the benchmark, without tests/test_cuda.py")
+                        help="only the benchmark, without step 1's tests")
     parser.add_argument("--host-update", action="store_true",
                         help="only the table of the optimizers' update on the host (no GPU "
                              "needed)")
@@ -513,7 +525,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no CUDA device: nothing to check (--host-update runs without one)")
         return 0
     paths_passed = check_defects()
-    tests_passed = options.skip_tests or run_tests()
+    tests_passed = options.skip_tests or all([  # (both run, whatever the first's verdict)
+        run_tests(),
+        run_tests(WORKER_TESTS, WORKER_TESTS_TIMEOUT_S, {"CENTRALSTORE_REAL_GPUS": "1"}),
+    ])
     all_ran = benchmark(options.rounds, options.steps)
     host_update()
     return 0 if paths_passed and tests_passed and all_ran else 1
