@@ -307,6 +307,23 @@ def test_a_side_stream_write_read_on_the_default_stream_is_a_race(
     x.record_stream(torch.cuda.current_stream(0))  # else freeing it is a hazard too
 
 
+def test_a_query_of_metadata_is_no_kernel_and_reads_no_memory(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """``data_ptr``, ``is_contiguous``, ``numel`` and the like answer from the tensor's
+    metadata, on a real GPU too: no kernel counted, and no access for the checker, even of
+    a tensor a side stream is still writing."""
+    side = torch.cuda.Stream(0)
+    with torch.cuda.stream(side):
+        x = torch.ones(4, 3, device="cuda:0")
+    before = Counter(fake_gpus.calls)
+    answers = (x.data_ptr(), x.is_contiguous(), x.numel(), x.dim(), x.stride(), x.nbytes)
+    assert answers[1:] == (True, 12, 2, (3, 1), 48)
+    assert Counter(fake_gpus.calls) == before
+    assert fake_gpus.take_hazards() == []
+    x.record_stream(torch.cuda.current_stream(0))
+
+
 @uses_gpus
 @pytest.mark.parametrize("order", ["wait_stream", "event", "synchronize"])
 def test_an_ordered_side_stream_write_is_not_a_race(order: str) -> None:
@@ -540,6 +557,38 @@ def test_batch_norm_writes_on_fake_gpus_combine_in_passes_as_on_a_real_one(
                    if what.startswith("copy"))
 
     assert transfers(2) == transfers(6) > 0
+
+
+def test_a_failed_run_on_the_fake_gpu_of_its_variables_copies_their_buffers_at_once(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """One replica on the fake GPU that holds the variables: a run copies batch norm's
+    buffers in one kernel, as a real GPU's plain tensors (``direct.Copier``), not one
+    each, and a failed run puts them back."""
+
+    def kernels(layers: int) -> int:
+        strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cuda:0")
+        with strategy.scope():
+            model = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(layers)])
+        state = {name: value.cpu() for name, value in model.state_dict().items()}
+
+        def fails() -> None:
+            with torch.no_grad():
+                model[0].running_mean.add_(1.0)
+            raise RuntimeError("the run fails")
+
+        counted = 0
+        for _ in range(2):  # the second with the copier's views made
+            before = Counter(fake_gpus.calls)
+            with pytest.raises(RuntimeError, match="the run fails"):
+                strategy.run(fails)
+            counted = sum(n for (what, _), n in (Counter(fake_gpus.calls) - before).items()
+                          if what == "kernel")
+            for name, value in model.state_dict().items():
+                assert torch.equal(value.cpu(), state[name]), name
+        return counted
+
+    assert kernels(2) == kernels(6)
 
 
 def _evaluate_then_write_on_the_host() -> None:

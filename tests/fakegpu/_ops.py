@@ -435,10 +435,12 @@ class Call:
         outputs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
         out_keys = {storage_key(x) for x in outputs}
         written_ids = {id(t) for t in written}
+        sync = self.name in _SYNC
+        # a view, a factory shaped like its argument, or a query of metadata (``data_ptr``,
+        # ``is_contiguous``): no tensor out, none written and no value read back
         view_only = (bool(outputs) and out_keys <= in_keys and not written) or (
             self.name.endswith("_like") or self.name.startswith("new_")
-        )
-        sync = self.name in _SYNC
+        ) or (not outputs and not written and not sync)
         if not view_only or sync:
             rt.tally("copy to host" if sync else "kernel", stream)
         label = self.label()

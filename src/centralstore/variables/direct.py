@@ -41,6 +41,7 @@ from .._autograd import version_of as _version
 from .direct_buffers import Written
 from .folding import HeldHooks, add_in_order, all_dense, plus
 from .records import Central, alive
+from .views import EXACT_CLASSES
 
 _NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
 
@@ -136,9 +137,10 @@ def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
     strided or conjugated views, tensors that require grad) cloned."""
     together: dict[torch.device, list[int]] = {}
     alone: list[int] = []
+    plain = EXACT_CLASSES[torch.Tensor]
     for i, tensor in enumerate(tensors):
         if (
-            type(tensor) is torch.Tensor and tensor.layout is torch.strided
+            type(tensor) in plain and tensor.layout is torch.strided
             and not tensor.is_quantized and tensor.is_contiguous() and not tensor.is_conj()
             and not tensor.is_neg() and not tensor.requires_grad
         ):
