@@ -591,6 +591,30 @@ def test_a_failed_run_on_the_fake_gpu_of_its_variables_copies_their_buffers_at_o
     assert kernels(2) == kernels(6)
 
 
+@uses_gpus
+def test_a_run_on_the_fake_gpu_of_its_variables_copies_no_frozen_weight() -> None:
+    """A frozen weight is a parameter, not state that a run copies for its undo record
+    (``direct.Copier``; a fake parameter is one by its flag, as ``isinstance`` says), so
+    a failed run leaves it as written, as on a real GPU and on the CPU; the buffer it
+    wrote is put back."""
+    strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cuda:0")
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    model[0].requires_grad_(False)
+    weight, mean = model[0].weight.cpu(), model[1].running_mean.cpu()
+
+    def fails() -> None:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+            model[1].running_mean.add_(1.0)
+        raise RuntimeError("the run fails")
+
+    with pytest.raises(RuntimeError, match="the run fails"):
+        strategy.run(fails)
+    assert torch.equal(model[0].weight.cpu(), weight + 1.0)
+    assert torch.equal(model[1].running_mean.cpu(), mean)
+
+
 def _evaluate_then_write_on_the_host() -> None:
     """A forward-only run (no gradients, so no gradient event orders the host after the
     view copies), then the host changes the variables the copies read."""

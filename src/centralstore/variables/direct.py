@@ -212,10 +212,11 @@ class Copier:
         see the module's docstring). ``key``: an object that is the same in a later call
         only while ``tensors`` holds the same tensors (the store's weak references while
         they all live), or None; which tensors qualify is worked out again when it or
-        ``flags`` differ."""
+        ``flags`` differ. (A parameter of a tensor subclass is one by its flag, which
+        ``isinstance`` reads.)"""
         if key is None or key is not self._key or flags != self._flags:
             self._state = [
-                not learned and not issubclass(type(tensor), torch.nn.Parameter)
+                not learned and not isinstance(tensor, torch.nn.Parameter)
                 for tensor, learned in zip(tensors, flags, strict=True)
             ]
             self._key, self._flags = key, flags
