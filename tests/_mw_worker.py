@@ -941,6 +941,28 @@ def trained_in_scope(strategy: cs.Strategy, inside: bool) -> dict[str, Any]:
     return {"state": host_state(model), "losses": losses}
 
 
+def all_reduced_grad(strategy: cs.Strategy) -> float:
+    """``train_bn``, then the gradient of a new central scalar through a differentiable
+    ``all_reduce`` of each replica's multiple of it (``api``'s case), whose backward meets
+    the other replicas again, beside the trained model's variables."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = bn_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    train_bn(strategy, model, optimizer)
+    with strategy.scope():
+        w = torch.ones((), requires_grad=True)
+
+    def step() -> None:
+        context = cs.get_replica_context()
+        assert context is not None
+        context.all_reduce("SUM", w * (context.replica_id_in_sync_group + 1)).backward()
+
+    strategy.run(step)
+    assert w.grad is not None
+    return float(w.grad)
+
+
 # The fake-GPU scenario's placements: each worker's replicas, and its parameter device.
 GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
     "one-gpu": (["cuda:0"], "cuda:0"),
@@ -951,13 +973,13 @@ GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
 
 
 def gpus_scenario(placement: str) -> dict[str, Any]:
-    """``statistics_scenario`` and ``trained_in_scope`` on two fake GPUs per worker
-    (``tests/fakegpu``), placed as ``GPU_PLACEMENTS[placement]``; a stream hazard fails
-    the worker (``fakegpu.checked``). With ``CENTRALSTORE_REAL_GPUS=1``, on the real GPUs
-    (``benchmarks/gpu_check.py``), with cuDNN deterministic and without TF32, whose
-    convolutions stray from the CPU's by 1e-2. The workers meet over gloo (the fake GPUs
-    have no NCCL, and a real one may be the only GPU of both): the collectives' buffers
-    stay on the host."""
+    """``statistics_scenario``, ``trained_in_scope`` and ``all_reduced_grad`` on two fake
+    GPUs per worker (``tests/fakegpu``), placed as ``GPU_PLACEMENTS[placement]``; a stream
+    hazard fails the worker (``fakegpu.checked``). With ``CENTRALSTORE_REAL_GPUS=1``, on the
+    real GPUs (``benchmarks/gpu_check.py``), with cuDNN deterministic and without TF32,
+    whose convolutions stray from the CPU's by 1e-2. The workers meet over gloo (the fake
+    GPUs have no NCCL, and a real one may be the only GPU of both): the collectives'
+    buffers stay on the host."""
     import fakegpu
 
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
@@ -968,13 +990,16 @@ def gpus_scenario(placement: str) -> dict[str, Any]:
     if real:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    def strategy() -> MultiWorkerCentralStorageStrategy:
+        return MultiWorkerCentralStorageStrategy(
+            devices, parameter_device=parameter_device, timeout=60
+        )
+
     with contextlib.nullcontext() if real else fakegpu.checked(2):
         results = statistics_scenario(devices, parameter_device)
         for inside in (False, True):
-            strategy = MultiWorkerCentralStorageStrategy(
-                devices, parameter_device=parameter_device, timeout=60
-            )
-            results[f"scope/{inside}"] = trained_in_scope(strategy, inside)
+            results[f"scope/{inside}"] = trained_in_scope(strategy(), inside)
+        results["all_reduce grad"] = all_reduced_grad(strategy())
     return results
 
 

@@ -615,6 +615,49 @@ def test_a_run_on_the_fake_gpu_of_its_variables_copies_no_frozen_weight() -> Non
     assert torch.equal(model[1].running_mean.cpu(), mean)
 
 
+def _collectives(strategy: cs.Strategy) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """One run whose replicas meet in a differentiable ``all_reduce`` and ``all_gather``
+    and back through both: each replica's results, and the gradients, on the host."""
+    torch.manual_seed(0)  # all drawn on the host: a GPU draws otherwise
+    state, x = nn.Linear(3, 2).state_dict(), torch.randn(4, 3)
+    with strategy.scope():
+        layer = nn.Linear(3, 2)
+        layer.load_state_dict(state)
+    devices = tuple(str(d) for d in strategy.extended.worker_devices)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        context = cs.get_replica_context()
+        assert context is not None
+        y = layer(x)
+        total = context.all_reduce("SUM", y.sum())
+        gathered = context.all_gather(y, axis=0)
+        assert total.device == gathered.device == x.device
+        (total + gathered.pow(2).sum()).backward()
+        return torch.cat([total.reshape(1), gathered.reshape(-1)]).detach()
+
+    results = strategy.run(step, args=(_per_replica(x, devices),))
+    outputs = [r.cpu() for r in strategy.experimental_local_results(results)]
+    return outputs, {name: p.grad.cpu() for name, p in layer.named_parameters()}
+
+
+def test_replica_collectives_on_fake_gpus_give_what_logical_devices_give(
+    fake_gpu_placement: Any,
+) -> None:
+    """``all_reduce`` and ``all_gather`` in replica context, and their backward, on two
+    GPUs: each replica's result on its own GPU, results and gradients as on ``cpu:0`` and
+    ``cpu:1``. (A custom Function that returns its result on a fake GPU used to abort the
+    process: the harness hands autograd the CPU tensors.)"""
+    placement = fake_gpu_placement
+    got, grads = _collectives(cs.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    ))
+    expected, expected_grads = _collectives(cs.CentralStorageStrategy(["cpu:0", "cpu:1"]))
+    for value, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, want)
+    for name, want in expected_grads.items():
+        torch.testing.assert_close(grads[name], want, msg=name)
+
+
 def _evaluate_then_write_on_the_host() -> None:
     """A forward-only run (no gradients, so no gradient event orders the host after the
     view copies), then the host changes the variables the copies read."""

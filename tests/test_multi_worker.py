@@ -333,7 +333,8 @@ def test_workers_on_gpus_combine_buffers_like_views_and_train_alike_in_scope(
     the GPU that holds the parameters write the buffers in place (fake tensors count as
     plain ones, so the fake GPUs take that path too). ``run`` with a ``merge_call`` and
     ``reduce``, called inside ``scope()``, whose ``torch.device`` context is the parameter
-    device's, train as they do outside it."""
+    device's, train as they do outside it. A differentiable ``all_reduce`` beside that
+    model gives the gradient one process of all the replicas gives."""
     devices, parameter_device = helper.GPU_PLACEMENTS[placement]
     gpus = 1 + max(torch.device(device).index or 0 for device in devices)
     if os.environ.get("CENTRALSTORE_REAL_GPUS") and torch.cuda.device_count() < gpus:
@@ -361,7 +362,11 @@ def test_workers_on_gpus_combine_buffers_like_views_and_train_alike_in_scope(
                         value, twin["state"][name], rtol=0, atol=1e-4 * largest,
                         msg=f"{write}, rank {rank}: {name}",
                     )
+    twin_grad = helper.all_reduced_grad(
+        cs.CentralStorageStrategy([f"cpu:{i}" for i in range(2 * local)])
+    )
     for rank, result in enumerate(results):
+        assert result["all_reduce grad"] == twin_grad, rank
         outside, inside = result["scope/False"], result["scope/True"]
         assert len(inside["losses"]) == 3, rank
         for before, after in zip(outside["losses"], inside["losses"], strict=True):

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
 from torch.utils._device import DeviceContext, _device_constructors
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from . import _centralstore, _cuda, _ops, _tensor
 from ._order import Hazard
@@ -122,13 +122,26 @@ def _host_function(orig: Any) -> Any:
     return factory
 
 
+class _Forwarded(threading.local):
+    """The fake devices of the tensors the last hosted ``forward`` on this thread returned
+    (None for a host tensor), leaf by leaf."""
+
+    indices: list[int | None] | None = None
+
+
+_forwarded = _Forwarded()
+
+
 def _function_apply(orig: Any) -> Any:
     """``torch.autograd.Function.apply`` that runs a custom Function on the CPU tensors the
     fake ones hold, so that autograd records its node there as for every other call (given
     the wrappers, which never require grad, it would record none), and wraps the outputs
-    back on the inputs' fake device. Its ``forward`` and ``backward`` run as host code
-    (``_ops.host_body``): a fake tensor they reach by other ways than their arguments (the
-    layers a reentrant ``torch.utils.checkpoint`` calls) stands for the CPU tensor it holds."""
+    back: each on the fake device it had in ``forward`` (a replica collective returns its
+    result on the replica's GPU), a host tensor on the inputs' device. Its ``forward`` and
+    ``backward`` run as host code (``_ops.host_body``): a fake tensor they reach by other
+    ways than their arguments (the layers a reentrant ``torch.utils.checkpoint`` calls)
+    stands for the CPU tensor it holds, and the fake tensors they return are handed to
+    autograd as the CPU tensors they hold (a fake one there aborts a CPU build)."""
 
     def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
         index = next(
@@ -137,28 +150,42 @@ def _function_apply(orig: Any) -> Any:
         )
         if index is None:
             return orig.__func__(cls, *args, **kwargs)
+        _forwarded.indices = None
         out = orig.__func__(_on_host(cls), *_tensor.unwrap(args), **_tensor.unwrap(kwargs))
-        return tree_map(
-            lambda x: _tensor.wrap(x, index) if isinstance(x, torch.Tensor) else x, out
-        )
+        leaves, spec = tree_flatten(out)
+        indices = _forwarded.indices
+        if indices is None or len(indices) != len(leaves):
+            indices = [None] * len(leaves)
+        return tree_unflatten([
+            _tensor.wrap(x, index if where is None else where)
+            if isinstance(x, torch.Tensor) else x
+            for x, where in zip(leaves, indices, strict=True)
+        ], spec)
 
     return classmethod(functools.wraps(orig.__func__)(apply))
 
 
 @functools.cache
 def _on_host(cls: Any) -> Any:
-    """``cls`` with its ``forward`` and ``backward`` run as host code."""
+    """``cls`` with its ``forward`` and ``backward`` run as host code, returning the CPU
+    tensors of the fake ones (``forward`` noting their devices for ``apply``)."""
 
-    def hosted(method: Callable[..., Any]) -> Any:
+    def hosted(method: Callable[..., Any], forward: bool) -> Any:
         @functools.wraps(method)
         def run(*args: Any, **kwargs: Any) -> Any:
             with _ops.host_body():
-                return method(*args, **kwargs)
+                out = method(*args, **kwargs)
+            if forward:
+                _forwarded.indices = [
+                    _tensor.index_of(x) if isinstance(x, torch.Tensor) else None
+                    for x in tree_leaves(out)
+                ]
+            return _tensor.unwrap(out)
 
         return staticmethod(run)
 
     return type(cls.__name__, (cls,), {
-        "forward": hosted(cls.forward), "backward": hosted(cls.backward),
+        "forward": hosted(cls.forward, True), "backward": hosted(cls.backward, False),
         "__module__": cls.__module__, "__qualname__": cls.__qualname__,
     })
 

@@ -134,12 +134,17 @@ def host_body() -> Iterator[None]:
     CPU tensors its fake arguments hold: a call there that mixes those with fake tensors it
     reached otherwise (the layers a reentrant checkpoint calls) runs on the CPU tensors the
     fake ones hold and returns CPU tensors (unseen by the stream checker); the others run as
-    anywhere."""
-    previous, _local.host_body = _local.host_body, True
+    anywhere. A ``backward`` runs inside the handled call that started the backward pass,
+    where the fake-GPU mode is off: it is switched on again, so that a fake tensor of
+    another class (a central variable, whose class centralstore lends) is still handled."""
+    previous = _local.inside, _local.host_body
+    _local.inside, _local.host_body = False, True
+    active = any(isinstance(mode, Interceptor) for mode in _get_current_function_mode_stack())
     try:
-        yield
+        with contextlib.nullcontext() if active else Interceptor():
+            yield
     finally:
-        _local.host_body = previous
+        _local.inside, _local.host_body = previous
 
 
 @contextlib.contextmanager
