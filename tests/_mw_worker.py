@@ -737,51 +737,68 @@ class WideTable(nn.Module):
 WIDE_RUNS = (False, True, False)  # ``dense`` of WideTable's runs, one after another
 
 
-def sparse_scenario(local: int) -> dict[str, Any]:
+def sparse_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     """``SparseTables`` on W workers of ``local`` replicas: the gradients after one run, and
     the weights after 3 steps of SparseAdam beside Adam, two runs a step. Then
     ``WideTable``'s ``WIDE_RUNS``: each run's gradients and the bytes this worker gave to
-    collectives."""
+    collectives. With ``placement``, on GPUs placed as ``GPU_PLACEMENTS[placement]``
+    (``on_gpus``; ``local`` is theirs)."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
-    strategy = MultiWorkerCentralStorageStrategy(
-        [f"cpu:{i}" for i in range(local)], timeout=60
+    devices, parameter_device = (
+        ([f"cpu:{i}" for i in range(local)], None) if placement is None
+        else GPU_PLACEMENTS[placement]
     )
-    workers = strategy.num_workers
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = SparseTables()
-        optimizer = model.optimizer()
-    mine = strategy.experimental_distribute_values_from_function(  # global replica ids
-        lambda ctx: SPARSE_IDS.tensor_split(workers * local)[ctx.replica_id_in_sync_group]
-    )
-    out: dict[str, Any] = {}
-    strategy.run(lambda ids: model(ids).backward(), args=(mine,))
-    out["grads"] = {name: p.grad.clone() for name, p in model.named_parameters()}  # type: ignore[union-attr]
-    optimizer.zero_grad()
-    for _ in range(3):
+    local = len(devices)
+    with contextlib.nullcontext() if placement is None else on_gpus():
+        strategy = MultiWorkerCentralStorageStrategy(
+            devices, parameter_device=parameter_device, timeout=60
+        )
+        workers = strategy.num_workers
+        torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
+        initial = SparseTables().state_dict()
+        with strategy.scope():
+            model = SparseTables()
+            model.load_state_dict(initial)
+            optimizer = model.optimizer()
+        mine = strategy.experimental_distribute_values_from_function(  # global replica ids
+            lambda ctx: SPARSE_IDS.tensor_split(workers * local)[ctx.replica_id_in_sync_group]
+            .to(devices[ctx.replica_id_in_sync_group % local])
+        )
+        out: dict[str, Any] = {}
         strategy.run(lambda ids: model(ids).backward(), args=(mine,))
-        strategy.run(lambda ids: model(ids).backward(), args=(mine,))
-        optimizer.step()
+        out["grads"] = {name: _host(p.grad) for name, p in model.named_parameters()}
         optimizer.zero_grad()
-    out["state"] = model.state_dict()
-    torch.manual_seed(1)
-    with strategy.scope():
-        wide = WideTable()
-    out["wide"], out["wide_gathers"] = [], []
-    collectives: Any = strategy._collectives
-    gathers: list[str] = []
-    gather = collectives.all_gather
-    collectives.all_gather = lambda what, flat: gathers.append(what) or gather(what, flat)
-    for dense in WIDE_RUNS:
-        before = strategy.traffic["bytes"]
-        gathers.clear()
-        strategy.run(lambda ids, dense=dense: wide(ids, dense).backward(), args=(mine,))
-        grads = {name: p.grad.clone() for name, p in wide.named_parameters()}  # type: ignore[union-attr]
-        out["wide"].append((strategy.traffic["bytes"] - before, grads))
-        out["wide_gathers"].append(list(gathers))
-        wide.zero_grad()
+        for _ in range(3):
+            strategy.run(lambda ids: model(ids).backward(), args=(mine,))
+            strategy.run(lambda ids: model(ids).backward(), args=(mine,))
+            optimizer.step()
+            optimizer.zero_grad()
+        out["state"] = host_state(model)
+        torch.manual_seed(1)
+        initial = WideTable().state_dict()
+        with strategy.scope():
+            wide = WideTable()
+            wide.load_state_dict(initial)
+        out["wide"], out["wide_gathers"] = [], []
+        collectives: Any = strategy._collectives
+        gathers: list[str] = []
+        gather = collectives.all_gather
+        collectives.all_gather = lambda what, flat: gathers.append(what) or gather(what, flat)
+        for dense in WIDE_RUNS:
+            before = strategy.traffic["bytes"]
+            gathers.clear()
+            strategy.run(lambda ids, dense=dense: wide(ids, dense).backward(), args=(mine,))
+            grads = {name: _host(p.grad) for name, p in wide.named_parameters()}
+            out["wide"].append((strategy.traffic["bytes"] - before, grads))
+            out["wide_gathers"].append(list(gathers))
+            wide.zero_grad()
     return out
+
+
+def _host(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor.to("cpu", copy=True)
 
 
 def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
@@ -972,30 +989,39 @@ GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
 }
 
 
-def gpus_scenario(placement: str) -> dict[str, Any]:
-    """``statistics_scenario``, ``trained_in_scope`` and ``all_reduced_grad`` on two fake
-    GPUs per worker (``tests/fakegpu``), placed as ``GPU_PLACEMENTS[placement]``; a stream
-    hazard fails the worker (``fakegpu.checked``). With ``CENTRALSTORE_REAL_GPUS=1``, on the
-    real GPUs (``benchmarks/gpu_check.py``), with cuDNN deterministic and without TF32,
-    whose convolutions stray from the CPU's by 1e-2. The workers meet over gloo (the fake
-    GPUs have no NCCL, and a real one may be the only GPU of both): the collectives'
-    buffers stay on the host."""
+@contextlib.contextmanager
+def on_gpus() -> Iterator[None]:
+    """Two fake GPUs per worker (``tests/fakegpu``), a stream hazard failing the worker
+    (``fakegpu.checked``), and the process group on gloo: the fake GPUs have no NCCL, and a
+    real GPU may be the only one of both workers, so the collectives' buffers stay on the
+    host. With ``CENTRALSTORE_REAL_GPUS=1``, the real GPUs (``benchmarks/gpu_check.py``),
+    with cuDNN deterministic and without TF32, whose convolutions stray from the CPU's by
+    1e-2."""
     import fakegpu
 
+    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if os.environ.get("CENTRALSTORE_REAL_GPUS"):
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        yield
+        return
+    with fakegpu.checked(2):
+        yield
+
+
+def gpus_scenario(placement: str) -> dict[str, Any]:
+    """``statistics_scenario``, ``trained_in_scope`` and ``all_reduced_grad`` on GPUs
+    (``on_gpus``) placed as ``GPU_PLACEMENTS[placement]``."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     devices, parameter_device = GPU_PLACEMENTS[placement]
-    torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
-    real = bool(os.environ.get("CENTRALSTORE_REAL_GPUS"))
-    if real:
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
     def strategy() -> MultiWorkerCentralStorageStrategy:
         return MultiWorkerCentralStorageStrategy(
             devices, parameter_device=parameter_device, timeout=60
         )
 
-    with contextlib.nullcontext() if real else fakegpu.checked(2):
+    with on_gpus():
         results = statistics_scenario(devices, parameter_device)
         for inside in (False, True):
             results[f"scope/{inside}"] = trained_in_scope(strategy(), inside)
@@ -1022,7 +1048,7 @@ def main() -> None:
     elif scenario == "patterns":
         results = patterns_scenario()
     elif scenario == "sparse":
-        results = sparse_scenario(int(sys.argv[3]))
+        results = sparse_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "statistics":
         results = statistics_scenario([f"cpu:{i}" for i in range(int(sys.argv[3]))])
     elif scenario == "gpus":

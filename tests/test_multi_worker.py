@@ -81,6 +81,15 @@ def launch(
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+def skip_without_gpus(placement: str) -> None:
+    """Skip a test of ``_mw_worker.GPU_PLACEMENTS[placement]`` on real GPUs
+    (``CENTRALSTORE_REAL_GPUS=1``) where there are fewer than it names; fake ones are made."""
+    devices, _ = helper.GPU_PLACEMENTS[placement]
+    gpus = 1 + max(torch.device(device).index or 0 for device in devices)
+    if os.environ.get("CENTRALSTORE_REAL_GPUS") and torch.cuda.device_count() < gpus:
+        pytest.skip(f"{placement} needs {gpus} GPUs")
+
+
 def assert_state_close(actual: dict[str, Any], expected: dict[str, Any], what: str) -> None:
     assert list(actual) == list(expected), what
     for name, value in expected.items():
@@ -216,7 +225,22 @@ def test_sparse_gradients_stay_sparse_across_workers(tmp_path: Path, local: int)
     across workers, but for the run that reads it densely on one worker. The per-variable
     flags travel while the workers' differ or the table is new; after that, each worker's
     number of entries comes with the agreement."""
-    results = launch(tmp_path, 2, "sparse", str(tmp_path), str(local))
+    check_sparse(launch(tmp_path, 2, "sparse", str(tmp_path), str(local)))
+
+
+@pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
+def test_sparse_gradients_stay_sparse_across_workers_on_gpus(
+    tmp_path: Path, placement: str
+) -> None:
+    """The same on fake GPUs (``_mw_worker.on_gpus``), or real ones: the replicas' sparse
+    gradients on their GPUs, their entries gathered on the host, beside dense buckets."""
+    skip_without_gpus(placement)
+    check_sparse(launch(tmp_path, 2, "sparse", str(tmp_path), "0", placement))
+
+
+def check_sparse(results: list[dict[str, Any]]) -> None:
+    """``test_sparse_gradients_stay_sparse_across_workers``'s checks of every worker's
+    ``_mw_worker.sparse_scenario``, against one device."""
     torch.manual_seed(0)
     model = helper.SparseTables()
     model(helper.SPARSE_IDS).backward()
@@ -335,10 +359,8 @@ def test_workers_on_gpus_combine_buffers_like_views_and_train_alike_in_scope(
     ``reduce``, called inside ``scope()``, whose ``torch.device`` context is the parameter
     device's, train as they do outside it. A differentiable ``all_reduce`` beside that
     model gives the gradient one process of all the replicas gives."""
+    skip_without_gpus(placement)
     devices, parameter_device = helper.GPU_PLACEMENTS[placement]
-    gpus = 1 + max(torch.device(device).index or 0 for device in devices)
-    if os.environ.get("CENTRALSTORE_REAL_GPUS") and torch.cuda.device_count() < gpus:
-        pytest.skip(f"{placement} needs {gpus} GPUs")
     on_storage = all(device == parameter_device for device in devices)
     local = len(devices)
     results = launch(tmp_path, 2, "gpus", str(tmp_path), placement)
