@@ -6,10 +6,10 @@ own (``CentralParameter`` or ``CentralTensor``, ``variables/views.py``) whose
 subclasses it has no such class for. A variable on a fake GPU is a ``FakeCudaTensor``, so
 while the fake GPUs are active this registers ``FakeCentral``: a ``FakeCudaTensor`` with the
 views' ``__torch_function__``; and it counts ``FakeCudaTensor`` as a plain tensor and as a
-parameter where replicas share variables without views (``EXACT_CLASSES``), so that replicas
-on the fake GPU that holds the parameters take the path they take on a real one. Nothing
-else of centralstore is touched; if its views module is renamed this is the function to
-re-point.
+parameter where a variable's class chooses the path (``EXACT_CLASSES``: variables shared
+without views, writes combined in passes, buffers copied as bytes), so that the fake GPUs
+take the paths a real one takes. Nothing else of centralstore is touched; if its views
+module is renamed this is the function to re-point.
 """
 
 from __future__ import annotations

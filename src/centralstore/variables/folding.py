@@ -478,6 +478,8 @@ _BATCHED = (
 )
 _MEAN = VariableAggregation.MEAN
 _ONLY_FIRST = VariableAggregation.ONLY_FIRST_REPLICA
+
+
 def _plain_classes() -> frozenset[type]:
     """The classes of the variables whose writes may combine in ``_foreach`` kernels:
     ``torch.Tensor`` and ``nn.Parameter`` exactly (``EXACT_CLASSES``; a subclass may
