@@ -645,31 +645,45 @@ def restart_scenario(out_dir: str) -> dict[str, Any]:
     return {"final": model.state_dict(), "attempt": attempt, "restored": restored}
 
 
-def patterns_scenario() -> dict[str, Any]:
+def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
     """Every everyday idiom of the parity matrix (``tests/idioms.py``) on the workers' path:
-    each worker's replicas take their slices of the same global batch, 3 optimizer steps."""
+    each worker's replicas take their slices of the same global batch, 3 optimizer steps.
+    With ``placement`` (one replica), on its GPU (``on_gpus``)."""
     from idioms import PATTERNS, X, Y, mse_step, step_optimizer
 
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
+    (device,), parameter_device = (
+        (["cpu:0"], None) if placement is None else GPU_PLACEMENTS[placement]
+    )
+
+    def strategy() -> MultiWorkerCentralStorageStrategy:
+        return MultiWorkerCentralStorageStrategy(
+            [device], parameter_device=parameter_device, timeout=60
+        )
+
     results: dict[str, Any] = {}
-    for name, spec in PATTERNS.items():
-        strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=60)
-        rank, workers = strategy.worker_index, strategy.num_workers
-        torch.manual_seed(0)
-        with strategy.scope():
-            model = spec["make"]()
-            optimizer = spec["optimizer_of"](model)
-        step = spec.get("step_of", mse_step)(model)
-        mine = (X.tensor_split(workers)[rank], Y.tensor_split(workers)[rank])
-        for _ in range(3):
-            for _ in range(spec.get("runs_per_step", 1)):
-                strategy.run(step, args=mine)
-            step_optimizer(spec, model, optimizer)
-            spec.get("after_step", lambda m, o: None)(model, optimizer)
-            optimizer.zero_grad()
-        results[name] = model.state_dict()
-    results["rows"] = parity_rows(MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=60))
+    with contextlib.nullcontext() if placement is None else on_gpus():
+        for name, spec in PATTERNS.items():
+            s = strategy()
+            rank, workers = s.worker_index, s.num_workers
+            torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
+            initial = spec["make"]().state_dict()
+            with s.scope():
+                model = spec["make"]()
+                model.load_state_dict(initial)
+                optimizer = spec["optimizer_of"](model)
+            step = spec.get("step_of", mse_step)(model)
+            mine = (X.tensor_split(workers)[rank].to(device),
+                    Y.tensor_split(workers)[rank].to(device))
+            for _ in range(3):
+                for _ in range(spec.get("runs_per_step", 1)):
+                    s.run(step, args=mine)
+                step_optimizer(spec, model, optimizer)
+                spec.get("after_step", lambda m, o: None)(model, optimizer)
+                optimizer.zero_grad()
+            results[name] = host_state(model)
+        results["rows"] = parity_rows(strategy(), device)
     return results
 
 
@@ -801,16 +815,19 @@ def _host(tensor: torch.Tensor | None) -> torch.Tensor:
     return tensor.to("cpu", copy=True)
 
 
-def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
+def parity_rows(strategy: cs.Strategy, device: str = "cpu:0") -> dict[str, Any]:
     """Rows of the parity table on the workers' path: ``requires_grad`` read when a run
-    begins, tensor hooks on every replica's gradient, ``inference_mode`` around ``run``."""
+    begins, tensor hooks on every replica's gradient, ``inference_mode`` around ``run``
+    (``device``: the one replica's)."""
     from idioms import X
 
     rank, workers = strategy.worker_index, strategy.num_workers
-    mine = X.tensor_split(workers)[rank]
+    mine = X.tensor_split(workers)[rank].to(device)
     torch.manual_seed(0)
+    initial = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).state_dict()
     with strategy.scope():
         model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+        model.load_state_dict(initial)
     out: dict[str, Any] = {}
 
     def step(x: torch.Tensor) -> None:
@@ -827,8 +844,8 @@ def parity_rows(strategy: cs.Strategy) -> dict[str, Any]:
     out["hooked"] = (len(seen), float(model[0].weight.grad.abs().sum()))  # type: ignore[union-attr]
     model.eval()
     with torch.inference_mode():
-        out["inference"] = strategy.run(lambda x: model(x), args=(mine,))
-    out["state"], out["input"] = model.state_dict(), mine
+        out["inference"] = _host(strategy.run(lambda x: model(x), args=(mine,)))
+    out["state"], out["input"] = host_state(model), _host(mine)
     return out
 
 
@@ -1046,7 +1063,7 @@ def main() -> None:
     elif scenario == "restart":
         results = restart_scenario(out_dir)
     elif scenario == "patterns":
-        results = patterns_scenario()
+        results = patterns_scenario(*sys.argv[3:4])
     elif scenario == "sparse":
         results = sparse_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "statistics":

@@ -288,7 +288,21 @@ def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) 
     """The parity matrix's idioms (fused optimizers, freezing, accumulation, clipping after
     run, tied weights, an LSTM, checkpointing, two backwards) on the path every GPU job of
     several workers takes: views and a gradient exchange."""
-    results = launch(tmp_path, 2, "patterns", str(tmp_path))
+    check_patterns(launch(tmp_path, 2, "patterns", str(tmp_path)))
+
+
+@pytest.mark.parametrize("placement", ["one-gpu", "one-gpu-params-on-host"])
+def test_everyday_patterns_train_like_one_device_on_two_workers_on_gpus(
+    tmp_path: Path, placement: str
+) -> None:
+    """The same on a fake GPU per worker (``_mw_worker.on_gpus``), or a real one, with the
+    variables on it or in host memory."""
+    skip_without_gpus(placement)
+    check_patterns(launch(tmp_path, 2, "patterns", str(tmp_path), placement))
+
+
+def check_patterns(results: list[dict[str, Any]]) -> None:
+    """Every worker's ``_mw_worker.patterns_scenario`` against one device."""
     for name, spec in idioms.PATTERNS.items():
         torch.manual_seed(0)
         model = spec["make"]()
