@@ -3,7 +3,7 @@
 The same LightningModule trains once with Lightning's own single-device strategy and once on
 R logical CPU devices; the weights, the logged metrics and the step outputs must agree. The
 global batch of 5 splits 3/2 at R = 2 and 2/2/1 at R = 3; the last batch (1 row of 21) splits
-1/0 and 1/0/0, so replicas with empty slices occur too.
+1/0 and 1/0/0, so replicas with empty slices occur too. Last, the same on two fake GPUs.
 """
 
 from __future__ import annotations
@@ -273,3 +273,33 @@ def test_a_compiled_submodule_trains_like_one_device(views: bool) -> None:
     many, _ = fit(2, model, views=views)
     many.net = many.net._orig_mod  # the state dict's own names
     assert max_difference(one, many) < TOLERANCE
+
+
+def test_fit_on_two_gpus_equals_one_device(fake_gpu_placement: Any) -> None:
+    """Trainer.fit on two fake GPUs (``fake_gpu_placement``: the parameters in host memory,
+    Lightning's accelerator the CPU; or on ``cuda:0``, the accelerator the GPU) trains as
+    one device, as on logical CPU devices; no stream hazard."""
+    import lightning.pytorch as pl
+    from lightning_models import loader
+
+    import centralstore as cs
+
+    one, _ = fit(0)
+    placement = fake_gpu_placement
+    torch.manual_seed(0)
+    model = MLP()
+    strategy = cs.lightning.CentralStorageStrategy(
+        list(placement.compute_devices), parameter_device=placement.parameter_device
+    )
+    accelerator = "gpu" if placement.parameter_device.startswith("cuda") else "cpu"
+    run = pl.Trainer(
+        strategy=strategy, accelerator=accelerator, devices=1, max_epochs=2, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    run.fit(model, loader(21, 5, shuffle=True), loader(21, 5))
+    assert max_difference(one, model) < TOLERANCE  # (Lightning moves the module to the CPU)
+    if placement.gpus is not None:  # the replicas computed on the fake GPUs
+        assert {stream.device for what, stream in placement.gpus.calls if what == "kernel"} == {
+            torch.device("cuda:0"), torch.device("cuda:1")
+        }
