@@ -17,12 +17,15 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 import centralstore as cs
+
+if TYPE_CHECKING:
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
 OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
@@ -651,21 +654,12 @@ def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
     With ``placement`` (one replica), on its GPU (``on_gpus``)."""
     from idioms import PATTERNS, X, Y, mse_step, step_optimizer
 
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    (device,), parameter_device = (
-        (["cpu:0"], None) if placement is None else GPU_PLACEMENTS[placement]
-    )
-
-    def strategy() -> MultiWorkerCentralStorageStrategy:
-        return MultiWorkerCentralStorageStrategy(
-            [device], parameter_device=parameter_device, timeout=60
-        )
-
+    devices, parameter_device = placed(placement)
+    device = devices[0]
     results: dict[str, Any] = {}
-    with contextlib.nullcontext() if placement is None else on_gpus():
+    with on_gpus(placement):
         for name, spec in PATTERNS.items():
-            s = strategy()
+            s = worker_strategy(devices, parameter_device)
             rank, workers = s.worker_index, s.num_workers
             torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
             initial = spec["make"]().state_dict()
@@ -683,7 +677,7 @@ def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
                 spec.get("after_step", lambda m, o: None)(model, optimizer)
                 optimizer.zero_grad()
             results[name] = host_state(model)
-        results["rows"] = parity_rows(strategy(), device)
+        results["rows"] = parity_rows(worker_strategy(devices, parameter_device), device)
     return results
 
 
@@ -757,17 +751,10 @@ def sparse_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     ``WideTable``'s ``WIDE_RUNS``: each run's gradients and the bytes this worker gave to
     collectives. With ``placement``, on GPUs placed as ``GPU_PLACEMENTS[placement]``
     (``on_gpus``; ``local`` is theirs)."""
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    devices, parameter_device = (
-        ([f"cpu:{i}" for i in range(local)], None) if placement is None
-        else GPU_PLACEMENTS[placement]
-    )
+    devices, parameter_device = placed(placement, local)
     local = len(devices)
-    with contextlib.nullcontext() if placement is None else on_gpus():
-        strategy = MultiWorkerCentralStorageStrategy(
-            devices, parameter_device=parameter_device, timeout=60
-        )
+    with on_gpus(placement):
+        strategy = worker_strategy(devices, parameter_device)
         workers = strategy.num_workers
         torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
         initial = SparseTables().state_dict()
@@ -925,17 +912,10 @@ def statistics_scenario(devices: list[str], parameter_device: str | None = None)
     worker's replicas (where they compute where the variables live) and through views."""
     from replicas import see_views
 
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    def strategy() -> MultiWorkerCentralStorageStrategy:
-        return MultiWorkerCentralStorageStrategy(
-            devices, parameter_device=parameter_device, timeout=60
-        )
-
     results: dict[str, Any] = {}
     for write in STATISTICS_WRITES:
-        results[write] = statistics_after(strategy(), write)
-        views = strategy()
+        results[write] = statistics_after(worker_strategy(devices, parameter_device), write)
+        views = worker_strategy(devices, parameter_device)
         see_views(views)  # type: ignore[arg-type]
         results[f"{write}/views"] = statistics_after(views, write)
     return results
@@ -1006,16 +986,38 @@ GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
 }
 
 
+def placed(placement: str | None, local: int = 1) -> tuple[list[str], str | None]:
+    """A scenario's local compute devices and parameter device: ``local`` logical CPU
+    devices and the default, or ``GPU_PLACEMENTS[placement]``."""
+    if placement is None:
+        return [f"cpu:{i}" for i in range(local)], None
+    return GPU_PLACEMENTS[placement]
+
+
+def worker_strategy(
+    devices: list[str], parameter_device: str | None = None
+) -> MultiWorkerCentralStorageStrategy:
+    """This worker's strategy over ``devices``, its variables on ``parameter_device``."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    return MultiWorkerCentralStorageStrategy(
+        devices, parameter_device=parameter_device, timeout=60
+    )
+
+
 @contextlib.contextmanager
-def on_gpus() -> Iterator[None]:
-    """Two fake GPUs per worker (``tests/fakegpu``), a stream hazard failing the worker
-    (``fakegpu.checked``), and the process group on gloo: the fake GPUs have no NCCL, and a
-    real GPU may be the only one of both workers, so the collectives' buffers stay on the
-    host. With ``CENTRALSTORE_REAL_GPUS=1``, the real GPUs (``benchmarks/gpu_check.py``),
-    with cuDNN deterministic and without TF32, whose convolutions stray from the CPU's by
-    1e-2."""
+def on_gpus(placement: str | None) -> Iterator[None]:
+    """For a ``placement`` (None: logical CPU devices, nothing to do), two fake GPUs per
+    worker (``tests/fakegpu``), a stream hazard failing the worker (``fakegpu.checked``),
+    and the process group on gloo: the fake GPUs have no NCCL, and a real GPU may be the
+    only one of both workers, so the collectives' buffers stay on the host. With
+    ``CENTRALSTORE_REAL_GPUS=1``, the real GPUs (``benchmarks/gpu_check.py``), with cuDNN
+    deterministic and without TF32, whose convolutions stray from the CPU's by 1e-2."""
     import fakegpu
 
+    if placement is None:
+        yield
+        return
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
     if os.environ.get("CENTRALSTORE_REAL_GPUS"):
         torch.backends.cudnn.deterministic = True
@@ -1029,20 +1031,13 @@ def on_gpus() -> Iterator[None]:
 def gpus_scenario(placement: str) -> dict[str, Any]:
     """``statistics_scenario``, ``trained_in_scope`` and ``all_reduced_grad`` on GPUs
     (``on_gpus``) placed as ``GPU_PLACEMENTS[placement]``."""
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    devices, parameter_device = GPU_PLACEMENTS[placement]
-
-    def strategy() -> MultiWorkerCentralStorageStrategy:
-        return MultiWorkerCentralStorageStrategy(
-            devices, parameter_device=parameter_device, timeout=60
-        )
-
-    with on_gpus():
+    devices, parameter_device = placed(placement)
+    with on_gpus(placement):
         results = statistics_scenario(devices, parameter_device)
         for inside in (False, True):
-            results[f"scope/{inside}"] = trained_in_scope(strategy(), inside)
-        results["all_reduce grad"] = all_reduced_grad(strategy())
+            strategy = worker_strategy(devices, parameter_device)
+            results[f"scope/{inside}"] = trained_in_scope(strategy, inside)
+        results["all_reduce grad"] = all_reduced_grad(worker_strategy(devices, parameter_device))
     return results
 
 
@@ -1067,7 +1062,7 @@ def main() -> None:
     elif scenario == "sparse":
         results = sparse_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "statistics":
-        results = statistics_scenario([f"cpu:{i}" for i in range(int(sys.argv[3]))])
+        results = statistics_scenario(*placed(None, int(sys.argv[3])))
     elif scenario == "gpus":
         results = gpus_scenario(sys.argv[3])
     else:
