@@ -983,6 +983,7 @@ GPU_PLACEMENTS: dict[str, tuple[list[str], str]] = {
     "one-gpu-params-on-host": (["cuda:0"], "cpu"),
     "two-on-the-parameter-gpu": (["cuda:0", "cuda:0"], "cuda:0"),
     "two-gpus": (["cuda:0", "cuda:1"], "cuda:0"),
+    "two-gpus-params-on-host": (["cuda:0", "cuda:1"], "cpu"),
 }
 
 
@@ -1041,6 +1042,72 @@ def gpus_scenario(placement: str) -> dict[str, Any]:
     return results
 
 
+def copied_early_scenario(placement: str, pinned_bytes: int | None) -> dict[str, Any]:
+    """GPU replicas of variables in host memory (``GPU_PLACEMENTS[placement]``), whose
+    gradients reach the host through the store's pinned buckets: ``copied_runs`` with the
+    buckets allowed to leave during backward and not (``late``). ``pinned_bytes``: the
+    pinned buckets' size instead of 16 MiB, so that they fill, and their copies start, one
+    after another during backward."""
+    from centralstore.variables import buckets
+
+    devices, parameter_device = placed(placement)
+    if pinned_bytes is not None:
+        buckets.BUCKET_BYTES = pinned_bytes
+    with on_gpus(placement):
+        torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
+        initial = mlp().state_dict()
+        return {
+            "early": copied_runs(devices, parameter_device, initial, late=False),
+            "late": copied_runs(devices, parameter_device, initial, late=True),
+        }
+
+
+def copied_runs(
+    devices: list[str], parameter_device: str | None, initial: dict[str, Any], late: bool
+) -> dict[str, Any]:
+    """The MLP's runs of ``COPIED_PASSES`` backward passes, its buckets 64 bytes each (with
+    ``late``, exchanged after the fold): the gradients of each run, and how many buckets had
+    left when the first layer's weight got its gradient (the last but one to come) in each
+    pass, and at the end of each replica's passes."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    strategy = MultiWorkerCentralStorageStrategy(
+        devices, parameter_device=parameter_device, timeout=60, bucket_cap_mb=BUCKET
+    )
+    if late:
+        strategy._collectives._arm = lambda store: None  # type: ignore[method-assign]
+    with strategy.scope():
+        net = mlp()
+        net.load_state_dict(initial)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+
+    def left() -> int:
+        early = strategy._collectives._early
+        return 0 if early is None else early.early
+
+    before_first: list[int] = []
+    net[0].weight.register_hook(lambda grad: before_first.append(left()))
+    after: list[int] = []
+
+    def passes(n: int) -> None:
+        replica = cs.get_replica_context().replica_id_in_sync_group % len(devices)
+        mine = x.to(devices[replica]) * (1 + strategy.worker_index)
+        for part in mine.tensor_split(n):
+            net(part).sum().backward()
+        after.append(left())
+
+    grads = []
+    for n in COPIED_PASSES:
+        for p in net.parameters():
+            p.grad = None
+        strategy.run(passes, args=(n,))
+        grads.append([_host(p.grad) for p in net.parameters()])
+    return {"before first": before_first, "after": after, "grads": grads}
+
+
+COPIED_PASSES = (1, 1, 2, 1)  # the backward passes of copied_early_scenario's runs
+
+
 def main() -> None:
     scenario, out_dir = sys.argv[1], sys.argv[2]
     if scenario == "survivor":
@@ -1051,6 +1118,9 @@ def main() -> None:
         results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")
     elif scenario == "errors":
         results = errors_scenario()
+    elif scenario == "copied":
+        pinned = None if sys.argv[4] == "-" else int(sys.argv[4])
+        results = copied_early_scenario(sys.argv[3], pinned)
     elif scenario == "again":
         results = again_scenario(int(sys.argv[3]))
     elif scenario == "fault":

@@ -498,6 +498,53 @@ def test_buckets_that_a_second_backward_changed_are_exchanged_again(
         assert result["collectives"] == collectives, result["collectives"]
 
 
+@pytest.mark.parametrize("pinned", [None, 64])
+@pytest.mark.parametrize("placement", ["one-gpu-params-on-host", "two-gpus-params-on-host"])
+def test_buckets_copied_from_gpus_leave_during_backward(
+    tmp_path: Path, placement: str, pinned: int | None
+) -> None:
+    """GPU replicas of variables in host memory: a bucket leaves during backward once its
+    gradients' copies to the host are queued (a helper thread waits for them, sums and starts
+    it), with the sums of the exchange after the fold, bit for bit. With pinned buckets of 64
+    bytes (``pinned``), whose copies start as each fills, the last layers' bucket has left
+    before the first layer's weight gets its gradient; with the usual 16 MiB, the one pinned
+    bucket's copy, and so every bucket, starts with the last gradient. A run of two passes
+    sends its buckets during the first, finds them stale and exchanges again; the plan then
+    waits for two passes, which a copied view never leaves early (its two copies)."""
+    skip_without_gpus(placement)
+    results = launch(
+        tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
+    )
+    local = len(helper.GPU_PLACEMENTS[placement][0])
+    runs = len(helper.COPIED_PASSES)
+    # per run and local replica, at the end of its passes (replica 0 first): the buckets
+    # that left, all 3 from the second run's last replica and in the third's first pass
+    after = [0] * (runs * local)
+    after[2 * local - 1] = 3
+    if local == 1:
+        after[2] = 3
+    # when the first layer's weight got its gradient, in each pass: the bucket of the last
+    # layer once its pinned buckets filled, and the 3 of the third run's first pass
+    before_first = [0] * (local * sum(helper.COPIED_PASSES))
+    if pinned is not None:
+        before_first[2 * local - 1] = 1
+    if local == 1:
+        before_first[2:4] = [1 if pinned else 0, 3]
+    for rank, result in enumerate(results):
+        assert result["late"]["after"] == [0] * (runs * local), rank
+        assert result["early"]["after"] == after, (rank, result["early"]["after"])
+        assert result["early"]["before first"] == before_first, (
+            rank, result["early"]["before first"]
+        )
+        for run, (early, late, first) in enumerate(zip(
+            result["early"]["grads"], result["late"]["grads"], results[0]["early"]["grads"],
+            strict=True,
+        )):
+            for got, want, worker_0 in zip(early, late, first, strict=True):
+                assert torch.equal(got, want), (rank, run)  # as after the fold, bit for bit
+                assert torch.equal(got, worker_0), (rank, run)  # and alike on every worker
+
+
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:
     timeout = 6.0
     port = str(free_port())

@@ -90,6 +90,14 @@ class Workers(abc.ABC):
         runs (the views' hooks call it only when ``watches_gradients``): the multi-worker
         exchange starts its buckets."""
 
+    def copy_gradients(self, copy: Any) -> None:
+        """(When ``watches_gradients``.) The replicas' gradients are on GPUs and the
+        variables in host memory: ``on_gradient`` must call ``copy`` first, which starts the
+        gradient's copy there (``folding.start_copy``)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} watches gradients but cannot copy them to host memory"
+        )
+
 
 @final
 class OneProcess(Workers):

@@ -19,14 +19,22 @@ fold. Buckets travel in a process group of their own, so that the other collecti
 makes (``all_reduce`` in a replica, ``merge_call``) never interleave with them differently
 on different workers: on every worker an early exchange starts every bucket of the plan, in
 plan order.
+
+GPU replicas of variables in host memory copy each gradient there as it accumulates
+(``folding.start_copy``, the store's receiver, which the exchange calls first). A bucket
+whose gradients have all come and whose copies are all queued goes to a helper thread,
+which waits for the copies, sums them and starts the bucket, in plan order: neither the
+backward nor the GPU waits for the host.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from itertools import repeat
-from operator import attrgetter, is_, is_not, setitem
+from operator import attrgetter, is_, is_not, methodcaller, setitem
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
@@ -35,6 +43,7 @@ from .._autograd import no_grad
 from ._flat import pack, unflatten
 
 if TYPE_CHECKING:
+    from ..variables.buckets import GradientBuckets, GradientCopy
     from ..variables.records import Central
     from ..variables.views import ReplicaViews, View
 
@@ -164,6 +173,16 @@ class _Sources(NamedTuple):
     versions: list[list[int]]
 
 
+class _Copied(NamedTuple):
+    """One bucket's gradients that left early from GPU replicas, as copies to host memory
+    (``GradientCopy``), per local replica in the bucket's order, and what must still hold
+    at the sync point: each view still its replica's tensor, its only gradient that copy."""
+
+    views: list[list[View]]
+    tensors: list[list[torch.Tensor]]
+    copies: list[list[GradientCopy]]
+
+
 _tensor_of = attrgetter("tensor")
 _record_of = attrgetter("record")
 _epoch_of = attrgetter("epoch")
@@ -174,8 +193,14 @@ _version_of = attrgetter("_version")
 _dtype_of = attrgetter("dtype")
 _shape_of = attrgetter("shape")
 _is_sparse = attrgetter("is_sparse")
+_alias_of = attrgetter("alias")
+_queued = methodcaller("queued")
+_peek = methodcaller("peek")
 
 StartAllReduce = Callable[[torch.Tensor], Callable[[], None]]
+# starts copying a view's gradient, just accumulated on its tensor, to host memory
+# (``folding.start_copy``)
+CopyGradient = Callable[["GradientBuckets", "View", torch.Tensor], None]
 
 
 @final
@@ -186,6 +211,11 @@ class EarlyExchange:
     ``replicas``: the local replicas' views; ``start``: starts a SUM all-reduce of a flat
     buffer in place and returns the function that waits for it; ``device``: where buffers
     travel. ``early``: how many buckets left from the replicas' gradients.
+
+    ``copies``, for GPU replicas of variables in host memory: what starts each gradient's
+    copy to the host (``copy_accumulated`` calls it before counting), and the
+    helper thread on which a bucket whose copies are all queued waits for them, is summed
+    and starts (``_sum_copies``), in plan order, off the backward thread.
 
     A gradient's arrival only counts (it comes from a hook, inside backward, once per
     variable and replica): a bucket is ready once every local replica's gradient of each of
@@ -199,13 +229,14 @@ class EarlyExchange:
     """
 
     __slots__ = (
-        "_bucket_of", "_device", "_missing", "_plan", "_replicas", "_sources", "_start",
-        "arrivals", "early", "error", "started",
+        "_blocked", "_bucket_of", "_copied", "_copy", "_device", "_helper", "_last", "_lock",
+        "_missing", "_plan", "_replicas", "_sources", "_start", "arrivals", "early", "error",
+        "started",
     )
 
     def __init__(
         self, plan: BucketPlan, replicas: list[ReplicaViews], start: StartAllReduce,
-        device: torch.device,
+        device: torch.device, copies: tuple[CopyGradient, Executor] | None = None,
     ) -> None:
         self._plan = plan
         self._bucket_of = plan.bucket_of
@@ -217,9 +248,17 @@ class EarlyExchange:
         self._missing = [len(bucket) * len(replicas) * plan.passes for bucket in plan.buckets]
         self.arrivals = 0
         self._sources: list[_Sources] = []  # of the buckets that left early, in plan order
+        self._copied: list[_Copied] = []  # (theirs, as copies to host memory)
         self.started: list[tuple[torch.Tensor, Callable[[], None]]] = []  # in plan order
         self.early = 0
         self.error: Exception | None = None  # a collective that failed in a hook
+        self._copy: CopyGradient | None = None
+        self._helper: Executor | None = None
+        if copies is not None:
+            self._copy, self._helper = copies
+        self._lock = threading.Lock()  # (copies: GPU replicas' backward runs on their threads)
+        self._blocked: GradientCopy | None = None  # the copy the next bucket waits for
+        self._last: Future[None] | None = None  # the latest bucket handed to the helper
 
     @property
     def plan(self) -> BucketPlan:
@@ -250,6 +289,109 @@ class EarlyExchange:
                 self.early = b = b + 1
         except Exception as error:
             self.error = error
+
+    def copy_accumulated(
+        self, buckets: GradientBuckets, view: View, tensor: torch.Tensor
+    ) -> None:
+        """``gradient_accumulated`` for GPU replicas of variables in host memory: the
+        gradient's copy to the host starts first, then it counts. The next bucket leaves
+        once it has all its gradients and their copies are queued (a pinned bucket of the
+        store's still filling holds it back until a later arrival fills it): the helper
+        thread waits for them, sums and starts it."""
+        assert self._copy is not None  # (bound only with copies)
+        self._copy(buckets, view, tensor)
+        b = self._bucket_of.get(view.record.key)
+        if b is None:
+            return
+        with self._lock:
+            self.arrivals += 1
+            self._missing[b] -= 1
+            if self.error is None and self.early < len(self._missing) and not self._missing[
+                self.early
+            ] and (self._blocked is None or self._blocked.queued() is not None):
+                self._send_copies()
+
+    def _send_copies(self) -> None:
+        """Hand the complete buckets, from the next one on, to the helper thread while their
+        copies are queued (``copy_accumulated``)."""
+        missing, helper = self._missing, self._helper
+        assert helper is not None
+        while self.early < len(missing) and not missing[self.early]:
+            b = self.early
+            found = self._copied_sources(b)
+            if found is None:  # it waits for the sync point, and the later ones too
+                missing[b] = -1
+                return
+            copies = [copy for replica in found.copies for copy in replica]
+            events = list(map(_queued, copies))
+            queued = list(map(is_not, events, repeat(None)))
+            if not all(queued):  # a later arrival tries again
+                self._blocked = copies[queued.index(False)]
+                return
+            self._blocked = None
+            self._copied.append(found)
+            self._last = helper.submit(
+                self._sum_copies, found, [event for some in events for event in some]
+            )
+            self.early = b + 1
+
+    def _copied_sources(self, b: int) -> _Copied | None:
+        """Bucket ``b``'s gradients on every local replica as copies to host memory, if
+        each may leave early: every view's one gradient is one copy, of the variable's
+        dtype and shape, and nothing else is on it."""
+        plan = self._plan
+        keys, records = plan.bucket_keys[b], plan.bucket_records[b]
+        dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
+        found = _Copied([], [], [])
+        for views in self._replicas:
+            mine = list(map(views.views.get, keys))
+            if (
+                not all(map(is_not, mine, repeat(None)))
+                or not all(map(is_, map(_record_of, mine), records))  # a key reused
+                or not all(map(is_, map(_alias_of, mine), repeat(None)))
+                or list(map(_epoch_of, mine)).count(views.epoch) != len(mine)
+            ):
+                return None
+            pendings = list(map(_pending_of, mine))
+            tensors = list(map(_tensor_of, mine))
+            if (
+                list(map(len, pendings)).count(1) != len(mine)
+                or any(map(is_not, map(_grad_of, tensors), repeat(None)))
+                or list(map(_dtype_of, tensors)) != dtypes
+                or list(map(_shape_of, tensors)) != shapes
+            ):
+                return None
+            found.views.append(mine)  # type: ignore[arg-type]  # (none is None)
+            found.tensors.append(tensors)
+            found.copies.append([pending[0] for pending in pendings])
+        return found
+
+    def _sum_copies(self, found: _Copied, events: list[Any]) -> None:
+        """(On the helper thread.) Once the copies have finished, the bucket's local sum in
+        host memory, in replica order as the fold adds them, starts its all-reduce; nothing
+        starts after a bucket that failed, so that every worker's buckets stay in order."""
+        if self.error is not None:
+            return
+        try:
+            for event in events:
+                event.synchronize()
+            with no_grad():
+                firsts = list(map(_peek, found.copies[0]))
+                flat = pack(firsts)
+                if len(found.copies) > 1:
+                    views = unflatten(flat, firsts)
+                    for copies in found.copies[1:]:
+                        torch._foreach_add_(views, list(map(_peek, copies)))
+            self._launch(flat)
+        except Exception as error:
+            self.error = error
+
+    def settle(self) -> None:
+        """At the sync point, before anything else: every bucket handed to the helper
+        thread has started (or failed: ``error``)."""
+        if self._last is not None:
+            self._last.result()
+            self._last = None
 
     def _ready_sources(self, b: int) -> _Sources | None:
         """Bucket ``b``'s gradients on every local replica, if each may leave early."""
@@ -299,7 +441,10 @@ class EarlyExchange:
 
     def check_sources(self) -> bool:
         """Before the fold: every gradient that left early is still its replica's gradient,
-        unchanged (a second backward replaces or moves it)."""
+        unchanged (a second backward replaces or moves it); a copy to host memory, still
+        the only gradient of its view."""
+        if self._copy is not None:
+            return self._check_copies()
         for sources in self._sources:
             for views, tensors, grads, versions in zip(*sources, strict=True):
                 if (
@@ -311,10 +456,29 @@ class EarlyExchange:
                     return False
         return True
 
+    def _check_copies(self) -> bool:
+        for views, tensors, copies in self._copied:
+            for mine, its_tensors, its_copies in zip(views, tensors, copies, strict=True):
+                pendings = list(map(_pending_of, mine))
+                if (
+                    not all(map(is_, map(_tensor_of, mine), its_tensors))
+                    or list(map(len, pendings)).count(1) != len(mine)
+                    or not all(map(is_, [p[0] for p in pendings], its_copies))
+                    or any(map(is_not, map(_grad_of, its_tensors), repeat(None)))
+                    or not all(map(is_, map(_alias_of, mine), repeat(None)))
+                ):
+                    return False
+        return True
+
     def check_fold(self, fresh: Sequence[Any]) -> bool:
         """After the fold, ``fresh`` its gradients per trainable variable: each early one
         began from replica 0's gradient, so nothing else (a gradient that arrived outside
-        ``run``, a parameter used directly) was folded in."""
+        ``run``, a parameter used directly) was folded in. (Copies to host memory: the
+        fold's sums are new tensors; ``check_sources`` found each view's only gradient to
+        be the copy that left, and the sync point found nothing pending outside ``run``,
+        so the fold added those copies from nothing, in replica order, as they left.)"""
+        if self._copy is not None:
+            return True
         for bucket, sources in zip(self._plan.buckets, self._sources):  # the early ones
             if not all(map(is_, map(fresh.__getitem__, bucket), sources.grads[0])):
                 return False

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -144,6 +145,7 @@ class Collectives(Workers):
         self.worker_index = dist.get_rank(group)
         self.timeout = timeout
         self.traffic = {"collectives": 0, "bytes": 0}
+        self._counting = threading.Lock()
         self.bucket_bytes = bucket_bytes
         self.device = device
         self.broken: str | None = None
@@ -179,8 +181,9 @@ class Collectives(Workers):
                 f"({self.broken}), so this process group is out of step. Let the process "
                 "exit; torchrun (--max-restarts) restarts every worker from the last checkpoint."
             )
-        self.traffic["collectives"] += 1
-        self.traffic["bytes"] += payload.numel() * payload.element_size()
+        with self._counting:  # (a helper thread starts the buckets copied from GPUs)
+            self.traffic["collectives"] += 1
+            self.traffic["bytes"] += payload.numel() * payload.element_size()
         try:
             works = [start()]
         except Exception as error:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from itertools import compress, repeat
 from operator import attrgetter, call, is_, is_not
 from typing import TYPE_CHECKING, Any, NamedTuple, final
@@ -60,6 +61,7 @@ from ..variables.folding import add_in_order, run_post_accumulate_hooks
 from ._buckets import (
     FIRST_BUCKET_BYTES,
     BucketPlan,
+    CopyGradient,
     EarlyExchange,
     bucket_indices,
     flat_gradient,
@@ -164,6 +166,9 @@ class ProcessGroup(Collectives):
         self._layout: _Layout | None = None  # the previous sync point's, for its signature
         self._plan: BucketPlan | None = None
         self._early: EarlyExchange | None = None
+        # GPU replicas of variables in host memory: what copies each gradient there, and the
+        # thread that sums and starts their buckets (``copy_gradients``)
+        self._copies: tuple[CopyGradient, Executor] | None = None
         self.carried: CarriedWrites | None = None
         # the trainable variables whose numbers of sparse entries every agreement carries:
         # those the plan leaves out, summed sparse before
@@ -179,23 +184,39 @@ class ProcessGroup(Collectives):
         (decided alike on every worker: from the last agreement, at the same call)."""
         plan = self._plan
         if self._early is None and plan is not None and plan.usable:
-            self._early = EarlyExchange(
+            early = self._early = EarlyExchange(
                 plan, store.replicas,
                 lambda flat: self.start_gradient_all_reduce("gradient all-reduce", flat),
-                self.device,
+                self.device, self._copies,
             )
             # the views' hooks call the run's exchange itself: a method in between would
             # cost a Python call per gradient, inside backward
-            self.on_gradient = self._early.gradient_accumulated  # type: ignore[method-assign]
+            self.on_gradient = (  # type: ignore[method-assign]
+                early.gradient_accumulated if self._copies is None else early.copy_accumulated
+            )
 
     def on_gradient(self, buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
-        """No run may start buckets early now (``_arm`` binds the run's exchange instead)."""
+        """No run may start buckets early now (``_arm`` binds the run's exchange instead;
+        ``copy_gradients`` the store's copy)."""
+
+    def copy_gradients(self, copy: CopyGradient) -> None:
+        """The views' gradients are on GPUs and the variables in host memory: ``copy`` (the
+        store's) starts each one's copy there as it accumulates, before the run's exchange
+        counts it; a helper thread sums and starts the buckets whose copies have finished."""
+        helper = ThreadPoolExecutor(1, thread_name_prefix="centralstore-buckets")
+        self._copies = (copy, helper)
+        self.on_gradient = copy  # type: ignore[method-assign, assignment]
 
     def _disarm(self) -> EarlyExchange | None:
-        """The run's early exchange, taken off: a gradient arriving now waits for a sync
-        point."""
+        """The run's early exchange, taken off, every bucket it handed to the helper thread
+        started: a gradient arriving now waits for a sync point."""
         early, self._early = self._early, None
-        self.__dict__.pop("on_gradient", None)
+        if self._copies is None:
+            self.__dict__.pop("on_gradient", None)
+        else:
+            self.on_gradient = self._copies[0]  # type: ignore[method-assign, assignment]
+        if early is not None:
+            early.settle()
         return early
 
     def sync(self, store: VariableStore, error: BaseException | None) -> None:

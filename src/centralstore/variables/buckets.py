@@ -127,6 +127,11 @@ class Bucket:
             self._event.record(side)
         self.state = BucketState.COPYING
 
+    @property
+    def event(self) -> Any:
+        """The CUDA event recorded after the fill's copy (``COPYING`` and ``READ``)."""
+        return self._event
+
     def _runs(self) -> list[tuple[int, int]]:
         """The arrived pieces as runs of consecutive indices, first and last of each."""
         if self.arrived == len(self.pieces):  # all of them (a fill that completed)
@@ -175,6 +180,17 @@ class GradientCopy(abc.ABC):
     def take(self) -> torch.Tensor:
         """The gradient in host memory, once its copy has finished."""
 
+    def queued(self) -> list[Any] | None:
+        """The events after which the gradient may be read in host memory (``peek``), once
+        its copy is queued; None while it is not: a bucket it lands in is still filling,
+        or it has no slot yet (``Deferred``: the sync point copies it)."""
+        return None
+
+    def peek(self) -> torch.Tensor:
+        """The gradient in host memory, left for ``take``: the host must have waited for
+        the events ``queued`` returned (the multi-worker exchange sums it early)."""
+        raise NotImplementedError(f"{type(self).__name__} has no copy queued to read")
+
 
 @final
 class InBucket(GradientCopy):
@@ -197,17 +213,28 @@ class InBucket(GradientCopy):
         slot = self.slot
         for bucket, _ in slot.pieces:
             bucket.wait()
-        if slot.host is not None:
-            grad = slot.host
-        else:  # in pieces, across buckets (or none, for an empty gradient)
-            grad = torch.cat([
-                bucket.host[piece.offset:piece.offset + piece.stop - piece.start]
-                for bucket, piece in slot.pieces
-            ] or [torch.empty(0, dtype=slot.dtype)]).view(slot.shape)
+        grad = self.peek()
         for bucket, _ in slot.pieces:
             bucket.unread -= 1
         self._owner.synced = True
         return grad
+
+    def queued(self) -> list[Any] | None:
+        events = []
+        for bucket, _ in self.slot.pieces:
+            if bucket.state is BucketState.FILLING or bucket.state is BucketState.EMPTY:
+                return None
+            events.append(bucket.event)
+        return events
+
+    def peek(self) -> torch.Tensor:
+        slot = self.slot
+        if slot.host is not None:
+            return slot.host
+        return torch.cat([  # in pieces, across buckets (or none, for an empty gradient)
+            bucket.host[piece.offset:piece.offset + piece.stop - piece.start]
+            for bucket, piece in slot.pieces
+        ] or [torch.empty(0, dtype=slot.dtype)]).view(slot.shape)
 
 
 @final
@@ -230,6 +257,12 @@ class Alone(GradientCopy):
     def take(self) -> torch.Tensor:
         self._event.synchronize()
         self._owner.synced = True
+        return self._host
+
+    def queued(self) -> list[Any] | None:
+        return [self._event]
+
+    def peek(self) -> torch.Tensor:
         return self._host
 
 

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from operator import attrgetter
 from typing import Any, Protocol, cast
@@ -68,6 +68,13 @@ class Exchange(Protocol):
         """A replica's gradient has just accumulated on ``view`` (while backward runs): the
         views' hooks call it directly (it is their ``GradientReceiver``)."""
 
+    def copy_gradients(
+        self, copy: Callable[[GradientBuckets, View, torch.Tensor], None]
+    ) -> None:
+        """(When it ``watches_gradients``.) The views' gradients are on GPUs and the
+        variables in host memory: ``on_gradient`` calls ``copy`` first, which starts the
+        gradient's copy there."""
+
 
 class FoldHook(Protocol):
     """Replica state kept outside central variables (``centralstore.metrics``: metric
@@ -96,13 +103,16 @@ class VariableStore:
             folding.overlapped(device, placement.parameter_storage)
             for device in placement.storage_devices
         )
-        # who the views' gradient hooks call: on GPUs, this store (which starts the copies
-        # to the parameter device); across workers, the exchange (which starts its buckets)
+        # who the views' gradient hooks call: across workers, the exchange (which starts its
+        # buckets, after this store's copy to host memory where there is one); else on
+        # GPUs, this store (which starts the copies to the parameter device)
         receiver = (
-            weakref.ref(cast(GradientReceiver, self)) if self._overlaps
-            else weakref.ref(cast(GradientReceiver, exchange)) if exchange.watches_gradients
+            weakref.ref(cast(GradientReceiver, exchange)) if exchange.watches_gradients
+            else weakref.ref(cast(GradientReceiver, self)) if self._overlaps
             else None
         )
+        if self._overlaps and exchange.watches_gradients:
+            exchange.copy_gradients(self.on_gradient)
         self.replicas = [
             ReplicaViews(
                 self.records, r, device, placement.num_replicas, receiver,
