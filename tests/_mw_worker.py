@@ -1065,10 +1065,11 @@ def copied_early_scenario(placement: str, pinned_bytes: int | None) -> dict[str,
 def copied_runs(
     devices: list[str], parameter_device: str | None, initial: dict[str, Any], late: bool
 ) -> dict[str, Any]:
-    """The MLP's runs of ``COPIED_PASSES`` backward passes, its buckets 64 bytes each (with
-    ``late``, exchanged after the fold): the gradients of each run, and how many buckets had
-    left when the first layer's weight got its gradient (the last but one to come) in each
-    pass, and at the end of each replica's passes."""
+    """The MLP's ``COPIED_RUNS``, its buckets 64 bytes each (with ``late``, exchanged after
+    the fold): the gradients after each run (of a run that failed, those set before it), how
+    many buckets had left when the first layer's weight got its gradient (the last but one
+    to come) in each pass, and at the end of each replica's passes, and what each run
+    raised."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     strategy = MultiWorkerCentralStorageStrategy(
@@ -1089,23 +1090,30 @@ def copied_runs(
     net[0].weight.register_hook(lambda grad: before_first.append(left()))
     after: list[int] = []
 
-    def passes(n: int) -> None:
+    def passes(n: int, fails: bool) -> None:
         replica = cs.get_replica_context().replica_id_in_sync_group % len(devices)
         mine = x.to(devices[replica]) * (1 + strategy.worker_index)
         for part in mine.tensor_split(n):
             net(part).sum().backward()
         after.append(left())
+        if fails and strategy.worker_index == 1:
+            raise ValueError("worker 1 fails after its backward")
 
-    grads = []
-    for n in COPIED_PASSES:
-        for p in net.parameters():
-            p.grad = None
-        strategy.run(passes, args=(n,))
+    grads, errors = [], []
+    for n, fails in COPIED_RUNS:
+        for p in net.parameters():  # a run that fails leaves these
+            p.grad = torch.full_like(p, 7.0) if fails else None
+        try:
+            strategy.run(passes, args=(n, fails))
+            errors.append(None)
+        except (RuntimeError, ValueError) as error:
+            errors.append(type(error).__name__)
         grads.append([_host(p.grad) for p in net.parameters()])
-    return {"before first": before_first, "after": after, "grads": grads}
+    return {"before first": before_first, "after": after, "grads": grads, "errors": errors}
 
 
-COPIED_PASSES = (1, 1, 2, 1)  # the backward passes of copied_early_scenario's runs
+# copied_runs' runs: (backward passes, whether worker 1 raises after them)
+COPIED_RUNS = ((1, False), (1, False), (1, True), (2, False), (1, False))
 
 
 def main() -> None:

@@ -503,44 +503,45 @@ def test_buckets_that_a_second_backward_changed_are_exchanged_again(
 def test_buckets_copied_from_gpus_leave_during_backward(
     tmp_path: Path, placement: str, pinned: int | None
 ) -> None:
-    """GPU replicas of variables in host memory: a bucket leaves during backward once its
-    gradients' copies to the host are queued (a helper thread waits for them, sums and starts
-    it), with the sums of the exchange after the fold, bit for bit. With pinned buckets of 64
-    bytes (``pinned``), whose copies start as each fills, the last layers' bucket has left
-    before the first layer's weight gets its gradient; with the usual 16 MiB, the one pinned
-    bucket's copy, and so every bucket, starts with the last gradient. A run of two passes
-    sends its buckets during the first, finds them stale and exchanges again; the plan then
-    waits for two passes, which a copied view never leaves early (its two copies)."""
+    """GPU replicas of variables in host memory (``_mw_worker.copied_runs``): a bucket
+    leaves during backward once its gradients' copies to the host are queued (a helper
+    thread waits for them, sums them and starts it), with the sums of the exchange after the
+    fold, bit for bit. With pinned buckets of 64 bytes (``pinned``), whose copies start as
+    each fills, the last layers' bucket has left before the first layer's weight gets its
+    gradient; with the usual 16 MiB, the one pinned bucket's copy, and so every bucket,
+    starts with the last gradient. A run that fails on worker 1 after its backward leaves
+    ``.grad`` as it was on both, whatever left. A run of two passes sends its buckets during
+    the first, finds them stale and exchanges again; the plan then waits for two passes,
+    which a copied view never leaves early (its two copies)."""
     skip_without_gpus(placement)
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
     )
-    local = len(helper.GPU_PLACEMENTS[placement][0])
-    runs = len(helper.COPIED_PASSES)
-    # per run and local replica, at the end of its passes (replica 0 first): the buckets
-    # that left, all 3 from the second run's last replica and in the third's first pass
-    after = [0] * (runs * local)
-    after[2 * local - 1] = 3
-    if local == 1:
-        after[2] = 3
-    # when the first layer's weight got its gradient, in each pass: the bucket of the last
-    # layer once its pinned buckets filled, and the 3 of the third run's first pass
-    before_first = [0] * (local * sum(helper.COPIED_PASSES))
-    if pinned is not None:
-        before_first[2 * local - 1] = 1
-    if local == 1:
-        before_first[2:4] = [1 if pinned else 0, 3]
+    p = 0 if pinned is None else 1
+    # The runs: planned, early, failing on worker 1, two passes, one pass. Per replica that
+    # ran, the buckets that had left at the end of its passes, and when the first layer's
+    # weight got its gradient in each pass; with two GPUs, worker 1's failing run ends
+    # after its first replica.
+    if placement == "one-gpu-params-on-host":
+        after = [[0, 3, 3, 3, 0]] * 2
+        before_first = [[0, p, p, p, 3, 0]] * 2
+    else:
+        after = [[0, 0, 0, 3, 0, 3, 0, 0, 0, 0], [0, 0, 0, 3, 0, 0, 0, 0, 0]]
+        before_first = [
+            [0, 0, 0, p, 0, p, 0, 0, 0, 0, 0, 0], [0, 0, 0, p, 0, 0, 0, 0, 0, 0, 0],
+        ]
     for rank, result in enumerate(results):
-        assert result["late"]["after"] == [0] * (runs * local), rank
-        assert result["early"]["after"] == after, (rank, result["early"]["after"])
-        assert result["early"]["before first"] == before_first, (
-            rank, result["early"]["before first"]
-        )
-        for run, (early, late, first) in enumerate(zip(
-            result["early"]["grads"], result["late"]["grads"], results[0]["early"]["grads"],
-            strict=True,
+        early, late = result["early"], result["late"]
+        assert early["after"] == after[rank], (rank, early["after"])
+        assert early["before first"] == before_first[rank], (rank, early["before first"])
+        assert not any(late["after"]) and not any(late["before first"]), rank
+        raised = ["RuntimeError", "ValueError"][rank]  # worker 0: the others' failure
+        assert early["errors"] == late["errors"] == [None, None, raised, None, None], rank
+        assert all(bool((g == 7).all()) for g in early["grads"][2]), rank  # left as they were
+        for run, (mine, after_fold, first) in enumerate(zip(
+            early["grads"], late["grads"], results[0]["early"]["grads"], strict=True,
         )):
-            for got, want, worker_0 in zip(early, late, first, strict=True):
+            for got, want, worker_0 in zip(mine, after_fold, first, strict=True):
                 assert torch.equal(got, want), (rank, run)  # as after the fold, bit for bit
                 assert torch.equal(got, worker_0), (rank, run)  # and alike on every worker
 
