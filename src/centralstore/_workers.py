@@ -8,7 +8,7 @@ on its replica threads).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 import torch
@@ -90,7 +90,9 @@ class Workers(abc.ABC):
         runs (the views' hooks call it only when ``watches_gradients``): the multi-worker
         exchange starts its buckets."""
 
-    def copy_gradients(self, copy: Any) -> None:
+    def copy_gradients(
+        self, copy: Callable[[GradientBuckets, View, torch.Tensor], None]
+    ) -> None:
         """(When ``watches_gradients``.) The replicas' gradients are on GPUs and the
         variables in host memory: ``on_gradient`` must call ``copy`` first, which starts the
         gradient's copy there (``folding.start_copy``)."""
