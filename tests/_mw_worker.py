@@ -1113,7 +1113,7 @@ def copied_runs(
 
 
 # copied_runs' runs: (backward passes, whether worker 1 raises after them)
-COPIED_RUNS = ((1, False), (1, False), (1, True), (2, False), (1, False))
+COPIED_RUNS = ((1, False), (1, False), (1, True), (2, False), (2, False), (1, False))
 
 
 def main() -> None:

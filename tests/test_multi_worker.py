@@ -511,24 +511,28 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     gradient; with the usual 16 MiB, the one pinned bucket's copy, and so every bucket,
     starts with the last gradient. A run that fails on worker 1 after its backward leaves
     ``.grad`` as it was on both, whatever left. A run of two passes sends its buckets during
-    the first, finds them stale and exchanges again; the plan then waits for two passes,
-    which a copied view never leaves early (its two copies)."""
+    the first, finds them stale and exchanges again; the plan then waits for two passes, and
+    the next such run sends them during its second (whose copies, each in a pinned block of
+    its own, leave at once), as DDP under ``no_sync``."""
     skip_without_gpus(placement)
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
     )
     p = 0 if pinned is None else 1
-    # The runs: planned, early, failing on worker 1, two passes, one pass. Per replica that
-    # ran, the buckets that had left at the end of its passes, and when the first layer's
-    # weight got its gradient in each pass; with two GPUs, worker 1's failing run ends
-    # after its first replica.
+    # The runs: planned, early, failing on worker 1, two passes (stale), two passes, one
+    # pass (waiting for two). Per replica that ran, the buckets that had left at the end of
+    # its passes, and when the first layer's weight got its gradient in each pass; with two
+    # GPUs, worker 1's failing run ends after its first replica.
     if placement == "one-gpu-params-on-host":
-        after = [[0, 3, 3, 3, 0]] * 2
-        before_first = [[0, p, p, p, 3, 0]] * 2
+        after = [[0, 3, 3, 3, 3, 0]] * 2
+        before_first = [[0, p, p, p, 3, 0, 2, 0]] * 2
     else:
-        after = [[0, 0, 0, 3, 0, 3, 0, 0, 0, 0], [0, 0, 0, 3, 0, 0, 0, 0, 0]]
+        after = [
+            [0, 0, 0, 3, 0, 3, 0, 0, 0, 3, 0, 0], [0, 0, 0, 3, 0, 0, 0, 0, 3, 0, 0],
+        ]
         before_first = [
-            [0, 0, 0, p, 0, p, 0, 0, 0, 0, 0, 0], [0, 0, 0, p, 0, 0, 0, 0, 0, 0, 0],
+            [0, 0, 0, p, 0, p, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0],
+            [0, 0, 0, p, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0],
         ]
     for rank, result in enumerate(results):
         early, late = result["early"], result["late"]
@@ -536,7 +540,7 @@ def test_buckets_copied_from_gpus_leave_during_backward(
         assert early["before first"] == before_first[rank], (rank, early["before first"])
         assert not any(late["after"]) and not any(late["before first"]), rank
         raised = ["RuntimeError", "ValueError"][rank]  # worker 0: the others' failure
-        assert early["errors"] == late["errors"] == [None, None, raised, None, None], rank
+        assert early["errors"] == late["errors"] == [None, None, raised, None, None, None], rank
         assert all(bool((g == 7).all()) for g in early["grads"][2]), rank  # left as they were
         for run, (mine, after_fold, first) in enumerate(zip(
             early["grads"], late["grads"], results[0]["early"]["grads"], strict=True,

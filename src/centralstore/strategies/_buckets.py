@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from itertools import repeat
-from operator import attrgetter, is_, is_not, methodcaller, setitem
+from operator import attrgetter, is_, is_not, itemgetter, methodcaller, setitem
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import torch
@@ -175,12 +175,13 @@ class _Sources(NamedTuple):
 
 class _Copied(NamedTuple):
     """One bucket's gradients that left early from GPU replicas, as copies to host memory
-    (``GradientCopy``), per local replica in the bucket's order, and what must still hold
-    at the sync point: each view still its replica's tensor, its only gradient that copy."""
+    (``GradientCopy``): per local replica, per backward pass, in the bucket's order; and
+    what must still hold at the sync point: each view still its replica's tensor, its
+    gradients still those copies and no other."""
 
     views: list[list[View]]
     tensors: list[list[torch.Tensor]]
-    copies: list[list[GradientCopy]]
+    copies: list[list[list[GradientCopy]]]
 
 
 _tensor_of = attrgetter("tensor")
@@ -322,7 +323,7 @@ class EarlyExchange:
             if found is None:  # it waits for the sync point, and the later ones too
                 missing[b] = -1
                 return
-            copies = [copy for replica in found.copies for copy in replica]
+            copies = [copy for rounds in found.copies for round_ in rounds for copy in round_]
             events = list(map(_queued, copies))
             queued = list(map(is_not, events, repeat(None)))
             if not all(queued):  # a later arrival tries again
@@ -337,9 +338,10 @@ class EarlyExchange:
 
     def _copied_sources(self, b: int) -> _Copied | None:
         """Bucket ``b``'s gradients on every local replica as copies to host memory, if
-        each may leave early: every view's one gradient is one copy, of the variable's
-        dtype and shape, and nothing else is on it."""
+        each may leave early: every view holds a copy from each of the plan's backward
+        passes, of the variable's dtype and shape, and nothing else."""
         plan = self._plan
+        passes = plan.passes
         keys, records = plan.bucket_keys[b], plan.bucket_records[b]
         dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
         found = _Copied([], [], [])
@@ -355,7 +357,7 @@ class EarlyExchange:
             pendings = list(map(_pending_of, mine))
             tensors = list(map(_tensor_of, mine))
             if (
-                list(map(len, pendings)).count(1) != len(mine)
+                list(map(len, pendings)).count(passes) != len(mine)
                 or any(map(is_not, map(_grad_of, tensors), repeat(None)))
                 or list(map(_dtype_of, tensors)) != dtypes
                 or list(map(_shape_of, tensors)) != shapes
@@ -363,24 +365,26 @@ class EarlyExchange:
                 return None
             found.views.append(mine)  # type: ignore[arg-type]  # (none is None)
             found.tensors.append(tensors)
-            found.copies.append([pending[0] for pending in pendings])
+            found.copies.append([list(map(itemgetter(k), pendings)) for k in range(passes)])
         return found
 
     def _sum_copies(self, found: _Copied, events: list[Any]) -> None:
         """(On the helper thread.) Once the copies have finished, the bucket's local sum in
-        host memory, in replica order as the fold adds them, starts its all-reduce; nothing
-        starts after a bucket that failed, so that every worker's buckets stay in order."""
+        host memory starts its all-reduce: added in the fold's order, replica by replica and
+        each replica's passes in turn. Nothing starts after a bucket that failed, so that
+        every worker's buckets stay in order."""
         if self.error is not None:
             return
         try:
             for event in events:
                 event.synchronize()
+            first, *rest = [round_ for rounds in found.copies for round_ in rounds]
             with no_grad():
-                firsts = list(map(_peek, found.copies[0]))
+                firsts = list(map(_peek, first))
                 flat = pack(firsts)
-                if len(found.copies) > 1:
+                if rest:
                     views = unflatten(flat, firsts)
-                    for copies in found.copies[1:]:
+                    for copies in rest:
                         torch._foreach_add_(views, list(map(_peek, copies)))
             self._launch(flat)
         except Exception as error:
@@ -458,12 +462,15 @@ class EarlyExchange:
 
     def _check_copies(self) -> bool:
         for views, tensors, copies in self._copied:
-            for mine, its_tensors, its_copies in zip(views, tensors, copies, strict=True):
+            for mine, its_tensors, rounds in zip(views, tensors, copies, strict=True):
                 pendings = list(map(_pending_of, mine))
                 if (
                     not all(map(is_, map(_tensor_of, mine), its_tensors))
-                    or list(map(len, pendings)).count(1) != len(mine)
-                    or not all(map(is_, [p[0] for p in pendings], its_copies))
+                    or list(map(len, pendings)).count(len(rounds)) != len(mine)
+                    or not all(
+                        all(map(is_, map(itemgetter(k), pendings), round_))
+                        for k, round_ in enumerate(rounds)
+                    )
                     or any(map(is_not, map(_grad_of, its_tensors), repeat(None)))
                     or not all(map(is_, map(_alias_of, mine), repeat(None)))
                 ):
@@ -474,9 +481,9 @@ class EarlyExchange:
         """After the fold, ``fresh`` its gradients per trainable variable: each early one
         began from replica 0's gradient, so nothing else (a gradient that arrived outside
         ``run``, a parameter used directly) was folded in. (Copies to host memory: the
-        fold's sums are new tensors; ``check_sources`` found each view's only gradient to
-        be the copy that left, and the sync point found nothing pending outside ``run``,
-        so the fold added those copies from nothing, in replica order, as they left.)"""
+        fold's sums are new tensors; ``check_sources`` found each view's gradients to be
+        the copies that left, and the sync point found nothing pending outside ``run``, so
+        the fold added those copies from nothing, in the order they were summed.)"""
         if self._copy is not None:
             return True
         for bucket, sources in zip(self._plan.buckets, self._sources):  # the early ones
