@@ -1109,7 +1109,24 @@ def copied_runs(
         except (RuntimeError, ValueError) as error:
             errors.append(type(error).__name__)
         grads.append([_host(p.grad) for p in net.parameters()])
-    return {"before first": before_first, "after": after, "grads": grads, "errors": errors}
+    out = {
+        "before first": list(before_first), "after": list(after), "grads": grads,
+        "errors": errors,
+    }
+    if not late:  # the helper thread gone (an interpreter exiting): the buckets cannot
+        strategy._collectives._copies[1].shutdown()  # start, yet every backward returns
+        out["helper gone"] = _raised(lambda: strategy.run(passes, args=(2, False)))
+        out["helper gone returned"] = len(after) - len(out["after"])
+    return out
+
+
+def _raised(call: Callable[[], object]) -> str | None:
+    """What ``call`` raised, as ``type: message``, or None."""
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 # copied_runs' runs: (backward passes, whether worker 1 raises after them)

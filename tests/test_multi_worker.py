@@ -513,12 +513,14 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     ``.grad`` as it was on both, whatever left. A run of two passes sends its buckets during
     the first, finds them stale and exchanges again; the plan then waits for two passes, and
     the next such run sends them during its second (whose copies, each in a pinned block of
-    its own, leave at once), as DDP under ``no_sync``."""
+    its own, leave at once), as DDP under ``no_sync``. Without the helper thread, backward
+    still returns, and the sync point raises."""
     skip_without_gpus(placement)
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
     )
     p = 0 if pinned is None else 1
+    local = len(helper.GPU_PLACEMENTS[placement][0])
     # The runs: planned, early, failing on worker 1, two passes (stale), two passes, one
     # pass (waiting for two). Per replica that ran, the buckets that had left at the end of
     # its passes, and when the first layer's weight got its gradient in each pass; with two
@@ -548,6 +550,10 @@ def test_buckets_copied_from_gpus_leave_during_backward(
             for got, want, worker_0 in zip(mine, after_fold, first, strict=True):
                 assert torch.equal(got, want), (rank, run)  # as after the fold, bit for bit
                 assert torch.equal(got, worker_0), (rank, run)  # and alike on every worker
+        # no helper thread to start the buckets: the backward passes return, and the sync
+        # point raises what stopped them, on every worker before they agree
+        assert result["early"]["helper gone returned"] == local, rank
+        assert "cannot schedule new futures" in result["early"]["helper gone"], rank
 
 
 def test_a_worker_that_dies_makes_the_others_raise_within_the_timeout(tmp_path: Path) -> None:

@@ -298,7 +298,8 @@ class EarlyExchange:
         gradient's copy to the host starts first, then it counts. The next bucket leaves
         once it has all its gradients and their copies are queued (a pinned bucket of the
         store's still filling holds it back until a later arrival fills it): the helper
-        thread waits for them, sums and starts it."""
+        thread waits for them, sums and starts it. (Only the copy may raise into the
+        backward, as the store's receiver would.)"""
         assert self._copy is not None  # (bound only with copies)
         self._copy(buckets, view, tensor)
         b = self._bucket_of.get(view.record.key)
@@ -310,7 +311,10 @@ class EarlyExchange:
             if self.error is None and self.early < len(self._missing) and not self._missing[
                 self.early
             ] and (self._blocked is None or self._blocked.queued() is not None):
-                self._send_copies()
+                try:
+                    self._send_copies()
+                except Exception as error:
+                    self.error = error
 
     def _send_copies(self) -> None:
         """Hand the complete buckets, from the next one on, to the helper thread while their
