@@ -1069,7 +1069,8 @@ def copied_runs(
     the fold): the gradients after each run (of a run that failed, those set before it), how
     many buckets had left when the first layer's weight got its gradient (the last but one
     to come) in each pass, and at the end of each replica's passes, and what each run
-    raised."""
+    raised. Then (not ``late``) a run of two passes without the helper thread: what it
+    raised, and how many replicas' passes returned."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     strategy = MultiWorkerCentralStorageStrategy(
