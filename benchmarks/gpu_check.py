@@ -13,8 +13,9 @@ such a machine can tell:
    training on one device, then tests/test_multi_worker.py's cases on GPUs (two worker
    processes over gloo, each with its replicas on the GPUs: batch norm's buffers written
    in place and through views, a run inside ``scope()``, sparse gradients, the everyday
-   idioms, buckets copied from the GPUs leaving during backward), and prints pytest's
-   output and the counts of passed, failed and skipped tests of each.
+   idioms, training with Adam and SGD against one device, buckets copied from the GPUs
+   leaving during backward), and prints pytest's output and the counts of passed, failed
+   and skipped tests of each.
 2. It prints one table of training steps on bench_train.py's models: the MLP 784-1024-1024-10
    and the CNN with BatchNorm (batch 512, SGD with momentum), and the small transformer (2
    encoder layers, d = 64, batch 32, Adam), each under these configurations:
@@ -101,7 +102,8 @@ WORKER_TESTS = [
     sys.executable, "-m", "pytest", "-q", "tests/test_multi_worker.py", "-k",
     "on_gpus or copied_from_gpus", "-p", "no:cacheprovider", "-o", "addopts=",
 ]
-WORKER_TESTS_TIMEOUT_S = 240  # sixteen launches of two processes, each 4 to 10 s on a CPU
+# twenty-one launches of two processes (thirteen on one GPU), each 4 to 10 s on a CPU
+WORKER_TESTS_TIMEOUT_S = 240
 # The tests' share of the 8 minutes the whole check may take: a little more than pytest's
 # own limit per test (300 s, pyproject.toml), so that a test stuck there still reports.
 TESTS_TIMEOUT_S = 330

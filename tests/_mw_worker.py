@@ -1130,6 +1130,52 @@ def _raised(call: Callable[[], object]) -> str | None:
     return None
 
 
+def training_scenario(placement: str) -> dict[str, Any]:
+    """``train`` with each of ``OPTIMIZERS`` on GPUs placed as ``GPU_PLACEMENTS[placement]``
+    (``on_gpus``), the MLP's gradients in buckets of 64 bytes that may leave during backward,
+    and the SGD run again with every bucket held for the sync point: the initial and final
+    states, on the host."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    devices, parameter_device = placed(placement)
+    results: dict[str, Any] = {}
+    with on_gpus(placement):
+        for name, late in [*((name, False) for name in OPTIMIZERS), ("sgd", True)]:
+            strategy = MultiWorkerCentralStorageStrategy(
+                devices, parameter_device=parameter_device, timeout=60, bucket_cap_mb=BUCKET
+            )
+            if late:
+                strategy._collectives._arm = lambda store: None  # type: ignore[method-assign]
+            left = buckets_left(strategy)
+            torch.manual_seed(100)  # drawn on the host: a GPU draws otherwise
+            initial = mlp().state_dict()
+            with strategy.scope():
+                model = mlp()
+                model.load_state_dict(initial)
+                optimizer = OPTIMIZERS[name](list(model.parameters()))
+            train(strategy, model, optimizer)
+            key = f"{name}/after fold" if late else name
+            results[key] = {"initial": initial, "final": host_state(model), "left": left}
+    return results
+
+
+def buckets_left(strategy: MultiWorkerCentralStorageStrategy) -> list[int]:
+    """Filled at each of ``strategy``'s sync points that could start buckets early: how
+    many left during backward."""
+    left: list[int] = []
+    collectives = strategy._collectives
+    disarm = collectives._disarm
+
+    def recorded() -> Any:
+        early = disarm()
+        if early is not None:
+            left.append(early.early)
+        return early
+
+    collectives._disarm = recorded  # type: ignore[method-assign]
+    return left
+
+
 # copied_runs' runs: (backward passes, whether worker 1 raises after them)
 COPIED_RUNS = ((1, False), (1, False), (1, True), (2, False), (2, False), (1, False))
 
@@ -1144,6 +1190,8 @@ def main() -> None:
         results = main_scenario(int(sys.argv[3]), explicit_group=sys.argv[4] == "explicit")
     elif scenario == "errors":
         results = errors_scenario()
+    elif scenario == "training":
+        results = training_scenario(sys.argv[3])
     elif scenario == "copied":
         pinned = None if sys.argv[4] == "-" else int(sys.argv[4])
         results = copied_early_scenario(sys.argv[3], pinned)

@@ -498,6 +498,37 @@ def test_buckets_that_a_second_backward_changed_are_exchanged_again(
         assert result["collectives"] == collectives, result["collectives"]
 
 
+@pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
+def test_workers_train_like_one_device_on_gpus(tmp_path: Path, placement: str) -> None:
+    """``_mw_worker.train`` (even, uneven and empty slices, accumulation over two runs, an
+    optimizer step in ``merge_call``, a backward after ``run``) on fake GPUs, or real ones,
+    with Adam and SGD: every worker ends where one device does on the same global batches,
+    with the same bits as the other worker, and as when every bucket waits for the sync
+    point. The buckets leave during backward at every sync point with gradients from the
+    second run on, also the ``merge_call``'s inside a run, but where a replica computes on
+    another GPU than the variables'."""
+    skip_without_gpus(placement)
+    results = launch(tmp_path, 2, "training", str(tmp_path), placement)
+    # runs 2 and 3, the two accumulated runs, the merge_call; then nothing left to send at
+    # the end of that run, and no backward in the last one. A replica on another GPU than
+    # the variables' keeps its gradients there until the sync point: none leaves early.
+    left = [0] * 7 if placement == "two-gpus" else [3, 3, 3, 3, 3, 0, 0]
+    for name, make_optimizer in helper.OPTIMIZERS.items():
+        oracle = helper.mlp()
+        oracle.load_state_dict(results[0][name]["initial"])
+        helper.train_one_device(oracle, make_optimizer(list(oracle.parameters())))
+        for rank, result in enumerate(results):
+            final = result[name]["final"]
+            assert_state_close(final, oracle.state_dict(), f"{name} rank {rank}")
+            for key, value in final.items():
+                assert torch.equal(value, results[0][name]["final"][key]), (name, rank, key)
+            assert result[name]["left"] == left, (name, rank)
+    for rank, result in enumerate(results):
+        assert result["sgd/after fold"]["left"] == [], rank
+        for key, value in result["sgd/after fold"]["final"].items():
+            assert torch.equal(value, result["sgd"]["final"][key]), (rank, key)
+
+
 @pytest.mark.parametrize("pinned", [None, 64])
 @pytest.mark.parametrize("placement", ["one-gpu-params-on-host", "two-gpus-params-on-host"])
 def test_buckets_copied_from_gpus_leave_during_backward(
