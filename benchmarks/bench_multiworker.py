@@ -37,10 +37,20 @@ Four tables:
               all-reduce puts about 2 (W-1)/W times that on the wire).
   all-reduce  torch.distributed.all_reduce (SUM) of one flat float32 gradient buffer of
               1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
+  --gpu       instead of the tables above: two gloo workers whose replica is a GPU (each
+              worker's ``cuda:LOCAL_RANK``, modulo the GPUs there are) with the variables in
+              host memory, on the MLP 784-1024-1024-10 (7 MB of gradients: one pinned
+              bucket, copied with the last gradient) and a wide MLP 784-4096-4096-10 (80 MB:
+              five pinned buckets, copied as they fill); the step with the buckets leaving
+              during backward against the same step with every bucket held for the sync
+              point, in drawn turns. ``--fake-gpus``: the same on the test suite's fake
+              GPUs, to try the script without one (their kernels run on the host, so the
+              ratio says nothing of a GPU's).
 
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
                                            [--models mlp transformer recommender bn]
                                            [--accumulation-replicas 1]
+    python benchmarks/bench_multiworker.py --gpu [--fake-gpus] [--steps 10] [--rounds 7]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT); the numbers come back as JSON on worker 0's stdout.
@@ -395,8 +405,73 @@ def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
     return rows
 
 
+def _wide_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 10))
+
+
+_GPU_MODELS = {"mlp": _mlp, "wide mlp": _wide_mlp}
+
+
+def _worker_gpu(steps: int, rounds: int, fake: bool) -> dict[str, float]:
+    """``--gpu``: per model, ms per step with the buckets leaving during backward and held
+    for the sync point, and the median ratio of the two."""
+    if fake:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        import fakegpu
+
+        gpus: Any = fakegpu.FakeGPUs(1)
+    else:
+        gpus = contextlib.nullcontext()
+    result: dict[str, float] = {}
+    with gpus:
+        device = f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+        torch.manual_seed(0)
+        x, y = torch.randn(BATCH, 784), torch.randint(0, 10, (BATCH,))
+        for name, build in _GPU_MODELS.items():
+            steps_of = {}
+            for way in ("early", "held"):
+                strategy = MultiWorkerCentralStorageStrategy(
+                    [device], parameter_device="cpu", timeout=120
+                )
+                if way == "held":
+                    strategy._collectives._arm = lambda store: None  # type: ignore[method-assign]
+                torch.manual_seed(1)
+                with strategy.scope():
+                    model = build()
+                    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+                inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+                steps_of[way] = _gpu_step(strategy, model, optimizer, inputs)
+            means, _ = _in_turns(steps_of, steps, rounds)
+            for way, values in means.items():
+                result[f"{name} {way}"] = statistics.median(values)
+            result[f"{name} early / held"] = _median_ratio(means["early"], means["held"])
+    return result
+
+
+def _gpu_step(
+    strategy: MultiWorkerCentralStorageStrategy, model: nn.Module,
+    optimizer: torch.optim.Optimizer, inputs: Any,
+) -> Callable[[], None]:
+    """One training step of ``model`` in ``strategy``, ending when the GPU has finished."""
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=BATCH).backward()  # type: ignore[no-untyped-call]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=inputs)
+        optimizer.step()
+        torch.cuda.synchronize()
+
+    return step
+
+
 def _worker(argv: list[str]) -> None:
-    if argv[0] == "steps":
+    if argv[0] == "gpu":
+        result = _worker_gpu(int(argv[1]), int(argv[2]), argv[3] == "fake")
+    elif argv[0] == "steps":
         result = _worker_steps(argv[1], int(argv[2]), int(argv[3]))
     elif argv[0] == "ddp":
         result = _worker_ddp(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
@@ -431,9 +506,16 @@ def main() -> None:
     parser.add_argument("--accumulation-replicas", type=int, default=1,
                         help="local replicas of this strategy in the accumulation table (DDP "
                              "makes one pass per micro-batch whatever it is)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="only the table of GPU replicas with the variables in host memory")
+    parser.add_argument("--fake-gpus", action="store_true",
+                        help="with --gpu: on the test suite's fake GPUs")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
     threads = max(cores // 2, 1)
+    if args.gpu:
+        gpu_table(args.steps, args.rounds, args.fake_gpus, threads)
+        return
     print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
           f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
     print(f"{'model':<12} {'configuration':<14} {'cs ms/step':>11} {'DDP ms/step':>12} "
@@ -494,6 +576,19 @@ def main() -> None:
     for size, ms in rows.items():
         bus = float(size) * MB * 2 * (2 - 1) / 2 / (ms / 1000) / 1e9
         print(f"{float(size):>6g} MB {ms:>9.2f} {bus:>9.2f}")
+
+
+def gpu_table(steps: int, rounds: int, fake: bool, threads: int) -> None:
+    """``--gpu``: the table of GPU replicas whose variables are in host memory."""
+    where = "fake GPUs (kernels on the host: no GPU's ratio)" if fake else "GPUs"
+    print(f"2 gloo workers, a replica on a GPU each and the variables in host memory, on "
+          f"{where}; global batch {BATCH}, SGD; in drawn turns: median of {rounds} rounds of "
+          f"{steps} steps, each ending with torch.cuda.synchronize()\n")
+    print(f"{'model':<10} {'early ms/step':>14} {'held ms/step':>13} {'early / held':>13}")
+    row = _launch(2, ["gpu", str(steps), str(rounds), "fake" if fake else "real"], threads)
+    for name in _GPU_MODELS:
+        print(f"{name:<10} {row[f'{name} early']:>14.2f} {row[f'{name} held']:>13.2f} "
+              f"{row[f'{name} early / held']:>12.3f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,12 @@ such a machine can tell:
    inputs are placed on the GPUs before timing, so the copies counted are the step's own:
    views refreshed and gradients sent back.
 
-3. It times the optimizers' update alone on the host, as the variables on the CPU have it:
+3. It runs ``bench_multiworker.py --gpu`` (two gloo workers, a GPU replica each, the variables
+   in host memory): the step with the gradient buckets leaving during backward against the
+   same step with them held for the sync point, on the MLP and a wide MLP of 80 MB of
+   gradients, and prints its table.
+
+4. It times the optimizers' update alone on the host, as the variables on the CPU have it:
    median ms per ``optimizer.step()`` of each model's optimizer in its default form, with
    ``foreach=True`` and with ``fused=True``, over the same gradients, taking turns. This
    needs no GPU: ``--host-update`` prints only this table, on any machine.
@@ -507,6 +512,28 @@ def host_update() -> None:
               + f" {medians['default'] / medians['fused']:14.2f}", flush=True)
 
 
+WORKERS_ON_GPUS = [
+    sys.executable, "benchmarks/bench_multiworker.py", "--gpu", "--rounds", "5", "--steps", "10",
+]
+WORKERS_ON_GPUS_TIMEOUT_S = 150
+
+
+def workers_on_gpus() -> bool:
+    """Step 3: ``bench_multiworker.py --gpu``'s table; True when it ran."""
+    print("$ python " + " ".join(WORKERS_ON_GPUS[1:]), flush=True)
+    try:
+        done = subprocess.run(
+            WORKERS_ON_GPUS, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=WORKERS_ON_GPUS_TIMEOUT_S,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    except subprocess.TimeoutExpired:
+        print(f"workers on GPUs: stopped after {WORKERS_ON_GPUS_TIMEOUT_S} s\n")
+        return False
+    print(done.stdout.rstrip() + "\n")
+    return done.returncode == 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -533,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_tests(WORKER_TESTS, WORKER_TESTS_TIMEOUT_S, {"CENTRALSTORE_REAL_GPUS": "1"}),
     ])
     all_ran = benchmark(options.rounds, options.steps)
+    all_ran = workers_on_gpus() and all_ran
     host_update()
     return 0 if paths_passed and tests_passed and all_ran else 1
 
