@@ -651,16 +651,15 @@ def restart_scenario(out_dir: str) -> dict[str, Any]:
 def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
     """Every everyday idiom of the parity matrix (``tests/idioms.py``) on the workers' path:
     each worker's replicas take their slices of the same global batch, 3 optimizer steps.
-    With ``placement`` (one replica), on its GPU (``on_gpus``)."""
+    With ``placement``, on its GPUs (``on_gpus``); the parity rows with one replica."""
     from idioms import PATTERNS, X, Y, mse_step, step_optimizer
 
     devices, parameter_device = placed(placement)
-    device = devices[0]
+    device, local = devices[0], len(devices)
     results: dict[str, Any] = {}
     with on_gpus(placement):
         for name, spec in PATTERNS.items():
             s = worker_strategy(devices, parameter_device)
-            rank, workers = s.worker_index, s.num_workers
             torch.manual_seed(0)  # drawn on the host: a GPU draws otherwise
             initial = spec["make"]().state_dict()
             with s.scope():
@@ -668,8 +667,7 @@ def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
                 model.load_state_dict(initial)
                 optimizer = spec["optimizer_of"](model)
             step = spec.get("step_of", mse_step)(model)
-            mine = (X.tensor_split(workers)[rank].to(device),
-                    Y.tensor_split(workers)[rank].to(device))
+            mine = (replica_slices(s, X, devices), replica_slices(s, Y, devices))
             for _ in range(3):
                 for _ in range(spec.get("runs_per_step", 1)):
                     s.run(step, args=mine)
@@ -677,8 +675,20 @@ def patterns_scenario(placement: str | None = None) -> dict[str, Any]:
                 spec.get("after_step", lambda m, o: None)(model, optimizer)
                 optimizer.zero_grad()
             results[name] = host_state(model)
-        results["rows"] = parity_rows(worker_strategy(devices, parameter_device), device)
+        if local == 1:
+            results["rows"] = parity_rows(worker_strategy(devices, parameter_device), device)
     return results
+
+
+def replica_slices(strategy: cs.Strategy, tensor: torch.Tensor, devices: list[str]) -> Any:
+    """``tensor``'s slice for each of ``strategy``'s replicas, every worker's counted, on
+    the replica's device (``devices``: the worker's)."""
+    parts = tensor.tensor_split(strategy.num_replicas_in_sync)
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: parts[ctx.replica_id_in_sync_group].to(
+            devices[ctx.replica_id_in_sync_group % len(devices)]
+        )
+    )
 
 
 # ids of a global batch of 8 rows: the first ids below 3 come in the first half only, the

@@ -187,6 +187,13 @@ PATTERNS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# The patterns with a buffer written from each replica's own batch (a MEAN over the
+# replicas of their slices' statistics), which is one device's only where the slices are even.
+BATCH_STATISTICS = frozenset({
+    "a buffer that forward updates in place (an EMA of activations)",
+    "instance norm with running statistics",
+})
+
 
 def _frozen(model: nn.Sequential) -> nn.Sequential:
     model[0].requires_grad_(False)
