@@ -107,7 +107,7 @@ WORKER_TESTS = [
     sys.executable, "-m", "pytest", "-q", "tests/test_multi_worker.py", "-k",
     "on_gpus or copied_from_gpus", "-p", "no:cacheprovider", "-o", "addopts=",
 ]
-# twenty-one launches of two processes (thirteen on one GPU), each 4 to 10 s on a CPU
+# twenty-four launches of two processes (fourteen on one GPU), each 4 to 10 s on a CPU
 WORKER_TESTS_TIMEOUT_S = 240
 # The tests' share of the 8 minutes the whole check may take: a little more than pytest's
 # own limit per test (300 s, pyproject.toml), so that a test stuck there still reports.

@@ -291,16 +291,15 @@ def test_everyday_patterns_train_like_one_device_on_two_workers(tmp_path: Path) 
     check_patterns(launch(tmp_path, 2, "patterns", str(tmp_path)))
 
 
-@pytest.mark.parametrize(
-    "placement", ["one-gpu", "one-gpu-params-on-host", "two-gpus-params-on-host"]
-)
+@pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
 def test_everyday_patterns_train_like_one_device_on_two_workers_on_gpus(
     tmp_path: Path, placement: str
 ) -> None:
-    """The same on a fake GPU per worker (``_mw_worker.on_gpus``), or a real one, with the
-    variables on it or in host memory, and on two GPUs a worker with the variables in host
-    memory (their buckets copied to the host and sent during backward; the batch's 6 rows
-    in slices of 2, 2, 1 and 1)."""
+    """The same on fake GPUs (``_mw_worker.on_gpus``), or real ones, on every placement:
+    one GPU a worker with the variables on it or in host memory, and two replicas a worker
+    (the batch's 6 rows then in slices of 2, 2, 1 and 1) on the GPU of the variables, on
+    two GPUs, and on two GPUs with the variables in host memory (their buckets copied to the
+    host and sent during backward)."""
     skip_without_gpus(placement)
     local = len(helper.GPU_PLACEMENTS[placement][0])
     results = launch(tmp_path, 2, "patterns", str(tmp_path), placement)
