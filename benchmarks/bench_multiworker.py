@@ -247,6 +247,27 @@ def _median_ratio(rounds_a: list[float], rounds_b: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(rounds_a, rounds_b, strict=True))
 
 
+def _cs_step(
+    strategy: MultiWorkerCentralStorageStrategy, model: nn.Module,
+    optimizer: torch.optim.Optimizer, inputs: Any, batch: int, gpu: bool = False,
+) -> Callable[[], None]:
+    """One training step of ``model`` in ``strategy`` on ``inputs`` (a global batch of
+    ``batch``); with ``gpu``, ending when the GPU has finished."""
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
+        cs.compute_average_loss(per_example, global_batch_size=batch).backward()  # type: ignore[no-untyped-call]
+
+    def step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=inputs)
+        optimizer.step()
+        if gpu:
+            torch.cuda.synchronize()
+
+    return step
+
+
 def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[str, float]:
     """This strategy and DDP in the same processes, alternating: ms per step of each."""
     build, batch, shape, make_optimizer = _DDP_MODELS[model_name]
@@ -261,16 +282,7 @@ def _worker_ddp(model_name: str, local: int, steps: int, rounds: int) -> dict[st
         model = build()
         optimizer = make_optimizer(model.parameters())
     inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-
-    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
-        cs.compute_average_loss(per_example, global_batch_size=batch).backward()  # type: ignore[no-untyped-call]
-
-    def cs_step() -> None:
-        optimizer.zero_grad()
-        strategy.run(replica_step, args=inputs)
-        optimizer.step()
-
+    cs_step = _cs_step(strategy, model, optimizer, inputs, batch)
     share = batch // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
@@ -441,31 +453,12 @@ def _worker_gpu(steps: int, rounds: int, fake: bool) -> dict[str, float]:
                     model = build()
                     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
                 inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
-                steps_of[way] = _gpu_step(strategy, model, optimizer, inputs)
+                steps_of[way] = _cs_step(strategy, model, optimizer, inputs, BATCH, gpu=True)
             means, _ = _in_turns(steps_of, steps, rounds)
             for way, values in means.items():
                 result[f"{name} {way}"] = statistics.median(values)
             result[f"{name} early / held"] = _median_ratio(means["early"], means["held"])
     return result
-
-
-def _gpu_step(
-    strategy: MultiWorkerCentralStorageStrategy, model: nn.Module,
-    optimizer: torch.optim.Optimizer, inputs: Any,
-) -> Callable[[], None]:
-    """One training step of ``model`` in ``strategy``, ending when the GPU has finished."""
-
-    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        per_example = nn.functional.cross_entropy(model(xs), ys, reduction="none")
-        cs.compute_average_loss(per_example, global_batch_size=BATCH).backward()  # type: ignore[no-untyped-call]
-
-    def step() -> None:
-        optimizer.zero_grad()
-        strategy.run(replica_step, args=inputs)
-        optimizer.step()
-        torch.cuda.synchronize()
-
-    return step
 
 
 def _worker(argv: list[str]) -> None:
