@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from itertools import repeat
 from operator import attrgetter, is_, is_not, itemgetter, methodcaller, setitem
-from typing import TYPE_CHECKING, Any, NamedTuple, final
+from typing import TYPE_CHECKING, Any, NamedTuple, cast, final
 
 import torch
 
@@ -167,7 +167,7 @@ class _Sources(NamedTuple):
     what must still hold at the sync point: each view still its replica's tensor, each
     gradient still that tensor's, unmoved."""
 
-    views: list[list[View | None]]  # (none is None once checked)
+    views: list[list[View]]
     tensors: list[list[torch.Tensor]]
     grads: list[list[torch.Tensor]]
     versions: list[list[int]]
@@ -286,7 +286,7 @@ class EarlyExchange:
                     self._missing[b] = -1
                     return
                 self._sources.append(sources)
-                self._launch(self._pack_early(sources))
+                self._launch(local_sum(sources.grads))  # in replica order, as the fold
                 self.early = b = b + 1
         except Exception as error:
             self.error = error
@@ -343,31 +343,21 @@ class EarlyExchange:
     def _copied_sources(self, b: int) -> _Copied | None:
         """Bucket ``b``'s gradients on every local replica as copies to host memory, if
         each may leave early: every view holds a copy from each of the plan's backward
-        passes, of the variable's dtype and shape, and nothing else."""
-        plan = self._plan
-        passes = plan.passes
-        keys, records = plan.bucket_keys[b], plan.bucket_records[b]
-        dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
+        passes, and nothing else."""
+        passes = self._plan.passes
+        replicas = self._bucket_views(b)
+        if replicas is None:
+            return None
         found = _Copied([], [], [])
-        for views in self._replicas:
-            mine = list(map(views.views.get, keys))
-            if (
-                not all(map(is_not, mine, repeat(None)))
-                or not all(map(is_, map(_record_of, mine), records))  # a key reused
-                or not all(map(is_, map(_alias_of, mine), repeat(None)))
-                or list(map(_epoch_of, mine)).count(views.epoch) != len(mine)
-            ):
-                return None
+        for mine, tensors in replicas:
             pendings = list(map(_pending_of, mine))
-            tensors = list(map(_tensor_of, mine))
             if (
-                list(map(len, pendings)).count(passes) != len(mine)
+                not all(map(is_, map(_alias_of, mine), repeat(None)))
+                or list(map(len, pendings)).count(passes) != len(mine)
                 or any(map(is_not, map(_grad_of, tensors), repeat(None)))
-                or list(map(_dtype_of, tensors)) != dtypes
-                or list(map(_shape_of, tensors)) != shapes
             ):
                 return None
-            found.views.append(mine)  # type: ignore[arg-type]  # (none is None)
+            found.views.append(mine)
             found.tensors.append(tensors)
             found.copies.append([list(map(itemgetter(k), pendings)) for k in range(passes)])
         return found
@@ -382,15 +372,9 @@ class EarlyExchange:
         try:
             for event in events:
                 event.synchronize()
-            first, *rest = [round_ for rounds in found.copies for round_ in rounds]
-            with no_grad():
-                firsts = list(map(_peek, first))
-                flat = pack(firsts)
-                if rest:
-                    views = unflatten(flat, firsts)
-                    for copies in rest:
-                        torch._foreach_add_(views, list(map(_peek, copies)))
-            self._launch(flat)
+            self._launch(local_sum([
+                list(map(_peek, round_)) for rounds in found.copies for round_ in rounds
+            ]))
         except Exception as error:
             self.error = error
 
@@ -403,26 +387,15 @@ class EarlyExchange:
 
     def _ready_sources(self, b: int) -> _Sources | None:
         """Bucket ``b``'s gradients on every local replica, if each may leave early."""
-        plan = self._plan
-        keys, records = plan.bucket_keys[b], plan.bucket_records[b]
-        dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
+        replicas = self._bucket_views(b)
+        if replicas is None:
+            return None
         found = _Sources([], [], [], [])
-        for views in self._replicas:
-            mine = list(map(views.views.get, keys))
-            if (
-                not all(map(is_not, mine, repeat(None)))
-                or not all(map(is_, map(_record_of, mine), records))  # a key reused
-                or any(map(_private_of, mine)) or any(map(_pending_of, mine))
-                or list(map(_epoch_of, mine)).count(views.epoch) != len(mine)
-            ):
+        for mine, tensors in replicas:
+            if any(map(_private_of, mine)) or any(map(_pending_of, mine)):
                 return None
-            tensors = list(map(_tensor_of, mine))
             grads = list(map(_grad_of, tensors))
-            if (
-                not all(map(is_not, grads, repeat(None))) or any(map(_is_sparse, grads))
-                or list(map(_dtype_of, tensors)) != dtypes
-                or list(map(_shape_of, tensors)) != shapes  # set through .data since the plan
-            ):
+            if not all(map(is_not, grads, repeat(None))) or any(map(_is_sparse, grads)):
                 return None
             found.views.append(mine)
             found.tensors.append(tensors)
@@ -430,16 +403,27 @@ class EarlyExchange:
             found.versions.append(list(map(_version_of, grads)))
         return found
 
-    def _pack_early(self, sources: _Sources) -> torch.Tensor:
-        """The bucket's local sum over the replicas, in replica order, as the fold adds."""
-        with no_grad():
-            firsts = sources.grads[0]
-            flat = pack(firsts)
-            if len(sources.grads) > 1:
-                views = unflatten(flat, firsts)
-                for grads in sources.grads[1:]:
-                    torch._foreach_add_(views, grads)
-        return flat
+    def _bucket_views(self, b: int) -> list[tuple[list[View], list[torch.Tensor]]] | None:
+        """Per local replica, its views of bucket ``b``'s variables and their tensors, if
+        every one is there, of this epoch, of the plan's record (a key may be reused), dtype
+        and shape (a tensor may be set through ``.data`` since the plan); else None."""
+        plan = self._plan
+        keys, records = plan.bucket_keys[b], plan.bucket_records[b]
+        dtypes, shapes = plan.bucket_dtypes[b], plan.bucket_shapes[b]
+        found: list[tuple[list[View], list[torch.Tensor]]] = []
+        for views in self._replicas:
+            mine = cast("list[View]", list(map(views.views.get, keys)))  # (None is checked)
+            if (
+                not all(map(is_not, mine, repeat(None)))
+                or not all(map(is_, map(_record_of, mine), records))
+                or list(map(_epoch_of, mine)).count(views.epoch) != len(mine)
+            ):
+                return None
+            tensors = list(map(_tensor_of, mine))
+            if list(map(_dtype_of, tensors)) != dtypes or list(map(_shape_of, tensors)) != shapes:
+                return None
+            found.append((mine, tensors))
+        return found
 
     def _launch(self, flat: torch.Tensor) -> None:
         flat = flat.to(self._device)
@@ -542,6 +526,19 @@ class EarlyExchange:
                 if has_grad[j]:
                     out[j] = piece
         return out
+
+
+def local_sum(rounds: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+    """A bucket's gradients, one list per round (each local replica's, or each of its
+    passes), added up into a new flat buffer round after round: the fold's order, so the
+    same bits."""
+    with no_grad():
+        flat = pack(rounds[0])
+        if len(rounds) > 1:
+            views = unflatten(flat, rounds[0])
+            for grads in rounds[1:]:
+                torch._foreach_add_(views, grads)
+    return flat
 
 
 def flat_gradient(
