@@ -242,6 +242,44 @@ def test_one_gpu_replica_trains_like_one_device(
     _assert_same_state(model, reference)
 
 
+@pytest.mark.parametrize("compute_devices", COMPUTE_DEVICES)
+def test_gradients_lent_from_pinned_buckets_accumulate_like_one_device(
+    compute_devices: tuple[str, ...],
+) -> None:
+    """Variables on the CPU: ``.grad`` is the pinned buckets the GPUs' gradients were copied
+    into, not a copy of them. Two runs a step add into it, and a ``.grad`` kept past
+    ``zero_grad()`` keeps its values while the later steps' copies fill other buffers; the
+    weights come out as on the CPU."""
+    batches = _batches(6)
+    reference, state = _reference(_mlp)
+    reference_optimizer = _sgd(reference.parameters())
+    for first, second in zip(batches[::2], batches[1::2], strict=True):
+        reference_optimizer.zero_grad()
+        for x, y in (first, second):
+            F.cross_entropy(reference(x), y).backward()
+        reference_optimizer.step()
+    strategy = cs.CentralStorageStrategy(list(compute_devices), parameter_device="cpu")
+    model, optimizer = _central_model(strategy, _mlp, state)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        _replica_loss(model, x, y).backward()
+
+    kept = None
+    for first, second in zip(batches[::2], batches[1::2], strict=True):
+        optimizer.zero_grad()
+        for x, y in (first, second):
+            strategy.run(step, args=_per_replica(strategy, x, y))
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.is_pinned() for g in grads)
+        if kept is None:
+            kept = grads[0]
+            assert kept is not None
+            value = kept.clone()
+        optimizer.step()
+    assert kept is not None and torch.equal(kept, value)
+    _assert_same_state(model, reference)
+
+
 @two_gpus
 @pytest.mark.parametrize("build", [_mlp, _conv], ids=["mlp", "cnn"])
 @pytest.mark.parametrize("parameter_device", ["cpu", "cuda:0"])

@@ -242,8 +242,71 @@ def test_gradients_accumulated_across_runs_and_steps_do_not_alias_the_buckets(
         assert torch.equal(grad, value)  # type: ignore[arg-type]
 
 
+def _buffer_of(tensor: torch.Tensor | None) -> int:
+    assert tensor is not None
+    return tensor.untyped_storage().data_ptr()
+
+
+def _buffers(steps: _Steps, replica: int = 0) -> list[int]:
+    """The buffers the replica's buckets have pinned, by address."""
+    slots = steps.strategy._store.replicas[replica].gradient_buckets.slots
+    buckets = {id(b): b for slot in slots.values() for b, _ in slot.pieces}
+    return [_buffer_of(host) for b in buckets.values() for host, _, _ in b._buffers]
+
+
+@pytest.mark.parametrize("devices", [("cuda:0",), GPUS], ids=["one-gpu", "two-gpus"])
 @uses_gpus
-def test_one_replicas_gradient_alone_is_copied_out_of_its_bucket() -> None:
+def test_the_sync_point_lends_the_buckets_to_grad_and_the_next_fill_reuses_them(
+    devices: tuple[str, ...],
+) -> None:
+    """With ``zero_grad()`` after each step, ``.grad`` is the first replica's bucket buffer
+    itself (the others' gradients added into it): no copy, and every step fills the same
+    buffer, bit for bit as the CPU twin."""
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cpu")
+    twin = strategy_of(len(devices), direct=False)
+    gpu, cpu = _Steps(strategy, lambda: _stack(3)), _Steps(twin, lambda: _stack(3))
+    seen = []
+    for step in range(4):
+        for steps in (gpu, cpu):
+            steps.step(seed=step, zero=False)
+        _assert_same(gpu, cpu)
+        seen.append({_buffer_of(p.grad) for p in gpu.model.parameters()})
+        for steps in (gpu, cpu):
+            steps.optimizer.zero_grad()
+    assert seen == [set(_buffers(gpu))] * 4  # (one bucket: one buffer, at every step)
+    assert all(len(_buffers(gpu, r)) == 1 for r in range(len(devices)))
+
+
+@pytest.mark.parametrize("kept", ["grad", "a view of it"])
+@uses_gpus
+def test_a_gradient_kept_after_zero_grad_keeps_its_buffer_from_the_next_fill(
+    kept: str,
+) -> None:
+    """A reference to ``.grad`` (or to a view of it) kept past ``zero_grad()`` keeps its
+    values: the next step fills a second buffer; once the reference is gone, the buffers
+    are reused and no third is pinned."""
+    gpu = _Steps(cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu"), lambda: _stack(2))
+    gpu.step(seed=0, zero=False)
+    grad = gpu.model[1].weight.grad
+    assert grad is not None
+    held = grad if kept == "grad" else grad[1:]
+    value = held.clone()
+    del grad
+    gpu.optimizer.zero_grad()
+    for seed in (1, 2):
+        gpu.step(seed=seed)
+    assert torch.equal(held, value) and len(_buffers(gpu)) == 2
+    del held
+    for seed in (3, 4, 5):
+        gpu.step(seed=seed)
+    assert len(_buffers(gpu)) == 2
+
+
+@uses_gpus
+def test_one_replicas_gradients_accumulated_across_steps_stay_in_their_buffer() -> None:
+    """``.grad`` kept across steps (no ``zero_grad``): the first step's lent buffer takes
+    the later steps' gradients in place, which fill a second buffer, bit for bit as the CPU
+    twin."""
     strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")
     twin = cs.CentralStorageStrategy(["cpu:0"])
     gpu, cpu = _Steps(strategy, lambda: _stack(2)), _Steps(twin, lambda: _stack(2))
@@ -253,8 +316,9 @@ def test_one_replicas_gradient_alone_is_copied_out_of_its_bucket() -> None:
             steps.step(seed=step, zero=False)
         grads.append(gpu.model[1].bias.grad)
         _assert_same(gpu, cpu)
-    assert len({id(g) for g in grads}) == 1  # accumulated into in place, a plain tensor
-    assert grads[0] is not None and not grads[0].is_pinned()
+    assert len({id(g) for g in grads}) == 1  # accumulated into in place
+    assert grads[0] is not None and grads[0].is_pinned()
+    assert len(_buffers(gpu)) == 2 and _buffer_of(grads[0]) == _buffers(gpu)[0]
 
 
 class _Branches(nn.Module):
@@ -274,9 +338,9 @@ class _Branches(nn.Module):
 def test_one_replicas_gradients_summed_and_alone_leave_no_bucket_in_grad() -> None:
     """A second backward through part of the model: the trunk's and the first head's
     gradients are sums of two copies, the second head's is its bucket's view alone, which
-    is copied out of the bucket as when every gradient is (else the next step's copy would
-    overwrite the ``.grad`` kept across steps). The sums' order differs from the CPU
-    twin's (as in the test above): equal to rounding."""
+    ``.grad`` keeps across steps in its bucket's first buffer while the later steps fill
+    another. The sums' order differs from the CPU twin's (as in the test above): equal to
+    rounding."""
     strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu")
     twin = cs.CentralStorageStrategy(["cpu:0"])
     gpu, cpu = _Steps(strategy, _Branches), _Steps(twin, _Branches)
@@ -291,7 +355,8 @@ def test_one_replicas_gradients_summed_and_alone_leave_no_bucket_in_grad() -> No
         torch.testing.assert_close(gpu.state(), cpu.state())
         torch.testing.assert_close(gpu.grads(), cpu.grads())
     alone = gpu.model.heads[1].weight.grad
-    assert alone is not None and not alone.is_pinned()
+    assert alone is not None and alone.is_pinned()
+    assert _buffer_of(alone) in _buffers(gpu)
 
 
 def _heads_loss(heads: tuple[int, ...], passes: int = 1) -> Callable[..., torch.Tensor]:

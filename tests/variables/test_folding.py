@@ -273,30 +273,6 @@ def test_add_in_order_adds_sparse_and_dense_in_either_order() -> None:
         torch.testing.assert_close(sums[0].to_dense(), held.to_dense() + grad.to_dense())
 
 
-@pytest.mark.parametrize("lent", ["all", "some", "none", "gradients only"])
-def test_add_in_order_never_writes_a_borrowed_sum(lent: str) -> None:
-    """A sum that is a view of a gradient bucket (``borrowed``), which the next step
-    overwrites, is replaced by a new tensor of the same values; the others add in place
-    (``gradients only``: the borrowed tensors are the gradients added, a GPU replica's)."""
-    bucket = torch.arange(6.0)
-    views = [bucket[:3], bucket[3:]]
-    sums: list[torch.Tensor | None] = list(views)
-    grads: list[torch.Tensor | None] = [torch.ones(3), torch.full((3,), 2.0)]
-    borrowed = {
-        "all": {id(views[0]), id(views[1])}, "some": {id(views[1])}, "none": set(),
-        "gradients only": {id(grads[0]), id(grads[1])},
-    }[lent]
-    replaced = add_in_order(sums, grads, borrowed)
-    assert replaced == (lent in ("all", "some"))  # a borrowed sum became a new tensor
-    assert torch.equal(sums[0], torch.tensor([1.0, 2.0, 3.0]))
-    assert torch.equal(sums[1], torch.tensor([5.0, 6.0, 7.0]))
-    for view, total in zip(views, sums, strict=True):
-        assert (total is view) == (id(view) not in borrowed)
-    written = torch.tensor([1.0, 2.0, 3.0, 5.0, 6.0, 7.0])
-    expected = {"all": torch.arange(6.0), "some": torch.tensor([1.0, 2.0, 3.0, 3.0, 4.0, 5.0])}
-    assert torch.equal(bucket, expected.get(lent, written))
-
-
 def _views(*specs: tuple[torch.Tensor, torch.Tensor | None]) -> list[View]:
     """A View per (central, gradient on the view), sharing the central's storage."""
     views = []
@@ -359,17 +335,28 @@ def test_fold_in_rounds_adds_each_variables_gradients_in_their_order(layout: str
 
 
 @pytest.mark.parametrize("layout", ["blocks", "mixed"])
-def test_fold_in_rounds_never_leaves_a_bucket_view_in_grad(layout: str) -> None:
-    """A variable whose only gradient is a view of a gradient bucket (``borrowed``), which
-    the next step overwrites, gets a copy of it."""
-    bucket = torch.arange(4.0)
-    lent, own = bucket[:2], torch.ones(2)
+def test_fold_in_rounds_lends_bucket_views_to_grad(layout: str) -> None:
+    """Gradients that are views of a bucket's buffer (``borrowed``) are not copied: a
+    variable's only one becomes its ``.grad`` as a tensor of its own on the same memory, so
+    that the bucket sees the buffer in use (``buckets.lend``); a first one that others are
+    added to takes their sum in place."""
+    bucket = torch.arange(6.0)
+    alone, first, other = bucket[:2], bucket[2:4], torch.ones(2)
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
-    centrals = [a] if layout == "blocks" else [a, b, b]
-    gradients = [(lent,), (own,), (own,)][:len(centrals)]
-    _fold_in_rounds(centrals, list(gradients), {id(lent)})
-    assert a.grad is not None and torch.equal(a.grad, lent)
-    assert a.grad.data_ptr() != bucket.data_ptr()
+    centrals = [a, b, a, b] if layout == "blocks" else [a, b, b]
+    gradients = (
+        [(alone,), (first,), (torch.zeros(2),), (other,)] if layout == "blocks"
+        else [(alone,), (first,), (other,)]
+    )
+    uses = torch._C._storage_Use_Count(bucket.untyped_storage()._cdata)
+    assert _fold_in_rounds(centrals, list(gradients), {id(alone), id(first)}) == [a, b]
+    assert a.grad is not None and b.grad is not None
+    assert a.grad is not alone and a.grad.data_ptr() == alone.data_ptr()
+    assert b.grad is not first and b.grad.data_ptr() == first.data_ptr()
+    assert torch.equal(a.grad, torch.tensor([0.0, 1.0]))
+    assert torch.equal(b.grad, torch.tensor([3.0, 4.0]))  # (2, 3) + (1, 1), in the buffer
+    assert torch.equal(bucket, torch.tensor([0.0, 1.0, 3.0, 4.0, 4.0, 5.0]))
+    assert torch._C._storage_Use_Count(bucket.untyped_storage()._cdata) == uses + 2
 
 
 def _written(

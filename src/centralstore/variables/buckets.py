@@ -3,10 +3,18 @@
 A replica's gradients land in flat pinned buffers, buckets of ``BUCKET_BYTES`` per dtype, laid
 out in the order the gradients arrived at the step before: backward's order, so a bucket fills
 early and all at once (DDP rebuilds its buckets from its first iteration's order the same way).
-The buffers are allocated once and reused at every step; the layout is built again from a
-step's arrivals when that step brought a gradient it had no slot for, or left a slot empty
-(the variables, their shapes or the ones that are used changed). A gradient that crosses
-a bucket's end lands in two pieces.
+The layout is built again from a step's arrivals when that step brought a gradient it had no
+slot for, or left a slot empty (the variables, their shapes or the ones that are used
+changed). A gradient that crosses a bucket's end lands in two pieces.
+
+The sync point copies nothing out of the buffers: ``.grad`` gets the gradients where they lie
+(``lend``), and with several replicas the first replica's buffers take the others' sums in
+place. A bucket fills the same buffer at every step while nothing outside it uses that
+memory any more (``zero_grad()``, which sets ``.grad`` to None, lets it go before the next
+backward), and another buffer while something does (``.grad`` kept to accumulate into, a
+reference to it kept), as DDP's ``gradient_as_bucket_view`` lets ``.grad`` be views of its
+buckets. A gradient the sync point copied cost the host its bytes read, written and, in memory
+the allocator had just handed back to the system, paged in again.
 
 The CUDA calls per bucket and step are a constant few, whatever the number of gradients in
 it: when its last gradient has arrived, the side stream waits for the streams that produced
@@ -20,7 +28,9 @@ Pinned memory per replica, for gradients of ``G`` bytes of one dtype: ``ceil(G /
 (``B = BUCKET_BYTES``), each ``B`` bytes but the last, which torch's caching host allocator
 rounds up to a power of two. That is at most ``G`` rounded up to whole buckets, and under
 ``2 G``; ``B`` being a power of two, the full buckets take no rounding. It is allocated at
-the first sync point and stays while the layout does.
+the first sync point and stays while the layout does, with a second buffer for a bucket whose
+gradients ``.grad`` keeps across steps (where a copy of them used to take those bytes in
+pageable memory).
 
 A gradient the layout has no slot for (at the first step, or for a variable new to it) waits
 on its GPU until the sync point, which lays the buckets out again from the step's arrivals and
@@ -37,8 +47,8 @@ import enum
 import functools
 from collections import Counter
 from collections.abc import Callable
-from itertools import repeat, starmap
-from operator import attrgetter, is_not, itemgetter, methodcaller
+from itertools import starmap
+from operator import attrgetter, getitem, methodcaller
 from typing import Any, NamedTuple, cast, final
 
 import torch
@@ -66,14 +76,24 @@ class BucketState(enum.Enum):
 
 @final
 class Bucket:
-    """One pinned buffer of gradients of one dtype, and the fill in progress."""
+    """A bucket of gradients of one dtype: its pinned buffers, and the fill in progress.
 
-    __slots__ = ("_event", "_held", "_side", "_streams", "arrived", "host", "pieces", "state",
-                 "unread")
+    The sync point hands the gradients in the buffer to ``.grad`` as they lie (``lend``):
+    while some tensor still uses the buffer's memory (a ``.grad`` not yet set to None, a
+    view of one kept), the next fill goes to another buffer, taken from the ones no longer
+    used or pinned anew. A loop that calls ``zero_grad()`` before its next backward fills
+    one buffer at every step; every reference kept to a ``.grad`` across steps keeps a
+    buffer pinned (a list of each step's gradients: one buffer per step kept)."""
 
-    def __init__(self, dtype: torch.dtype, numel: int, pieces: list[Piece]) -> None:
-        self.host = torch.empty(numel, dtype=dtype, pin_memory=True)
+    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_streams", "_uses",
+                 "arrived", "host", "pieces", "state", "unread", "views")
+
+    def __init__(
+        self, dtype: torch.dtype, numel: int, pieces: list[Piece],
+        shapes: list[torch.Size | None],
+    ) -> None:
         self.pieces = pieces
+        self._shapes = shapes  # by piece: its gradient's shape where the piece is all of it
         self.state = BucketState.EMPTY
         self.arrived = 0
         self.unread = 0  # pieces copied in and not yet taken by a sync point
@@ -82,6 +102,39 @@ class Bucket:
         self._streams: dict[int, Any] = {}
         self._side: Any = None
         self._event: Any = None
+        # every buffer pinned for it: (buffer, its views by piece, its storage's use count
+        # when nothing else uses it); the one in use is ``host``, ``views``
+        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor | None], int]] = []
+        self._uses = 0
+        self.host, self.views = self._pin(torch.empty(numel, dtype=dtype, pin_memory=True))
+
+    def _pin(self, host: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """``host`` becomes one of the bucket's buffers, the one in use."""
+        views = [
+            None if shape is None else host[p.offset:p.offset + p.stop - p.start].view(shape)
+            for p, shape in zip(self.pieces, self._shapes, strict=True)
+        ]
+        self._uses = _use_count(host)
+        self._buffers.append((host, views, self._uses))
+        return host, views
+
+    def _unlent(self) -> None:
+        """At the start of a fill: if something outside the bucket still uses the buffer in
+        use, fill one that nothing does, or a new one."""
+        if _use_count(self.host) == self._uses:
+            return
+        for host, views, uses in self._buffers:
+            if _use_count(host) == uses:
+                self.host, self.views, self._uses = host, views, uses
+                return
+        self.host, self.views = self._pin(
+            torch.empty(self.host.numel(), dtype=self.host.dtype, pin_memory=True)
+        )
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The bytes of every buffer pinned for the bucket."""
+        return sum(host.untyped_storage().nbytes() for host, _, _ in self._buffers)
 
     def accepts(self, piece: Piece) -> bool:
         """Whether ``piece`` may land now: the bucket's fill is open and has not had the
@@ -100,6 +153,7 @@ class Bucket:
             if not self.accepts(piece):
                 return False
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
+            self._unlent()
         self._held[piece.position] = run
         if stream.cuda_stream not in self._streams:
             self._streams[stream.cuda_stream] = stream
@@ -160,20 +214,28 @@ class Bucket:
 
 
 class Slot(NamedTuple):
-    """Where one variable's gradient lands: its pieces, and its view of the bucket when it
-    lies in one piece."""
+    """Where one variable's gradient lands: its pieces (one, unless it crosses a bucket's
+    end; none for an empty gradient)."""
 
     shape: torch.Size
     dtype: torch.dtype
     pieces: tuple[tuple[Bucket, Piece], ...]
-    host: torch.Tensor | None
+
+    @property
+    def host(self) -> torch.Tensor | None:
+        """Its view of the buffer its bucket fills now, when it lies in one piece."""
+        if len(self.pieces) != 1:
+            return None
+        bucket, piece = self.pieces[0]
+        return bucket.views[piece.position]
 
 
 class GradientCopy(abc.ABC):
     """A gradient on its way to host memory, as a view holds it until the sync point."""
 
-    # Whether the tensor ``take`` returns is a view of a bucket, reused at the next step:
-    # what the sync point keeps must then be a copy.
+    # Whether the tensor ``take`` returns is a view of a bucket's buffer: what the sync
+    # point keeps must then be a tensor of its own on that memory (``lend``), which the
+    # bucket sees using it, so that no later fill overwrites it.
     borrowed: bool
 
     @abc.abstractmethod
@@ -204,7 +266,7 @@ class InBucket(GradientCopy):
     def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
         self._owner = owner
         self.slot = slot
-        self.borrowed = slot.host is not None
+        self.borrowed = len(slot.pieces) == 1
         self.shape, self.dtype = slot.shape, slot.dtype  # read at each arrival
         if self.borrowed:
             self.bucket, self.piece = slot.pieces[0]
@@ -228,9 +290,9 @@ class InBucket(GradientCopy):
         return events
 
     def peek(self) -> torch.Tensor:
+        if self.borrowed:
+            return self.bucket.views[self.piece.position]  # type: ignore[return-value]
         slot = self.slot
-        if slot.host is not None:
-            return slot.host
         return torch.cat([  # in pieces, across buckets (or none, for an empty gradient)
             bucket.host[piece.offset:piece.offset + piece.stop - piece.start]
             for bucket, piece in slot.pieces
@@ -302,26 +364,37 @@ class Deferred(GradientCopy):
 def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
     """Each copy's ``take()``, in order. When all are copies into one-piece slots (a steady
     step's), each bucket is waited for once and the gradients read in passes in C."""
-    if set(map(type, copies)) != {InBucket}:
-        return list(map(_take, copies))
-    slots = list(map(_slot_of, copies))
-    hosts = list(map(_host_of, slots))
-    if not all(map(is_not, hosts, repeat(None))):  # a gradient across two buckets
-        return list(map(_take, copies))
-    for bucket, taken in Counter(map(_first, map(_first, map(_pieces_of, slots)))).items():
+    if set(map(type, copies)) != {InBucket} or not all(map(_borrowed_of, copies)):
+        return list(map(_take, copies))  # (not borrowed: a gradient across two buckets)
+    buckets = list(map(_bucket_of, copies))
+    for bucket, taken in Counter(buckets).items():
         bucket.wait()
         bucket.unread -= taken
     for owner in set(map(_owner_of, copies)):
         owner.synced = True
-    return hosts
+    return list(map(getitem, map(_views_of, buckets), map(_position_of, map(_piece_of, copies))))
+
+
+def lend(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors of their own on the memory of ``grads``, views of gradient buckets' buffers,
+    for ``.grad`` to keep: while one lives, its bucket fills another buffer (``Bucket``), so
+    the sync point copies nothing. (One pass in C.)"""
+    return list(map(torch.Tensor.detach, grads))
+
+
+def _use_count(tensor: torch.Tensor) -> int:
+    """How many tensors (and storage objects) use the memory of ``tensor``: torch's count of
+    references to its storage, which its views share."""
+    return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
 
 
 _take = methodcaller("take")
-_slot_of = attrgetter("slot")
-_host_of = attrgetter("host")
-_pieces_of = attrgetter("pieces")
+_borrowed_of = attrgetter("borrowed")
+_bucket_of = attrgetter("bucket")
+_views_of = attrgetter("views")
+_piece_of = attrgetter("piece")
+_position_of = attrgetter("position")
 _owner_of = attrgetter("_owner")
-_first = itemgetter(0)
 
 
 class _Arrival(NamedTuple):
@@ -405,9 +478,10 @@ class GradientBuckets:
 
     @property
     def pinned_bytes(self) -> int:
-        """The bytes of the pinned buffers of the present layout."""
+        """The bytes of the pinned buffers of the present layout (a bucket's buffers still
+        lent to ``.grad`` included)."""
         buckets = {id(b): b for slot in self.slots.values() for b, _ in slot.pieces}
-        return sum(b.host.untyped_storage().nbytes() for b in buckets.values())
+        return sum(b.pinned_bytes for b in buckets.values())
 
     def _next_step(self) -> None:
         """The first gradient after a sync point: lay out again if the step before did not
@@ -448,16 +522,17 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
                 start += take
                 offset += take
             placed.append(mine)
+        # by bucket and piece, the gradient's shape where the piece is all of it
+        shapes: list[list[torch.Size | None]] = [[None] * len(p) for p in pieces]
+        for arrival, mine in zip(group, placed, strict=True):
+            if len(mine) == 1:
+                b, piece = mine[0]
+                shapes[b][piece.position] = arrival.shape
         buckets = [
-            Bucket(dtype, min(capacity, total - b * capacity), bucket_pieces)
+            Bucket(dtype, min(capacity, total - b * capacity), bucket_pieces, shapes[b])
             for b, bucket_pieces in enumerate(pieces)
         ]
         for arrival, mine in zip(group, placed, strict=True):
             where = tuple((buckets[b], piece) for b, piece in mine)
-            host = None
-            if len(where) == 1:
-                bucket, piece = where[0]
-                stop = piece.offset + piece.stop - piece.start
-                host = bucket.host[piece.offset:stop].view(arrival.shape)
-            slots[arrival.key] = Slot(arrival.shape, dtype, where, host)
+            slots[arrival.key] = Slot(arrival.shape, dtype, where)
     return slots

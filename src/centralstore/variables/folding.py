@@ -29,7 +29,7 @@ from .._aggregation import (
     written_value,
 )
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
-from .buckets import GradientBuckets, take_all
+from .buckets import GradientBuckets, lend, take_all
 from .records import Central
 from .views import EXACT_CLASSES, View
 
@@ -63,7 +63,7 @@ def _side_stream(device: torch.device) -> Any:
 
 def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Tensor]:
     """The view's gradients, in order, taken off it. The ids of those that are views of a
-    gradient bucket, which the next step overwrites, go to ``borrowed``."""
+    gradient bucket's buffer, which the sync point lends to ``.grad``, go to ``borrowed``."""
     grads = []
     for copy in view.pending:
         grad = copy.take()
@@ -100,34 +100,19 @@ def plus(held: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return held + grad
 
 
-def add_in_order(
-    sums: list[torch.Tensor | None], grads: list[torch.Tensor | None],
-    borrowed: frozenset[int] | set[int] = frozenset(),
-) -> bool:
+def add_in_order(sums: list[torch.Tensor | None], grads: list[torch.Tensor | None]) -> bool:
     """Add ``grads`` to ``sums`` element by element, in place where a sum exists and is dense
-    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. A sum whose
-    id is in ``borrowed`` (a view of a gradient bucket) is not written: it is replaced by a
-    new one (one ``_foreach_add``), whose values are the same as the in-place sum's. False
-    when every sum was added to in place (``sums`` holds the same tensors as before, so a
-    caller that took them from ``.grad`` need not set it again), True otherwise."""
+    (one ``_foreach_add_``); the first gradient of an empty sum becomes the sum. False when
+    every sum was added to in place (``sums`` holds the same tensors as before, so a caller
+    that took them from ``.grad`` need not set it again), True otherwise."""
     if not some(sums):  # nothing held: the gradients are the sums
         sums[:] = grads
         return True
-    if not borrowed and all_dense(sums, grads):  # the usual case, checked in C
+    if all_dense(sums, grads):  # the usual case, checked in C
         with no_grad():
             torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
         return False
-    if borrowed and all_dense(sums, grads):  # GPU replicas' gradients: checked in C too
-        lent = list(map(borrowed.__contains__, map(id, sums)))
-        if not any(lent):
-            with no_grad():
-                torch._foreach_add_(sums, grads)  # type: ignore[arg-type]
-            return False
-        if all(lent):  # every sum a view of a gradient bucket: none is written
-            with no_grad():
-                sums[:] = torch._foreach_add(sums, grads)  # type: ignore[arg-type]
-            return True
-    targets, sources, fresh = [], [], []
+    targets, sources = [], []
     replaced = False
     for i in compress(count(), map(is_not, grads, repeat(None))):  # skipping Nones in C
         grad: torch.Tensor = grads[i]  # type: ignore[assignment]
@@ -138,21 +123,13 @@ def add_in_order(
         elif held.is_sparse or grad.is_sparse:
             sums[i] = plus(held, grad)
             replaced = True
-        elif id(held) in borrowed:
-            fresh.append(i)
         else:
             targets.append(held)
             sources.append(grad)
-    if not (targets or fresh):
-        return replaced
-    with no_grad():
-        if targets:
+    if targets:
+        with no_grad():
             torch._foreach_add_(targets, sources)
-        if fresh:
-            totals = torch._foreach_add([sums[i] for i in fresh], [grads[i] for i in fresh])  # type: ignore[misc]
-            for i, total in zip(fresh, totals):
-                sums[i] = total
-    return replaced or bool(fresh)
+    return replaced
 
 
 def fold_gradients(views: list[View], distinct: bool = False) -> list[torch.Tensor]:
@@ -313,7 +290,7 @@ def _fold_in_rounds(
         received = centrals[:width]
         sums: list[torch.Tensor | None] = list(map(grad_of, received))
         for k in range(0, len(centrals), width):
-            add_in_order(sums, list(map(_first, gradients[k:k + width])), borrowed)
+            add_in_order(sums, list(map(_first, gradients[k:k + width])))
     else:
         received = []
         each: dict[int, list[torch.Tensor]] = {}  # id of a central variable -> its gradients
@@ -328,14 +305,14 @@ def _fold_in_rounds(
         lists = list(each.values())  # in the order of ``received``
         sums = list(map(grad_of, received))
         for grads_k in zip_longest(*lists):  # round k: each variable's k-th gradient, or None
-            add_in_order(sums, list(grads_k), borrowed)
-    if borrowed and not borrowed.isdisjoint(map(id, sums)):  # the only gradient it received
+            add_in_order(sums, list(grads_k))
+    if borrowed and not borrowed.isdisjoint(map(id, sums)):  # sums in a bucket's buffer
         lent = list(map(borrowed.__contains__, map(id, sums)))
-        if all(lent):  # every variable's (one GPU replica's step): cloned in a pass in C
-            sums = list(map(torch.Tensor.clone, sums))  # type: ignore[arg-type]
+        if all(lent):  # every variable's (GPU replicas' usual step): in a pass in C
+            sums[:] = lend(sums)  # type: ignore[arg-type]
         else:
             sums = [
-                total.clone() if is_lent and total is not None else total
+                lend([total])[0] if is_lent and total is not None else total
                 for total, is_lent in zip(sums, lent, strict=True)
             ]
     set_grads(received, sums)
