@@ -79,11 +79,20 @@ whole's; a function the step never calls is not printed). ``--worker-model bn`` 
 bench_multiworker.py's batch-norm CNN instead of the transformer: its sixty buffers take
 the view path's writes.
 
+``--phases --fake-gpus`` times the host's part of the GPU path with the variables in host
+memory, on the fake GPUs (whose kernels run on the host, so only the host's work means
+anything): for an MLP of 7.5 MB of gradients and one of 42.7 MB (every tensor under a
+gradient bucket's 16 MiB), at R = 1 on ``cuda:0`` and R = 2 on ``cuda:0`` and ``cuda:1``,
+the sync point (from the last replica's backward to ``run``'s return: the wait for the
+gradient buckets and the fold, which lends them to ``.grad``) and the optimizer's update on
+the host, medians of ``--phase-steps`` steps (default 20 here).
+
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
         [--functions]] [--phase-steps 200]
     python benchmarks/bench_overhead.py --phases --workers [--functions]
         [--worker-model transformer|bn]
+    python benchmarks/bench_overhead.py --phases --fake-gpus [--phase-steps 20]
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ import argparse
 import collections
 import gc
 import importlib
+import itertools
 import json
 import os
 import statistics
@@ -715,6 +725,61 @@ def fake_gpu_counts() -> None:
         print(f"  {n:>6}  {where}")
 
 
+# ``--phases --fake-gpus``: MLPs by hidden layers (gradients of 7.5 and 42.6 MB, every
+# tensor's under a bucket's 16 MiB)
+SYNC_MODELS = {"MLP 784-1024-1024-10": (1024,) * 2, "MLP 784-1536x5-10": (1536,) * 5}
+SYNC_BATCH = 16  # examples per replica
+
+
+def fake_gpu_sync_points(steps: int) -> None:
+    """``--phases --fake-gpus``: the host's time at the sync point of GPU replicas whose
+    variables are in host memory (module docstring)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+    import fakegpu
+
+    print(f"{'model':<22} {'placement':<40} {'gradients MB':>12} {'sync point':>11} "
+          f"{'opt step':>9}   (ms, medians of {steps} steps after 3)")
+    with fakegpu.devices(2):
+        for name, hidden in SYNC_MODELS.items():
+            for devices in (["cuda:0"], ["cuda:0", "cuda:1"]):
+                megabytes, sync, update = _sync_point(hidden, devices, steps)
+                placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on cpu"
+                print(f"{name:<22} {placement:<40} {megabytes:>12.1f} {sync * 1e3:>11.2f} "
+                      f"{update * 1e3:>9.2f}")
+
+
+def _sync_point(
+    hidden: tuple[int, ...], devices: list[str], steps: int
+) -> tuple[float, float, float]:
+    """An SGD step of the MLP of 784 inputs, ``hidden`` layers and 10 outputs on ``devices``
+    with its variables on the CPU: its gradients' megabytes, and the median seconds from
+    the last replica's backward to ``run``'s return (the sync point) and of
+    ``optimizer.step()``."""
+    strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
+    torch.manual_seed(0)
+    widths = (784, *hidden, 10)
+    with strategy.scope():
+        layers: list[nn.Module] = []
+        for inputs, outputs in itertools.pairwise(widths):
+            layers += [nn.Linear(inputs, outputs), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1])
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    xs = cs.PerReplica([torch.randn(SYNC_BATCH, 784).to(d) for d in devices])
+    marks: list[float] = []
+
+    def replica(x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        marks.append(time.perf_counter())
+
+    times = []
+    for i in range(steps + 3):
+        _, _, returned, end = _timed_step(strategy, optimizer, replica, (xs,), marks)
+        if i >= 3:
+            times.append((returned - marks[-1], end - returned))
+    sync, update = (statistics.median(column) for column in zip(*times))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6, sync, update
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit", "bn"],
@@ -725,7 +790,8 @@ def main() -> None:
                         help="count the GPU path on the test suite's fake GPUs")
     parser.add_argument("--phases", action="store_true",
                         help="time where the overhead falls instead of counting lines")
-    parser.add_argument("--phase-steps", type=int, default=200)
+    parser.add_argument("--phase-steps", type=int, default=None,
+                        help="steps timed with --phases (default 200; with --fake-gpus 20)")
     parser.add_argument("--views", action="store_true",
                         help="with --phases: the replicas see views, as on GPUs")
     parser.add_argument("--functions", action="store_true",
@@ -738,6 +804,8 @@ def main() -> None:
                         help="with --phases --workers: the model of the two workers")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.phase_steps is None:
+        options.phase_steps = 20 if options.fake_gpus else 200
     if (options.views or options.functions) and not options.phases:
         parser.error("--views and --functions go with --phases: add --phases")
     if options.worker_model != "transformer" and not (
@@ -758,7 +826,10 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     if options.fake_gpus:
-        fake_gpu_counts()
+        if options.phases:
+            fake_gpu_sync_points(options.phase_steps)
+        else:
+            fake_gpu_counts()
         return
     if options.rendezvous:
         rendezvous_counts()
