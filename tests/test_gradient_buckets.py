@@ -10,7 +10,6 @@ teardown (``fake_gpus``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,8 +103,8 @@ def _assert_same(gpu: _Steps, cpu: _Steps) -> None:
 
 @pytest.fixture
 def small_buckets(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    """Buckets of 1 KiB: a few hundred parameters' worth of gradients span several, and
-    gradients cross their ends."""
+    """Buckets of 1 KiB: a few hundred parameters' worth of gradients span several, which
+    close short of their end when the next gradient would cross it."""
     monkeypatch.setattr(buckets, "BUCKET_BYTES", 1024)
     yield 1024
 
@@ -138,12 +137,13 @@ def test_the_early_copy_costs_five_cuda_calls_per_bucket_and_step(
 def test_the_calls_follow_the_buckets_not_the_parameters(
     fake_gpus: fakegpu.FakeGPUs, small_buckets: int
 ) -> None:
-    """50 parameters (7200 bytes of gradients) in 1 KiB buckets: 8 buckets, 4 or 5 calls
-    each."""
+    """50 parameters (7200 bytes of gradients) in 1 KiB buckets: 9 buckets, since each
+    gradient lands whole (three layers of 288 bytes a bucket, the first with a bias more,
+    the last 256 bytes), 4 or 5 calls each."""
     steps = _on_gpus(lambda: _stack(25))
     steps.step(seed=0)
-    gradient_bytes = sum(p.numel() * p.element_size() for p in steps.model.parameters())
-    count = math.ceil(gradient_bytes / small_buckets)
+    count = len(_buckets_of(steps))
+    assert [b.host.numel() * 4 for b in _buckets_of(steps)] == [896] + [864] * 7 + [256]
     before = {d: _copy_calls(fake_gpus, d) for d in GPUS}
     steps.step(seed=1)
     for device in GPUS:  # 4 for a bucket in one piece (a gradient's part): nothing to join
@@ -161,22 +161,26 @@ def test_pinned_memory_is_the_gradients_rounded_up_to_buckets_and_stays(
     make: Callable[[], nn.Module], bucket_bytes: int,
 ) -> None:
     """Over 20 steps the pinned memory held for gradients is, per replica, the buckets'
-    sizes rounded up to powers of two by the host allocator: at most the gradients' bytes
-    rounded up to whole buckets, and under twice them; it is all allocated by the first
-    step."""
+    sizes rounded up to powers of two by the host allocator: under twice the gradients'
+    bytes, and no more than a bucket's bytes for a bucket of several gradients; it is all
+    allocated by the first step."""
     monkeypatch.setattr(buckets, "BUCKET_BYTES", bucket_bytes)
     steps = _on_gpus(make)
     before = fake_gpus.pinned.reserved  # the central variables, pinned in the scope
     gradient_bytes = sum(p.numel() * p.element_size() for p in steps.model.parameters())
-    full, rest = divmod(gradient_bytes, bucket_bytes)
-    per_replica = full * bucket_bytes + (rounded(rest) if rest else 0)  # buckets are 2^k
     held = []
     for step in range(20):
         steps.step(seed=step)
         held.append(fake_gpus.pinned.reserved - before)
+    laid_out = _buckets_of(steps)
+    sizes = [b.host.numel() * b.host.element_size() for b in laid_out]
+    per_replica = sum(map(rounded, sizes))
     assert held == [2 * per_replica] * 20
-    assert per_replica <= math.ceil(gradient_bytes / bucket_bytes) * bucket_bytes
     assert per_replica < 2 * gradient_bytes
+    assert all(
+        rounded(size) <= bucket_bytes
+        for size, b in zip(sizes, laid_out, strict=True) if len(b.pieces) > 1
+    )
     replicas = steps.strategy._store.replicas  # the buffers ask for the gradients' bytes
     assert [r.gradient_buckets.pinned_bytes for r in replicas] == [gradient_bytes] * 2
 
@@ -242,6 +246,12 @@ def test_gradients_accumulated_across_runs_and_steps_do_not_alias_the_buckets(
         assert torch.equal(grad, value)  # type: ignore[arg-type]
 
 
+def _buckets_of(steps: _Steps, replica: int = 0) -> list[buckets.Bucket]:
+    """The replica's buckets, in the order of the layout's slots."""
+    slots = steps.strategy._store.replicas[replica].gradient_buckets.slots
+    return list({id(b): b for slot in slots.values() for b, _ in slot.pieces}.values())
+
+
 def _buffer_of(tensor: torch.Tensor | None) -> int:
     assert tensor is not None
     return tensor.untyped_storage().data_ptr()
@@ -249,9 +259,7 @@ def _buffer_of(tensor: torch.Tensor | None) -> int:
 
 def _buffers(steps: _Steps, replica: int = 0) -> list[int]:
     """The buffers the replica's buckets have pinned, by address."""
-    slots = steps.strategy._store.replicas[replica].gradient_buckets.slots
-    buckets = {id(b): b for slot in slots.values() for b, _ in slot.pieces}
-    return [_buffer_of(host) for b in buckets.values() for host, _, _ in b._buffers]
+    return [_buffer_of(host) for b in _buckets_of(steps, replica) for host, _, _ in b._buffers]
 
 
 @pytest.mark.parametrize("devices", [("cuda:0",), GPUS], ids=["one-gpu", "two-gpus"])
@@ -447,28 +455,28 @@ def _arrival(key: int, *shape: int, dtype: torch.dtype = torch.float32) -> Any:
 
 
 @uses_gpus
-def test_the_layout_cuts_each_dtypes_gradients_into_buckets_in_arrival_order() -> None:
+def test_the_layout_puts_each_gradient_whole_into_buckets_in_arrival_order() -> None:
     arrivals = [
         _arrival(1, 3, 4), _arrival(2, 10), _arrival(3, 2, dtype=torch.float16),
-        _arrival(1, 3, 4), _arrival(4, 0), _arrival(5, 30),
+        _arrival(1, 3, 4), _arrival(4, 0), _arrival(5, 30), _arrival(6, 2), _arrival(7, 5),
     ]
     slots = buckets.lay_out(arrivals, bucket_bytes=64)  # 16 float32s, 32 float16s per bucket
-    where = {
-        key: [(slot.pieces.index((b, p)), b.host.numel(), tuple(p)) for b, p in slot.pieces]
-        for key, slot in slots.items()
+    assert list(slots) == [1, 2, 4, 5, 6, 7, 3]  # by dtype, first arrivals first
+    where = {key: [(b.host.numel(), tuple(p)) for b, p in slot.pieces]
+             for key, slot in slots.items()}
+    assert where == {
+        1: [(12, (0, 0, 12))],  # 12 + 10 would cross the bucket's end: closed at 12
+        2: [(12, (0, 0, 10))],  # a new bucket, which 6 fills up after 5's
+        4: [],  # no element: no piece
+        5: [(30, (0, 0, 30))],  # larger than a bucket: one of its own
+        6: [(12, (1, 10, 2))],
+        7: [(5, (0, 0, 5))],  # 12 + 5 > 16
+        3: [(2, (0, 0, 2))],
     }
-    assert list(slots) == [1, 2, 4, 5, 3]  # by dtype, first arrivals first
-    float32 = [b for b, _ in slots[1].pieces + slots[2].pieces + slots[5].pieces]
-    sizes = sorted({id(b): b.host.numel() for b in float32}.items(), key=lambda kv: -kv[1])
-    assert [n for _, n in sizes] == [16, 16, 16, 4]  # 52 elements: 3 full buckets and 4
-    assert [tuple(p) for _, p in slots[1].pieces] == [(0, 0, 12, 0)]
-    assert [tuple(p) for _, p in slots[2].pieces] == [(1, 0, 4, 12), (0, 4, 10, 0)]
-    assert [tuple(p) for _, p in slots[5].pieces] == [(1, 0, 10, 6), (0, 10, 26, 0),
-                                                      (0, 26, 30, 0)]
-    assert slots[4].pieces == () and slots[3].host is not None
+    assert slots[2].pieces[0][0] is slots[6].pieces[0][0]
+    assert slots[4].host is None
     assert slots[1].host is not None and slots[1].host.shape == (3, 4)
-    assert slots[2].host is None  # across two buckets: assembled when taken
-    assert where[3] == [(0, 2, (0, 0, 2, 0))]
+    float32 = [b for key in (1, 2, 5, 7) for b, _ in slots[key].pieces]
     assert all(b.host.is_pinned() for b in float32)
 
 

@@ -552,9 +552,10 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     leaves during backward once its gradients' copies to the host are queued (a helper
     thread waits for them, sums them and starts it), with the sums of the exchange after the
     fold, bit for bit. With pinned buckets of 64 bytes (``pinned``), whose copies start as
-    each fills, the last layers' bucket has left before the first layer's weight gets its
-    gradient; with the usual 16 MiB, the one pinned bucket's copy, and so every bucket,
-    starts with the last gradient. A run that fails on worker 1 after its backward leaves
+    each fills, the last layer's bucket and the first layer's bias's have left before the
+    first layer's weight gets its gradient (each gradient lands whole in a pinned bucket,
+    so the bias shares none with the weight); with the usual 16 MiB, the one pinned bucket's
+    copy, and so every bucket, starts with the last gradient. A run that fails on worker 1 after its backward leaves
     ``.grad`` as it was on both, whatever left. A run of two passes sends its buckets during
     the first, finds them stale and exchanges again; the plan then waits for two passes, and
     the next such run sends them during its second (whose copies, each in a pinned block of
@@ -564,7 +565,7 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
     )
-    p = 0 if pinned is None else 1
+    p = 0 if pinned is None else 2
     local = len(helper.GPU_PLACEMENTS[placement][0])
     # The runs: planned, early, failing on worker 1, two passes (stale), two passes, one
     # pass (waiting for two). Per replica that ran, the buckets that had left at the end of

@@ -1,11 +1,12 @@
 """Pinned host buckets for the gradients that a CUDA replica copies to the CPU during backward.
 
-A replica's gradients land in flat pinned buffers, buckets of ``BUCKET_BYTES`` per dtype, laid
-out in the order the gradients arrived at the step before: backward's order, so a bucket fills
-early and all at once (DDP rebuilds its buckets from its first iteration's order the same way).
-The layout is built again from a step's arrivals when that step brought a gradient it had no
-slot for, or left a slot empty (the variables, their shapes or the ones that are used
-changed). A gradient that crosses a bucket's end lands in two pieces.
+A replica's gradients land in flat pinned buffers, buckets of at most ``BUCKET_BYTES`` per
+dtype, laid out in the order the gradients arrived at the step before: backward's order, so a
+bucket fills early and all at once (DDP rebuilds its buckets from its first iteration's order
+the same way). Each gradient lands whole: a bucket closes when the next gradient would cross
+its end, and a gradient larger than ``BUCKET_BYTES`` has a bucket of its own, as DDP's. The
+layout is built again from a step's arrivals when that step brought a gradient it had no slot
+for, or left a slot empty (the variables, their shapes or the ones that are used changed).
 
 The sync point copies nothing out of the buffers: ``.grad`` gets the gradients where they lie
 (``lend``), and with several replicas the first replica's buffers take the others' sums in
@@ -22,15 +23,19 @@ them, concatenates them (one kernel), copies the result into the pinned buffer (
 records the bucket's event; the sync point synchronizes that event once. The gradients are
 held until then rather than named to ``record_stream`` one by one: once the host has waited
 for the event, freeing them is safe. A bucket some of whose gradients never came is copied at
-the sync point, each run of arrived pieces as above.
+the sync point, each run of arrived gradients as above.
 
-Pinned memory per replica, for gradients of ``G`` bytes of one dtype: ``ceil(G / B)`` buckets
-(``B = BUCKET_BYTES``), each ``B`` bytes but the last, which torch's caching host allocator
-rounds up to a power of two. That is at most ``G`` rounded up to whole buckets, and under
-``2 G``; ``B`` being a power of two, the full buckets take no rounding. It is allocated at
-the first sync point and stays while the layout does, with a second buffer for a bucket whose
+Pinned memory per replica, for gradients of ``G`` bytes: each bucket asks for the bytes of
+its gradients, which torch's caching host allocator rounds up to a power of two, at most
+``B = BUCKET_BYTES`` (itself one) for a bucket of several; so under ``2 G`` in all, and
+about ``G`` plus the rounding of the buckets that closed short (the gap a gradient too large
+for a bucket's rest leaves) and of the gradients larger than ``B``. It is allocated at the
+first sync point and stays while the layout does, with a second buffer for a bucket whose
 gradients ``.grad`` keeps across steps (where a copy of them used to take those bytes in
-pageable memory).
+pageable memory). (The layout cut every dtype's gradients into buckets of exactly ``B``
+before, a gradient across a bucket's end in two pieces, which the sync point joined into a
+new tensor: a copy, at every step, of about one gradient in two of a transformer whose
+layers take 2 to 10 MB, and of every gradient over ``B``, an LLM's embeddings.)
 
 A gradient the layout has no slot for (at the first step, or for a variable new to it) waits
 on its GPU until the sync point, which lays the buckets out again from the step's arrivals and
@@ -59,12 +64,11 @@ BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allo
 
 
 class Piece(NamedTuple):
-    """Where a run of one gradient's elements lands in a bucket."""
+    """Where one gradient's elements land in a bucket, all of them."""
 
     position: int  # among the bucket's pieces, which are in the order of their offsets
-    start: int  # the run, in the flattened gradient
-    stop: int
     offset: int  # its first element in the bucket
+    numel: int
 
 
 class BucketState(enum.Enum):
@@ -90,10 +94,10 @@ class Bucket:
 
     def __init__(
         self, dtype: torch.dtype, numel: int, pieces: list[Piece],
-        shapes: list[torch.Size | None],
+        shapes: list[torch.Size],
     ) -> None:
         self.pieces = pieces
-        self._shapes = shapes  # by piece: its gradient's shape where the piece is all of it
+        self._shapes = shapes  # by piece: its gradient's shape
         self.state = BucketState.EMPTY
         self.arrived = 0
         self.unread = 0  # pieces copied in and not yet taken by a sync point
@@ -104,14 +108,14 @@ class Bucket:
         self._event: Any = None
         # every buffer pinned for it: (buffer, its views by piece, its storage's use count
         # when nothing else uses it); the one in use is ``host``, ``views``
-        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor | None], int]] = []
+        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
         self._uses = 0
         self.host, self.views = self._pin(torch.empty(numel, dtype=dtype, pin_memory=True))
 
-    def _pin(self, host: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    def _pin(self, host: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``host`` becomes one of the bucket's buffers, the one in use."""
         views = [
-            None if shape is None else host[p.offset:p.offset + p.stop - p.start].view(shape)
+            host[p.offset:p.offset + p.numel].view(shape)
             for p, shape in zip(self.pieces, self._shapes, strict=True)
         ]
         self._uses = _use_count(host)
@@ -174,8 +178,7 @@ class Bucket:
                 runs = cast(list[torch.Tensor], self._held[first:last + 1])  # all arrived
                 flat = runs[0] if len(runs) == 1 else torch.cat(runs)
                 begin, end = self.pieces[first], self.pieces[last]
-                stop = end.offset + end.stop - end.start
-                self.host[begin.offset:stop].copy_(flat, non_blocking=True)
+                self.host[begin.offset:end.offset + end.numel].copy_(flat, non_blocking=True)
             if self._event is None:
                 self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._event.record(side)
@@ -214,8 +217,8 @@ class Bucket:
 
 
 class Slot(NamedTuple):
-    """Where one variable's gradient lands: its pieces (one, unless it crosses a bucket's
-    end; none for an empty gradient)."""
+    """Where one variable's gradient lands: its piece of a bucket (``pieces``: one, or none
+    for a gradient without elements)."""
 
     shape: torch.Size
     dtype: torch.dtype
@@ -223,8 +226,8 @@ class Slot(NamedTuple):
 
     @property
     def host(self) -> torch.Tensor | None:
-        """Its view of the buffer its bucket fills now, when it lies in one piece."""
-        if len(self.pieces) != 1:
+        """Its view of the buffer its bucket fills now (None for an empty gradient)."""
+        if not self.pieces:
             return None
         bucket, piece = self.pieces[0]
         return bucket.views[piece.position]
@@ -260,13 +263,13 @@ class InBucket(GradientCopy):
     a slot holds one gradient at a time.)"""
 
     __slots__ = ("_owner", "borrowed", "bucket", "dtype", "piece", "shape", "slot")
-    bucket: Bucket  # with ``piece``, the slot's only piece: set when ``borrowed``
+    bucket: Bucket  # with ``piece``, the slot's piece: set when ``borrowed``
     piece: Piece
 
     def __init__(self, owner: GradientBuckets, slot: Slot) -> None:
         self._owner = owner
         self.slot = slot
-        self.borrowed = len(slot.pieces) == 1
+        self.borrowed = bool(slot.pieces)  # (not an empty gradient)
         self.shape, self.dtype = slot.shape, slot.dtype  # read at each arrival
         if self.borrowed:
             self.bucket, self.piece = slot.pieces[0]
@@ -291,12 +294,8 @@ class InBucket(GradientCopy):
 
     def peek(self) -> torch.Tensor:
         if self.borrowed:
-            return self.bucket.views[self.piece.position]  # type: ignore[return-value]
-        slot = self.slot
-        return torch.cat([  # in pieces, across buckets (or none, for an empty gradient)
-            bucket.host[piece.offset:piece.offset + piece.stop - piece.start]
-            for bucket, piece in slot.pieces
-        ] or [torch.empty(0, dtype=slot.dtype)]).view(slot.shape)
+            return self.bucket.views[self.piece.position]
+        return torch.empty(self.shape, dtype=self.dtype)  # a gradient without elements
 
 
 @final
@@ -365,7 +364,7 @@ def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
     """Each copy's ``take()``, in order. When all are copies into one-piece slots (a steady
     step's), each bucket is waited for once and the gradients read in passes in C."""
     if set(map(type, copies)) != {InBucket} or not all(map(_borrowed_of, copies)):
-        return list(map(_take, copies))  # (not borrowed: a gradient across two buckets)
+        return list(map(_take, copies))  # (not borrowed: a gradient without elements)
     buckets = list(map(_bucket_of, copies))
     for bucket, taken in Counter(buckets).items():
         bucket.wait()
@@ -442,8 +441,8 @@ class GradientBuckets:
         return self._land(copy, grad, stream, side)
 
     def _land(self, copy: InBucket, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
-        """``copy``'s pieces take ``grad``, each its run, if every one of their buckets
-        accepts it now; else it is copied alone."""
+        """``copy``'s piece takes ``grad``, if its bucket accepts it now; else it is copied
+        alone. (A gradient without elements has no piece: nothing to copy.)"""
         pieces = copy.slot.pieces
         if not all(starmap(Bucket.accepts, pieces)):
             return Alone(self, grad, stream, side)
@@ -452,8 +451,8 @@ class GradientBuckets:
         else:  # a copy, made where the gradient was (the sync point's stream may differ)
             with torch.cuda.stream(stream):
                 flat = grad.reshape(-1)
-        for bucket, piece in pieces:  # (each piece in a bucket of its own: all accept it)
-            bucket.add(piece, flat[piece.start:piece.stop], stream, side)
+        for bucket, piece in pieces:
+            bucket.add(piece, flat, stream, side)
         self._filled += 1
         return copy
 
@@ -497,7 +496,9 @@ class GradientBuckets:
 
 def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
     """Slots for the gradients of ``arrivals`` (the first of each key), in their order: per
-    dtype one flat run cut into buckets of ``bucket_bytes``."""
+    dtype, buckets of at most ``bucket_bytes`` that each gradient lands in whole. A bucket
+    closes when the next gradient would cross its end; a gradient larger than a bucket has
+    one of its own; one without elements has no piece."""
     by_dtype: dict[torch.dtype, list[_Arrival]] = {}
     seen: set[int] = set()
     for arrival in arrivals:
@@ -507,32 +508,33 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
     slots: dict[int, Slot] = {}
     for dtype, group in by_dtype.items():
         capacity = max(bucket_bytes // dtype.itemsize, 1)
-        total = sum(arrival.shape.numel() for arrival in group)
-        pieces: list[list[Piece]] = [[] for _ in range(0, total, capacity)]
-        placed: list[list[tuple[int, Piece]]] = []
-        offset = 0
+        sizes: list[int] = []  # by bucket: its elements,
+        pieces: list[list[Piece]] = []  # its pieces,
+        shapes: list[list[torch.Size]] = []  # and their gradients' shapes
+        placed: dict[int, tuple[int, Piece]] = {}
+        filling = -1  # the bucket that takes the next gradient that fits
         for arrival in group:
-            numel, start, mine = arrival.shape.numel(), 0, []
-            while start < numel:
-                b, within = divmod(offset, capacity)
-                take = min(numel - start, capacity - within)
-                piece = Piece(len(pieces[b]), start, start + take, within)
-                pieces[b].append(piece)
-                mine.append((b, piece))
-                start += take
-                offset += take
-            placed.append(mine)
-        # by bucket and piece, the gradient's shape where the piece is all of it
-        shapes: list[list[torch.Size | None]] = [[None] * len(p) for p in pieces]
-        for arrival, mine in zip(group, placed, strict=True):
-            if len(mine) == 1:
-                b, piece = mine[0]
-                shapes[b][piece.position] = arrival.shape
-        buckets = [
-            Bucket(dtype, min(capacity, total - b * capacity), bucket_pieces, shapes[b])
-            for b, bucket_pieces in enumerate(pieces)
-        ]
-        for arrival, mine in zip(group, placed, strict=True):
-            where = tuple((buckets[b], piece) for b, piece in mine)
-            slots[arrival.key] = Slot(arrival.shape, dtype, where)
+            numel = arrival.shape.numel()
+            if numel == 0:
+                continue
+            if numel > capacity or filling < 0 or sizes[filling] + numel > capacity:
+                b = len(sizes)
+                sizes.append(0)
+                pieces.append([])
+                shapes.append([])
+                if numel <= capacity:
+                    filling = b
+            else:
+                b = filling
+            piece = Piece(len(pieces[b]), sizes[b], numel)
+            pieces[b].append(piece)
+            shapes[b].append(arrival.shape)
+            sizes[b] += numel
+            placed[arrival.key] = (b, piece)
+        buckets = list(map(functools.partial(Bucket, dtype), sizes, pieces, shapes))
+        for arrival in group:
+            where = placed.get(arrival.key)
+            slots[arrival.key] = Slot(
+                arrival.shape, dtype, () if where is None else ((buckets[where[0]], where[1]),)
+            )
     return slots
