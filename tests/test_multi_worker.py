@@ -554,13 +554,14 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     fold, bit for bit. With pinned buckets of 64 bytes (``pinned``), whose copies start as
     each fills, the last layer's bucket and the first layer's bias's have left before the
     first layer's weight gets its gradient (each gradient lands whole in a pinned bucket,
-    so the bias shares none with the weight); with the usual 16 MiB, the one pinned bucket's
-    copy, and so every bucket, starts with the last gradient. A run that fails on worker 1 after its backward leaves
-    ``.grad`` as it was on both, whatever left. A run of two passes sends its buckets during
-    the first, finds them stale and exchanges again; the plan then waits for two passes, and
-    the next such run sends them during its second (whose copies, each in a pinned block of
-    its own, leave at once), as DDP under ``no_sync``. Without the helper thread, backward
-    still returns, and the sync point raises."""
+    so the bias shares none with the weight); with the usual 16 MiB, the one pinned
+    bucket's copy, and so every bucket, starts with the last gradient. A run that fails on
+    worker 1 after its backward leaves ``.grad`` as it was on both, whatever left. A run of
+    two passes sends its buckets during the first, finds them stale and exchanges again;
+    the plan then waits for two passes, and the next such run sends them during its second
+    (whose copies, each in a pinned block of its own, leave at once), as DDP under
+    ``no_sync``. Without the helper thread, backward still returns, and the sync point
+    raises."""
     skip_without_gpus(placement)
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)

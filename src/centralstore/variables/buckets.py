@@ -14,8 +14,9 @@ place. A bucket fills the same buffer at every step while nothing outside it use
 memory any more (``zero_grad()``, which sets ``.grad`` to None, lets it go before the next
 backward), and another buffer while something does (``.grad`` kept to accumulate into, a
 reference to it kept), as DDP's ``gradient_as_bucket_view`` lets ``.grad`` be views of its
-buckets. A gradient the sync point copied cost the host its bytes read, written and, in memory
-the allocator had just handed back to the system, paged in again.
+buckets. (A copy would cost the host the gradients' bytes read, written and, in memory the
+allocator had just handed back to the system, paged in again, at every step.) Whole gradients
+are what makes this possible: one in two pieces would have to be joined into a new tensor.
 
 The CUDA calls per bucket and step are a constant few, whatever the number of gradients in
 it: when its last gradient has arrived, the side stream waits for the streams that produced
@@ -31,11 +32,7 @@ its gradients, which torch's caching host allocator rounds up to a power of two,
 about ``G`` plus the rounding of the buckets that closed short (the gap a gradient too large
 for a bucket's rest leaves) and of the gradients larger than ``B``. It is allocated at the
 first sync point and stays while the layout does, with a second buffer for a bucket whose
-gradients ``.grad`` keeps across steps (where a copy of them used to take those bytes in
-pageable memory). (The layout cut every dtype's gradients into buckets of exactly ``B``
-before, a gradient across a bucket's end in two pieces, which the sync point joined into a
-new tensor: a copy, at every step, of about one gradient in two of a transformer whose
-layers take 2 to 10 MB, and of every gradient over ``B``, an LLM's embeddings.)
+gradients ``.grad`` keeps across steps (the bytes a copy of them would take anyway).
 
 A gradient the layout has no slot for (at the first step, or for a variable new to it) waits
 on its GPU until the sync point, which lays the buckets out again from the step's arrivals and
@@ -361,7 +358,7 @@ class Deferred(GradientCopy):
 
 
 def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
-    """Each copy's ``take()``, in order. When all are copies into one-piece slots (a steady
+    """Each copy's ``take()``, in order. When all are copies into their slots (a steady
     step's), each bucket is waited for once and the gradients read in passes in C."""
     if set(map(type, copies)) != {InBucket} or not all(map(_borrowed_of, copies)):
         return list(map(_take, copies))  # (not borrowed: a gradient without elements)
