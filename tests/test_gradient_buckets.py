@@ -311,6 +311,32 @@ def test_a_gradient_kept_after_zero_grad_keeps_its_buffer_from_the_next_fill(
 
 
 @uses_gpus
+def test_every_steps_gradients_kept_pin_no_more_than_the_lent_buffers_and_a_spare() -> None:
+    """A program that keeps every step's ``.grad``: the bucket lends ``LENT_BUFFERS``, then
+    fills a spare whose gradients the sync point copies out (pageable, as before buckets
+    were lent); every kept gradient keeps its values. Once they are let go, the buffers are
+    lent again."""
+    gpu = _Steps(cs.CentralStorageStrategy(["cuda:0"], parameter_device="cpu"), lambda: _stack(2))
+    kept: list[torch.Tensor] = []
+    values = []
+    for seed in range(5):
+        gpu.step(seed=seed, zero=False)
+        grad = gpu.model[1].weight.grad
+        assert grad is not None
+        kept.append(grad)
+        values.append(grad.clone())
+        gpu.optimizer.zero_grad()
+    assert [g.is_pinned() for g in kept] == [True] * buckets.LENT_BUFFERS + [False] * 3
+    assert all(torch.equal(g, v) for g, v in zip(kept, values, strict=True))
+    (bucket,) = _buckets_of(gpu)
+    assert len(bucket._buffers) == buckets.LENT_BUFFERS and bucket._spare is not None
+    kept.clear()
+    gpu.step(seed=5, zero=False)
+    grad = gpu.model[1].weight.grad
+    assert grad is not None and grad.is_pinned() and bucket.lends
+
+
+@uses_gpus
 def test_one_replicas_gradients_accumulated_across_steps_stay_in_their_buffer() -> None:
     """``.grad`` kept across steps (no ``zero_grad``): the first step's lent buffer takes
     the later steps' gradients in place, which fill a second buffer, bit for bit as the CPU

@@ -14,9 +14,11 @@ place. A bucket fills the same buffer at every step while nothing outside it use
 memory any more (``zero_grad()``, which sets ``.grad`` to None, lets it go before the next
 backward), and another buffer while something does (``.grad`` kept to accumulate into, a
 reference to it kept), as DDP's ``gradient_as_bucket_view`` lets ``.grad`` be views of its
-buckets. (A copy would cost the host the gradients' bytes read, written and, in memory the
-allocator had just handed back to the system, paged in again, at every step.) Whole gradients
-are what makes this possible: one in two pieces would have to be joined into a new tensor.
+buckets. With ``LENT_BUFFERS`` in use it fills a spare, whose gradients the sync point copies
+out: a program that keeps every step's ``.grad`` pins no more than that. (A copy would cost
+the host the gradients' bytes read, written and, in memory the allocator had just handed back
+to the system, paged in again, at every step.) Whole gradients are what makes this possible:
+one in two pieces would have to be joined into a new tensor.
 
 The CUDA calls per bucket and step are a constant few, whatever the number of gradients in
 it: when its last gradient has arrived, the side stream waits for the streams that produced
@@ -58,6 +60,9 @@ import torch
 from .._devices import current_stream
 
 BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allocator serves
+# The buffers a bucket lends to ``.grad`` at most: with as many still in use, it fills a spare,
+# which the sync point copies out (so a program that keeps every step's ``.grad`` pins no more)
+LENT_BUFFERS = 2
 
 
 class Piece(NamedTuple):
@@ -66,6 +71,11 @@ class Piece(NamedTuple):
     position: int  # among the bucket's pieces, which are in the order of their offsets
     offset: int  # its first element in the bucket
     numel: int
+
+
+# a bucket's pinned buffer: its tensor, its views by piece, the use count of its storage while
+# only the bucket uses it
+_Buffer = tuple[torch.Tensor, list[torch.Tensor], int]
 
 
 class BucketState(enum.Enum):
@@ -82,12 +92,12 @@ class Bucket:
     The sync point hands the gradients in the buffer to ``.grad`` as they lie (``lend``):
     while some tensor still uses the buffer's memory (a ``.grad`` not yet set to None, a
     view of one kept), the next fill goes to another buffer, taken from the ones no longer
-    used or pinned anew. A loop that calls ``zero_grad()`` before its next backward fills
-    one buffer at every step; every reference kept to a ``.grad`` across steps keeps a
-    buffer pinned (a list of each step's gradients: one buffer per step kept)."""
+    used or pinned anew, up to ``LENT_BUFFERS``; with that many in use, it fills a spare,
+    which the sync point copies out instead of lending (``lends``). A loop that calls
+    ``zero_grad()`` before its next backward fills one buffer at every step."""
 
-    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_streams", "_uses",
-                 "arrived", "host", "pieces", "state", "unread", "views")
+    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_spare", "_streams",
+                 "_uses", "arrived", "host", "lends", "pieces", "state", "unread", "views")
 
     def __init__(
         self, dtype: torch.dtype, numel: int, pieces: list[Piece],
@@ -103,39 +113,45 @@ class Bucket:
         self._streams: dict[int, Any] = {}
         self._side: Any = None
         self._event: Any = None
-        # every buffer pinned for it: (buffer, its views by piece, its storage's use count
-        # when nothing else uses it); the one in use is ``host``, ``views``
-        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
-        self._uses = 0
-        self.host, self.views = self._pin(torch.empty(numel, dtype=dtype, pin_memory=True))
+        # the buffers it may lend: (buffer, its views by piece, its storage's use count when
+        # nothing else uses it); the one being filled is ``host``, ``views``
+        self._buffers = [self._pinned(torch.empty(numel, dtype=dtype, pin_memory=True))]
+        self._spare: _Buffer | None = None  # never lent (``LENT_BUFFERS``)
+        self.host, self.views, self._uses = self._buffers[0]
+        self.lends = True  # whether the sync point may lend the fill's gradients to ``.grad``
 
-    def _pin(self, host: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``host`` becomes one of the bucket's buffers, the one in use."""
+    def _pinned(self, host: torch.Tensor) -> _Buffer:
         views = [
             host[p.offset:p.offset + p.numel].view(shape)
             for p, shape in zip(self.pieces, self._shapes, strict=True)
         ]
-        self._uses = _use_count(host)
-        self._buffers.append((host, views, self._uses))
-        return host, views
+        return host, views, _use_count(host)
 
     def _unlent(self) -> None:
-        """At the start of a fill: if something outside the bucket still uses the buffer in
-        use, fill one that nothing does, or a new one."""
-        if _use_count(self.host) == self._uses:
+        """At the start of a fill: the buffer of the fill before, if nothing outside the
+        bucket uses it any more; else one that nothing uses, or a new one; else (with
+        ``LENT_BUFFERS`` in use) the spare."""
+        if self.lends and _use_count(self.host) == self._uses:
             return
-        for host, views, uses in self._buffers:
-            if _use_count(host) == uses:
-                self.host, self.views, self._uses = host, views, uses
+        self.lends = True
+        for buffer in self._buffers:
+            if _use_count(buffer[0]) == buffer[2]:
+                self.host, self.views, self._uses = buffer
                 return
-        self.host, self.views = self._pin(
-            torch.empty(self.host.numel(), dtype=self.host.dtype, pin_memory=True)
-        )
+        if len(self._buffers) < LENT_BUFFERS:
+            self._buffers.append(self._pinned(torch.empty_like(self.host, pin_memory=True)))
+            self.host, self.views, self._uses = self._buffers[-1]
+            return
+        if self._spare is None:
+            self._spare = self._pinned(torch.empty_like(self.host, pin_memory=True))
+        self.host, self.views, self._uses = self._spare
+        self.lends = False
 
     @property
     def pinned_bytes(self) -> int:
         """The bytes of every buffer pinned for the bucket."""
-        return sum(host.untyped_storage().nbytes() for host, _, _ in self._buffers)
+        buffers = self._buffers if self._spare is None else [*self._buffers, self._spare]
+        return sum(host.untyped_storage().nbytes() for host, _, _ in buffers)
 
     def accepts(self, piece: Piece) -> bool:
         """Whether ``piece`` may land now: the bucket's fill is open and has not had the
@@ -278,6 +294,8 @@ class InBucket(GradientCopy):
         grad = self.peek()
         for bucket, _ in slot.pieces:
             bucket.unread -= 1
+            if not bucket.lends:  # the spare's: copied out
+                grad = grad.clone()
         self._owner.synced = True
         return grad
 
@@ -368,7 +386,12 @@ def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
         bucket.unread -= taken
     for owner in set(map(_owner_of, copies)):
         owner.synced = True
-    return list(map(getitem, map(_views_of, buckets), map(_position_of, map(_piece_of, copies))))
+    views = cast(list[torch.Tensor], list(
+        map(getitem, map(_views_of, buckets), map(_position_of, map(_piece_of, copies)))
+    ))
+    if all(map(_lends_of, buckets)):
+        return views
+    return [v if b.lends else v.clone() for v, b in zip(views, buckets, strict=True)]
 
 
 def lend(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -388,6 +411,7 @@ _take = methodcaller("take")
 _borrowed_of = attrgetter("borrowed")
 _bucket_of = attrgetter("bucket")
 _views_of = attrgetter("views")
+_lends_of = attrgetter("lends")
 _piece_of = attrgetter("piece")
 _position_of = attrgetter("position")
 _owner_of = attrgetter("_owner")
