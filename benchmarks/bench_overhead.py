@@ -81,11 +81,12 @@ the view path's writes.
 
 ``--phases --fake-gpus`` times the host's part of the GPU path with the variables in host
 memory, on the fake GPUs (whose kernels run on the host, so only the host's work means
-anything): for an MLP of 7.5 MB of gradients and one of 42.7 MB (every tensor under a
-gradient bucket's 16 MiB), at R = 1 on ``cuda:0`` and R = 2 on ``cuda:0`` and ``cuda:1``,
-the sync point (from the last replica's backward to ``run``'s return: the wait for the
-gradient buckets and the fold, which lends them to ``.grad``) and the optimizer's update on
-the host, medians of ``--phase-steps`` steps (default 20 here).
+anything): for an MLP of 7.5 MB of gradients, one of 42.7 MB in 9.4 MB weights and an
+``EmbeddingBag`` of 41 MB (one gradient over a bucket's 16 MiB), at R = 1 on ``cuda:0`` and
+R = 2 on ``cuda:0`` and ``cuda:1``, the sync point (from the last replica's backward to
+``run``'s return: the wait for the gradient buckets and the fold, which lends them to
+``.grad``) and the optimizer's update on the host, medians of ``--phase-steps`` steps
+(default 20 here).
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
@@ -725,10 +726,29 @@ def fake_gpu_counts() -> None:
         print(f"  {n:>6}  {where}")
 
 
-# ``--phases --fake-gpus``: MLPs by hidden layers (gradients of 7.5 and 42.6 MB, every
-# tensor's under a bucket's 16 MiB)
-SYNC_MODELS = {"MLP 784-1024-1024-10": (1024,) * 2, "MLP 784-1536x5-10": (1536,) * 5}
+def _mlp(*widths: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for inputs, outputs in itertools.pairwise(widths):
+        layers += [nn.Linear(inputs, outputs), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
 SYNC_BATCH = 16  # examples per replica
+# ``--phases --fake-gpus``: (the model, an input of one replica). Gradients of 7.5, 42.7 and
+# 41 MB: the second's 9.4 MB weights crossed the 16 MiB buckets' ends before each gradient
+# landed whole, the embedding's 41 MB spanned three
+SYNC_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {
+    "MLP 784-1024-1024-10": (
+        lambda: _mlp(784, 1024, 1024, 10), lambda: torch.randn(SYNC_BATCH, 784),
+    ),
+    "MLP 784-1536x5-10": (
+        lambda: _mlp(784, *[1536] * 5, 10), lambda: torch.randn(SYNC_BATCH, 784),
+    ),
+    "EmbeddingBag 20000x512": (
+        lambda: nn.Sequential(nn.EmbeddingBag(20000, 512, mode="mean"), nn.Linear(512, 10)),
+        lambda: torch.randint(0, 20000, (SYNC_BATCH, 32)),
+    ),
+}
 
 
 def fake_gpu_sync_points(steps: int) -> None:
@@ -737,34 +757,30 @@ def fake_gpu_sync_points(steps: int) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
     import fakegpu
 
-    print(f"{'model':<22} {'placement':<40} {'gradients MB':>12} {'sync point':>11} "
+    print(f"{'model':<24} {'placement':<40} {'gradients MB':>12} {'sync point':>11} "
           f"{'opt step':>9}   (ms, medians of {steps} steps after 3)")
     with fakegpu.devices(2):
-        for name, hidden in SYNC_MODELS.items():
+        for name, (build, example) in SYNC_MODELS.items():
             for devices in (["cuda:0"], ["cuda:0", "cuda:1"]):
-                megabytes, sync, update = _sync_point(hidden, devices, steps)
+                megabytes, sync, update = _sync_point(build, example, devices, steps)
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on cpu"
-                print(f"{name:<22} {placement:<40} {megabytes:>12.1f} {sync * 1e3:>11.2f} "
+                print(f"{name:<24} {placement:<40} {megabytes:>12.1f} {sync * 1e3:>11.2f} "
                       f"{update * 1e3:>9.2f}")
 
 
 def _sync_point(
-    hidden: tuple[int, ...], devices: list[str], steps: int
+    build: Callable[[], nn.Module], example: Callable[[], torch.Tensor], devices: list[str],
+    steps: int,
 ) -> tuple[float, float, float]:
-    """An SGD step of the MLP of 784 inputs, ``hidden`` layers and 10 outputs on ``devices``
-    with its variables on the CPU: its gradients' megabytes, and the median seconds from
-    the last replica's backward to ``run``'s return (the sync point) and of
-    ``optimizer.step()``."""
+    """An SGD step of ``build()`` on ``devices`` with its variables on the CPU, each replica
+    on an ``example()``: its gradients' megabytes, and the median seconds from the last
+    replica's backward to ``run``'s return (the sync point) and of ``optimizer.step()``."""
     strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
     torch.manual_seed(0)
-    widths = (784, *hidden, 10)
     with strategy.scope():
-        layers: list[nn.Module] = []
-        for inputs, outputs in itertools.pairwise(widths):
-            layers += [nn.Linear(inputs, outputs), nn.ReLU()]
-        model = nn.Sequential(*layers[:-1])
+        model = build()
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    xs = cs.PerReplica([torch.randn(SYNC_BATCH, 784).to(d) for d in devices])
+    xs = cs.PerReplica([example().to(d) for d in devices])
     marks: list[float] = []
 
     def replica(x: torch.Tensor) -> None:
