@@ -258,8 +258,11 @@ def _buffer_of(tensor: torch.Tensor | None) -> int:
 
 
 def _buffers(steps: _Steps, replica: int = 0) -> list[int]:
-    """The buffers the replica's buckets have pinned, by address."""
-    return [_buffer_of(host) for b in _buckets_of(steps, replica) for host, _, _ in b._buffers]
+    """The buffers the replica's buckets have pinned (the spare last), by address."""
+    return [
+        _buffer_of(buffer[0]) for b in _buckets_of(steps, replica)
+        for buffer in [*b._buffers, *([] if b._spare is None else [b._spare])]
+    ]
 
 
 @pytest.mark.parametrize("devices", [("cuda:0",), GPUS], ids=["one-gpu", "two-gpus"])
