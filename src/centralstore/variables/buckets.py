@@ -237,14 +237,6 @@ class Slot(NamedTuple):
     dtype: torch.dtype
     pieces: tuple[tuple[Bucket, Piece], ...]
 
-    @property
-    def host(self) -> torch.Tensor | None:
-        """Its view of the buffer its bucket fills now (None for an empty gradient)."""
-        if not self.pieces:
-            return None
-        bucket, piece = self.pieces[0]
-        return bucket.views[piece.position]
-
 
 class GradientCopy(abc.ABC):
     """A gradient on its way to host memory, as a view holds it until the sync point."""
@@ -497,11 +489,16 @@ class GradientBuckets:
         return {key: copy.slot for key, copy in self._copies.items()}
 
     @property
+    def buckets(self) -> list[Bucket]:
+        """The present layout's buckets, in the order of its slots."""
+        return list({id(b): b for copy in self._copies.values() for b, _ in copy.slot.pieces}
+                    .values())
+
+    @property
     def pinned_bytes(self) -> int:
         """The bytes of the pinned buffers of the present layout (a bucket's buffers still
         lent to ``.grad`` included)."""
-        buckets = {id(b): b for slot in self.slots.values() for b, _ in slot.pieces}
-        return sum(b.pinned_bytes for b in buckets.values())
+        return sum(b.pinned_bytes for b in self.buckets)
 
     def _next_step(self) -> None:
         """The first gradient after a sync point: lay out again if the step before did not
