@@ -85,8 +85,11 @@ anything): for an MLP of 7.5 MB of gradients, one of 42.7 MB in 9.4 MB weights a
 ``EmbeddingBag`` of 41 MB (one gradient over a bucket's 16 MiB), at R = 1 on ``cuda:0`` and
 R = 2 on ``cuda:0`` and ``cuda:1``, the sync point (from the last replica's backward to
 ``run``'s return: the wait for the gradient buckets and the fold, which lends them to
-``.grad``) and the optimizer's update on the host, medians of ``--phase-steps`` steps
-(default 20 here).
+``.grad``), the optimizer's update on the host and the whole step, medians of
+``--phase-steps`` steps (default 20 here). At R = 2 twice, taking turns step by step: with
+the replicas' buckets added up on a helper thread while backward runs (``early``,
+``variables/sums.py``), and with that off, added up at the sync point (``held``); the fake
+GPUs' backward runs on the host's cores too, beside the helper.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
@@ -757,43 +760,59 @@ def fake_gpu_sync_points(steps: int) -> None:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
     import fakegpu
 
-    print(f"{'model':<24} {'placement':<40} {'gradients MB':>12} {'sync point':>11} "
-          f"{'opt step':>9}   (ms, medians of {steps} steps after 3)")
+    print(f"{'model':<24} {'placement':<40} {'sums':<10} {'gradients MB':>12} "
+          f"{'sync point':>11} {'opt step':>9} {'step':>8}   (ms, medians of {steps} steps "
+          "after 3)")
     with fakegpu.devices(2):
         for name, (build, example) in SYNC_MODELS.items():
             for devices in (["cuda:0"], ["cuda:0", "cuda:1"]):
-                megabytes, sync, update = _sync_point(build, example, devices, steps)
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on cpu"
-                print(f"{name:<24} {placement:<40} {megabytes:>12.1f} {sync * 1e3:>11.2f} "
-                      f"{update * 1e3:>9.2f}")
+                kinds = ["-"] if len(devices) == 1 else ["early", "held"]
+                found = _sync_points(build, example, devices, steps, kinds)
+                for kind, (megabytes, sync, update, step) in zip(kinds, found, strict=True):
+                    print(f"{name:<24} {placement:<40} {kind:<10} {megabytes:>12.1f} "
+                          f"{sync * 1e3:>11.2f} {update * 1e3:>9.2f} {step * 1e3:>8.2f}")
 
 
-def _sync_point(
+def _sync_points(
     build: Callable[[], nn.Module], example: Callable[[], torch.Tensor], devices: list[str],
-    steps: int,
-) -> tuple[float, float, float]:
+    steps: int, kinds: list[str],
+) -> list[tuple[float, float, float, float]]:
     """An SGD step of ``build()`` on ``devices`` with its variables on the CPU, each replica
-    on an ``example()``: its gradients' megabytes, and the median seconds from the last
-    replica's backward to ``run``'s return (the sync point) and of ``optimizer.step()``."""
-    strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = build()
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    xs = cs.PerReplica([example().to(d) for d in devices])
-    marks: list[float] = []
+    on an ``example()``, for each of ``kinds`` (``early``: the replicas' buckets added up
+    while backward runs, ``sums.py``; ``held``: at the sync point), the kinds taking turns
+    step by step, each its own model: its gradients' megabytes, and the median seconds from
+    the last replica's backward to ``run``'s return (the sync point), of
+    ``optimizer.step()`` and of the whole step."""
+    timed = []
+    for kind in kinds:
+        strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
+        if kind == "held":
+            strategy._store._sums = None
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = build()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        xs = cs.PerReplica([example().to(d) for d in devices])
+        marks: list[float] = []
 
-    def replica(x: torch.Tensor) -> None:
-        model(x).square().mean().backward()
-        marks.append(time.perf_counter())
+        def replica(x: torch.Tensor, model: nn.Module = model, marks: list[float] = marks) -> None:
+            model(x).square().mean().backward()
+            marks.append(time.perf_counter())
 
-    times = []
+        megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
+        timed.append((strategy, optimizer, replica, xs, marks, megabytes, []))
     for i in range(steps + 3):
-        _, _, returned, end = _timed_step(strategy, optimizer, replica, (xs,), marks)
-        if i >= 3:
-            times.append((returned - marks[-1], end - returned))
-    sync, update = (statistics.median(column) for column in zip(*times))
-    return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6, sync, update
+        for strategy, optimizer, replica, xs, marks, _, times in (
+            timed if i % 2 else reversed(timed)
+        ):
+            start, _, returned, end = _timed_step(strategy, optimizer, replica, (xs,), marks)
+            if i >= 3:
+                times.append((returned - marks[-1], end - returned, end - start))
+    return [
+        (megabytes, *(statistics.median(column) for column in zip(*times)))
+        for *_, megabytes, times in timed
+    ]
 
 
 def main() -> None:

@@ -85,51 +85,41 @@ class BucketState(enum.Enum):
     READ = "read"  # the host waited for the copy; its gradients may not all be taken yet
 
 
-@final
-class Bucket:
-    """A bucket of gradients of one dtype: its pinned buffers, and the fill in progress.
+class Lender:
+    """Buffers of one size, each cut into a view per piece, whose views the sync point lends
+    to ``.grad`` (``lend``): ``host`` and ``views`` are the buffer being filled. At the start
+    of each fill (``unlent``) it takes a buffer that nothing outside it uses any more (a
+    ``.grad`` not yet set to None, a view of one kept), up to ``LENT_BUFFERS``; with that
+    many in use, a spare, which the sync point copies out instead of lending (``lends``).
+    ``make`` allocates a buffer. A loop that calls ``zero_grad()`` before its next backward
+    fills one buffer at every step."""
 
-    The sync point hands the gradients in the buffer to ``.grad`` as they lie (``lend``):
-    while some tensor still uses the buffer's memory (a ``.grad`` not yet set to None, a
-    view of one kept), the next fill goes to another buffer, taken from the ones no longer
-    used or pinned anew, up to ``LENT_BUFFERS``; with that many in use, it fills a spare,
-    which the sync point copies out instead of lending (``lends``). A loop that calls
-    ``zero_grad()`` before its next backward fills one buffer at every step."""
-
-    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_spare", "_streams",
-                 "_uses", "arrived", "host", "lends", "pieces", "state", "unread", "views")
+    __slots__ = ("_buffers", "_make", "_spare", "_uses", "host", "lends", "pieces", "shapes",
+                 "views")
 
     def __init__(
-        self, dtype: torch.dtype, numel: int, pieces: list[Piece],
-        shapes: list[torch.Size],
+        self, make: Callable[[], torch.Tensor], pieces: list[Piece], shapes: list[torch.Size]
     ) -> None:
         self.pieces = pieces
-        self._shapes = shapes  # by piece: its gradient's shape
-        self.state = BucketState.EMPTY
-        self.arrived = 0
-        self.unread = 0  # pieces copied in and not yet taken by a sync point
-        self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
-        # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
-        self._streams: dict[int, Any] = {}
-        self._side: Any = None
-        self._event: Any = None
+        self.shapes = shapes  # by piece: its gradient's shape
+        self._make = make
         # the buffers it may lend: (buffer, its views by piece, its storage's use count when
         # nothing else uses it); the one being filled is ``host``, ``views``
-        self._buffers = [self._pinned(torch.empty(numel, dtype=dtype, pin_memory=True))]
+        self._buffers = [self._cut(make())]
         self._spare: _Buffer | None = None  # never lent (``LENT_BUFFERS``)
         self.host, self.views, self._uses = self._buffers[0]
         self.lends = True  # whether the sync point may lend the fill's gradients to ``.grad``
 
-    def _pinned(self, host: torch.Tensor) -> _Buffer:
+    def _cut(self, host: torch.Tensor) -> _Buffer:
         views = [
             host[p.offset:p.offset + p.numel].view(shape)
-            for p, shape in zip(self.pieces, self._shapes, strict=True)
+            for p, shape in zip(self.pieces, self.shapes, strict=True)
         ]
         return host, views, _use_count(host)
 
-    def _unlent(self) -> None:
+    def unlent(self) -> None:
         """At the start of a fill: the buffer of the fill before, if nothing outside the
-        bucket uses it any more; else one that nothing uses, or a new one; else (with
+        lender uses it any more; else one that nothing uses, or a new one; else (with
         ``LENT_BUFFERS`` in use) the spare."""
         if self.lends and _use_count(self.host) == self._uses:
             return
@@ -139,19 +129,53 @@ class Bucket:
                 self.host, self.views, self._uses = buffer
                 return
         if len(self._buffers) < LENT_BUFFERS:
-            self._buffers.append(self._pinned(torch.empty_like(self.host, pin_memory=True)))
+            self._buffers.append(self._cut(self._make()))
             self.host, self.views, self._uses = self._buffers[-1]
             return
         if self._spare is None:
-            self._spare = self._pinned(torch.empty_like(self.host, pin_memory=True))
+            self._spare = self._cut(self._make())
         self.host, self.views, self._uses = self._spare
         self.lends = False
 
     @property
-    def pinned_bytes(self) -> int:
-        """The bytes of every buffer pinned for the bucket."""
+    def nbytes(self) -> int:
+        """The bytes of every buffer allocated (lent or not)."""
         buffers = self._buffers if self._spare is None else [*self._buffers, self._spare]
         return sum(host.untyped_storage().nbytes() for host, _, _ in buffers)
+
+
+@final
+class Bucket(Lender):
+    """A bucket of gradients of one dtype: its pinned buffers (a ``Lender``'s), and the fill
+    in progress. ``keys``: by piece, the variable whose gradient lands there."""
+
+    __slots__ = ("__weakref__", "_event", "_held", "_side", "_streams", "arrived", "dtype",
+                 "keys", "numel", "state", "sums", "unread")
+
+    def __init__(
+        self, dtype: torch.dtype, numel: int, pieces: list[Piece],
+        shapes: list[torch.Size], keys: list[int],
+    ) -> None:
+        super().__init__(
+            functools.partial(torch.empty, numel, dtype=dtype, pin_memory=True), pieces, shapes
+        )
+        self.dtype, self.numel, self.keys = dtype, numel, keys
+        self.state = BucketState.EMPTY
+        self.arrived = 0
+        self.unread = 0  # pieces copied in and not yet taken by a sync point
+        self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
+        # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
+        self._streams: dict[int, Any] = {}
+        self._side: Any = None
+        self._event: Any = None
+        # where the replicas' gradients of this bucket are added up on the host while
+        # backward goes on (``sums.py``; one replica's buckets hold it), made at first use
+        self.sums: Lender | None = None
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The bytes of every buffer pinned for the bucket."""
+        return self.nbytes
 
     def accepts(self, piece: Piece) -> bool:
         """Whether ``piece`` may land now: the bucket's fill is open and has not had the
@@ -170,7 +194,7 @@ class Bucket:
             if not self.accepts(piece):
                 return False
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
-            self._unlent()
+            self.unlent()
         self._held[piece.position] = run
         if stream.cuda_stream not in self._streams:
             self._streams[stream.cuda_stream] = stream
@@ -224,9 +248,14 @@ class Bucket:
             self._launch()
         if self.state is BucketState.COPYING:
             self._event.synchronize()
-            self._held = [None] * len(self.pieces)
-            self._streams = {}
-            self.state = BucketState.READ
+            self.waited()
+
+    def waited(self) -> None:
+        """The host has waited for the fill's copy (``wait``, or the helper that added the
+        replicas' buckets up, ``sums.py``): the gradients copied are let go."""
+        self._held = [None] * len(self.pieces)
+        self._streams = {}
+        self.state = BucketState.READ
 
 
 class Slot(NamedTuple):
@@ -421,7 +450,7 @@ class GradientBuckets:
     step in progress (see the module docstring)."""
 
     __slots__ = ("__weakref__", "_arrivals", "_copies", "_deferred", "_filled", "_stale",
-                 "synced")
+                 "launched", "synced")
 
     def __init__(self) -> None:
         # by the key of the central variable: its slot, as the copy into it
@@ -432,6 +461,9 @@ class GradientBuckets:
         self._filled = 0  # slots that received their gradient this step
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
+        # called with each bucket whose copy a gradient's arrival (``copy``: inside backward,
+        # not at a sync point) has just started (``sums.py``)
+        self.launched: Callable[[Bucket], None] | None = None
 
     def copy(self, key: int, grad: torch.Tensor, side: Any) -> GradientCopy:
         """Start copying ``grad``, the gradient of variable ``key``, to host memory on the
@@ -450,8 +482,16 @@ class GradientBuckets:
             if not copy.bucket.add(copy.piece, grad.view(-1), stream, side):
                 return Alone(self, grad, stream, side)
             self._filled += 1
+            if self.launched is not None and copy.bucket.state is BucketState.COPYING:
+                self.launched(copy.bucket)  # (a full bucket takes no more: this one filled it)
             return copy
-        return self._land(copy, grad, stream, side)
+        landed = self._land(copy, grad, stream, side)
+        if (
+            self.launched is not None and landed is copy and copy.borrowed
+            and copy.bucket.state is BucketState.COPYING  # (it accepted the gradient: open)
+        ):
+            self.launched(copy.bucket)
+        return landed
 
     def _land(self, copy: InBucket, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
         """``copy``'s piece takes ``grad``, if its bucket accepts it now; else it is copied
@@ -482,6 +522,14 @@ class GradientBuckets:
         for entry in deferred:
             entry.place(functools.partial(self._land, self._copies[entry.key]))
         self._stale, self._filled = False, len(self._copies)  # it fits this step
+
+    def slot_copy(self, key: int) -> InBucket | None:
+        """The copy into variable ``key``'s slot of the present layout, if it has one."""
+        return self._copies.get(key)
+
+    def slot_copies(self, keys: list[int]) -> list[InBucket | None]:
+        """``slot_copy`` of each of ``keys``, in a pass in C."""
+        return list(map(self._copies.get, keys))
 
     @property
     def slots(self) -> dict[int, Slot]:
@@ -528,7 +576,8 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
         capacity = max(bucket_bytes // dtype.itemsize, 1)
         sizes: list[int] = []  # by bucket: its elements,
         pieces: list[list[Piece]] = []  # its pieces,
-        shapes: list[list[torch.Size]] = []  # and their gradients' shapes
+        shapes: list[list[torch.Size]] = []  # their gradients' shapes
+        keys: list[list[int]] = []  # and their variables
         placed: dict[int, tuple[int, Piece]] = {}
         filling = -1  # the bucket that takes the next gradient that fits
         for arrival in group:
@@ -540,6 +589,7 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
                 sizes.append(0)
                 pieces.append([])
                 shapes.append([])
+                keys.append([])
                 if numel <= capacity:
                     filling = b
             else:
@@ -547,9 +597,10 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
             piece = Piece(len(pieces[b]), sizes[b], numel)
             pieces[b].append(piece)
             shapes[b].append(arrival.shape)
+            keys[b].append(arrival.key)
             sizes[b] += numel
             placed[arrival.key] = (b, piece)
-        buckets = list(map(functools.partial(Bucket, dtype), sizes, pieces, shapes))
+        buckets = list(map(functools.partial(Bucket, dtype), sizes, pieces, shapes, keys))
         for arrival in group:
             where = placed.get(arrival.key)
             slots[arrival.key] = Slot(

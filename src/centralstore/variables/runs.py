@@ -192,6 +192,10 @@ class Run(abc.ABC):
     def resume(self, replica: int) -> None:  # noqa: B027
         """Replica ``replica`` runs on after a rendezvous: its state goes back."""
 
+    def waits(self, replica: int) -> bool:
+        """Whether replica ``replica`` waits in a rendezvous, to run on later."""
+        return False
+
     def close(self) -> None:  # noqa: B027
         """The replicas are done (before the sync point): variables are plain again."""
 
@@ -463,6 +467,9 @@ class ReplicasRun(Run):
         shared = self._shared
         if shared is not None and self._direct(replica):
             _park_shared(self._store, shared, replica)
+
+    def waits(self, replica: int) -> bool:
+        return replica in self._kept  # (``suspend`` keeps its slots, ``resume`` takes them)
 
     def resume(self, replica: int) -> None:
         shared = self._shared

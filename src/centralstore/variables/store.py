@@ -45,6 +45,7 @@ from .records import (
     default_buffer_aggregation,
 )
 from .runs import EMPTY, DirectRun, OwnRun, Plan, ReplicasRun, Run
+from .sums import ReplicaSums
 from .views import GradientReceiver, ReplicaViews, View
 
 
@@ -120,6 +121,16 @@ class VariableStore:
             )
             for r, device in enumerate(placement.storage_devices)
         ]
+        # several GPU replicas of host variables in one process: their gradients added up
+        # on the host while backward goes on
+        self._sums = (
+            ReplicaSums(self.replicas, functools.partial(_waits, weakref.ref(self)))
+            if len(self.replicas) > 1 and not exchange.watches_gradients and all(
+                folding.overlapped(device, placement.parameter_storage)
+                for device in placement.storage_devices
+            )
+            else None
+        )
         self.run: Run = EMPTY  # the run in progress, or the last one
         self.in_run = False
         self._collecting = False  # a collection of gradients is queued after a backward
@@ -423,6 +434,11 @@ class VariableStore:
         else:
             received += run.commit()
         touched = list(map(_touched_of, self.replicas))
+        if self._sums is not None:  # (what the fold would add to nothing, added up already)
+            if discard or not any(touched):
+                self._sums.drop()
+            else:
+                self._sums.settle()
         if any(touched):
             if discard:
                 for replica in self.replicas:
@@ -431,9 +447,9 @@ class VariableStore:
             else:
                 with no_grad():
                     if self._on_gpus and len(touched) > 1:
-                        # the GPU replicas' gradients wait in reused host buckets: folded
-                        # together, the first replica's is not copied out of its bucket,
-                        # the second's sum with it is a new tensor (the same arithmetic)
+                        # the GPU replicas' gradients wait in host buckets: folded together,
+                        # the first replica's stay there and take the others' in place
+                        # (or a bucket's sum, added up while backward ran, ``sums.py``)
                         received += folding.fold_gradients(list(chain.from_iterable(touched)))
                     else:
                         for views in touched:
@@ -477,6 +493,12 @@ class VariableStore:
                     t is not None and t.grad is not None for t in (view.tensor, view.alias)
                 ):
                     self.exchange.gradient_after_run(self, view)
+
+
+def _waits(store_ref: weakref.ref[VariableStore], replica: int) -> bool:
+    """Whether replica ``replica`` of the store's run waits in a rendezvous (``sums.py``)."""
+    store = store_ref()
+    return store is not None and store.run.waits(replica)
 
 
 def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Tensor) -> None:

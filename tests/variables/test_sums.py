@@ -1,0 +1,305 @@
+"""GPU replicas' buckets added up on the host while backward runs (``variables/sums.py``).
+
+Every test trains on fake GPUs with the variables on the CPU against a twin whose replicas
+are logical CPU devices seeing views (the same fold), and compares the two bit for bit: a
+bucket added up early is the fold's own arithmetic, and where the fold would add something
+else (a ``.grad`` already there, replicas whose buckets differ, a replica that runs on after
+a rendezvous) the buckets wait for the fold as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from replicas import strategy_of
+from torch import nn
+
+import centralstore as cs
+from centralstore.variables import buckets
+from centralstore.variables.sums import ReplicaSums
+
+pytestmark = pytest.mark.usefixtures("fake_gpus")
+
+GPUS = ["cuda:0", "cuda:1"]
+
+
+@pytest.fixture(autouse=True)
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Buckets of 1 KiB, so that a small stack's gradients span several."""
+    monkeypatch.setattr(buckets, "BUCKET_BYTES", 1024)
+    yield
+
+
+class _Heads(nn.Module):
+    """A stack of linear layers and two heads; the loss picks the heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+        self.heads = nn.ModuleList([nn.Linear(8, 8) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, heads: tuple[int, ...] = (0, 1)) -> torch.Tensor:
+        x = self.trunk(x)
+        return sum((self.heads[i](x) for i in heads), torch.zeros_like(x))
+
+
+Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+class _Training:
+    """``_Heads`` with SGD (momentum) under ``strategy``, from the same initial weights."""
+
+    def __init__(self, strategy: cs.CentralStorageStrategy) -> None:
+        torch.manual_seed(0)
+        initial = _Heads().state_dict()
+        with strategy.scope():
+            self.model = _Heads()
+            self.model.load_state_dict(initial)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
+        self.strategy = strategy
+        self.devices = [str(d) for d in strategy.compute_devices]
+        self.handed_in_backward: list[int] = []  # buckets handed to the helper by then
+
+    def run(self, seed: int, loss: Loss = _square, passes: int = 1) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        x = cs.PerReplica([torch.randn(4, 8, generator=generator).to(d) for d in self.devices])
+        sums = self.strategy._store._sums
+
+        def replica(x: torch.Tensor) -> None:
+            for _ in range(passes):
+                loss(self.model, x).backward()
+            last = cs.get_replica_context().replica_id_in_sync_group == len(self.devices) - 1
+            if last and sums is not None:
+                self.handed_in_backward.append(len(sums._handed))
+
+        self.strategy.run(replica, args=(x,))
+
+    def step(self, seed: int, zero: bool = True, **run: object) -> None:
+        self.run(seed, **run)  # type: ignore[arg-type]
+        self.optimizer.step()
+        if zero:
+            self.optimizer.zero_grad()
+
+    def sums(self) -> ReplicaSums:
+        sums = self.strategy._store._sums
+        assert sums is not None
+        return sums
+
+
+def _pair(replicas: int = 2) -> tuple[_Training, _Training]:
+    gpus = [f"cuda:{i}" for i in range(replicas)]
+    strategy = cs.CentralStorageStrategy(gpus, parameter_device="cpu")
+    return _Training(strategy), _Training(strategy_of(replicas, direct=False))
+
+
+def _assert_same(gpu: _Training, cpu: _Training) -> None:
+    for (name, got), want in zip(
+        gpu.model.state_dict().items(), cpu.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got.cpu(), want), name
+    for (name, p), q in zip(
+        gpu.model.named_parameters(), cpu.model.parameters(), strict=True
+    ):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+
+
+def _bucket_count(training: _Training) -> int:
+    return len(training.strategy._store.replicas[-1].gradient_buckets.buckets)
+
+
+def _first_buffers(training: _Training) -> set[int]:
+    """The first replica's bucket buffers, by address."""
+    return {
+        host.untyped_storage().data_ptr()
+        for bucket in training.strategy._store.replicas[0].gradient_buckets.buckets
+        for host, _, _ in bucket._buffers
+    }
+
+
+@pytest.mark.parametrize("replicas", [2, 3], ids=["two-gpus", "three-gpus"])
+@pytest.mark.fake_gpus(3)
+def test_the_buckets_are_added_up_during_backward_bit_for_bit(replicas: int) -> None:
+    """From the second step on (the first lays the buckets out at its sync point), every
+    bucket is handed to the helper before the replicas return, the first replica's buckets
+    hold the sums, lent to ``.grad``, and training matches the twin bit for bit."""
+    gpu, cpu = _pair(replicas)
+    for step in range(4):
+        for training in (gpu, cpu):
+            training.step(seed=step, zero=False)
+        _assert_same(gpu, cpu)
+        count = _bucket_count(gpu)
+        assert count > 2  # (1 KiB buckets)
+        assert gpu.sums().added == (0 if step == 0 else count)
+        lent = {p.grad.untyped_storage().data_ptr() for p in gpu.model.parameters()}
+        assert lent <= _first_buffers(gpu)
+        for training in (gpu, cpu):
+            training.optimizer.zero_grad()
+    assert gpu.handed_in_backward == [0] + [_bucket_count(gpu)] * 3
+
+
+def test_gradients_accumulated_in_grad_are_folded_from_the_buckets() -> None:
+    """A run that finds ``.grad`` filled (two runs a step, or no ``zero_grad``) adds to it
+    first, ``(old + r0) + r1``: no bucket is added up early, and ``.grad`` takes the run's
+    gradients in place."""
+    gpu, cpu = _pair()
+    for step in range(4):
+        for training in (gpu, cpu):
+            training.run(seed=2 * step)
+        added_first = gpu.sums().added
+        lent = [p.grad for p in gpu.model.parameters()]
+        for training in (gpu, cpu):
+            training.run(seed=2 * step + 1)
+        assert gpu.sums().added == 0
+        assert all(a is b for a, b in zip(lent, (p.grad for p in gpu.model.parameters())))
+        del lent
+        for training in (gpu, cpu):
+            training.optimizer.step()
+            if step % 2:
+                training.optimizer.zero_grad()
+        _assert_same(gpu, cpu)
+        # added up where the first run found no .grad: not at step 0 (the layout is made
+        # at its sync point) nor after a step without zero_grad (1 and 3)
+        assert added_first == (_bucket_count(gpu) if step == 2 else 0)
+
+
+def _held(replicas: int = 2) -> _Training:
+    """The same training on GPUs with the buckets added up at the sync point only."""
+    gpus = [f"cuda:{i}" for i in range(replicas)]
+    strategy = cs.CentralStorageStrategy(gpus, parameter_device="cpu")
+    strategy._store._sums = None
+    return _Training(strategy)
+
+
+def _assert_equal_states(a: _Training, b: _Training) -> None:
+    for (name, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
+    """The last replica makes a second backward after its buckets were handed over: those
+    gradients are copied alone and the fold adds them after the sum, as it adds them after
+    the other replicas' without early sums (bit for bit that path, and the twin, which adds
+    each replica's two passes first, to rounding). Where every replica makes two, nothing is
+    added early."""
+
+    def second_pass_on_the_last(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if cs.get_replica_context().replica_id_in_sync_group == 1:
+            _square(model, x).backward()
+        return _square(model, x)
+
+    (gpu, cpu), held = _pair(), _held()
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            training.step(seed=step, loss=second_pass_on_the_last)
+        _assert_equal_states(gpu, held)
+        for name, value in cpu.model.state_dict().items():
+            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        assert gpu.sums().added == (_bucket_count(gpu) if step else 0)
+    for training in (gpu, held):
+        training.step(seed=3, passes=2)
+    _assert_equal_states(gpu, held)
+    assert gpu.sums().added == 0
+
+
+def test_replicas_that_use_different_heads_fold_the_buckets_that_differ() -> None:
+    """Each replica uses a head of its own: the buckets holding the heads differ between
+    the replicas and wait for the fold; the trunk's are added up early. Bit for bit the
+    twin."""
+
+    def own_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        replica = cs.get_replica_context().replica_id_in_sync_group
+        return model(x, (replica,)).square().mean()
+
+    gpu, cpu = _pair()
+    for step in range(4):
+        for training in (gpu, cpu):
+            training.step(seed=step, loss=own_head)
+        _assert_same(gpu, cpu)
+        if step:
+            assert 0 < gpu.sums().added < _bucket_count(gpu)
+
+
+def test_a_replica_that_runs_on_after_a_rendezvous_keeps_its_buckets_for_the_fold() -> None:
+    """Replica 0 meets the others in an ``all_reduce`` after its backward and may run on
+    (another backward would come before the last replica's in the fold): nothing is added
+    early, and training matches the twin bit for bit."""
+
+    def meets_after_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = _square(model, x)
+        loss.backward()
+        cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, loss.detach())
+        return loss.detach() * 0
+
+    gpu, cpu = _pair()
+    for step in range(3):
+        for training in (gpu, cpu):
+            training.step(seed=step, loss=lambda m, x: _backward_only(meets_after_backward, m, x))
+        _assert_same(gpu, cpu)
+        assert gpu.sums().added == 0
+    for training in (gpu, cpu):  # a run without rendezvous adds up early again
+        training.step(seed=3)
+    _assert_same(gpu, cpu)
+    assert gpu.sums().added == _bucket_count(gpu)
+
+
+def _backward_only(loss: Loss, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``loss`` (which runs its own backward) as a loss whose backward does nothing."""
+    return loss(model, x).requires_grad_()
+
+
+def test_a_failed_run_discards_the_buckets_after_the_helper() -> None:
+    """The last replica raises after its backward (every bucket handed to the helper by
+    then): the run's gradients are discarded once the helper is done, ``.grad`` stays as
+    before the run, and the next steps match the twin."""
+    gpu, cpu = _pair()
+    for training in (gpu, cpu):
+        training.step(seed=0)
+        training.step(seed=1)
+    handed = []
+
+    def fails(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = _square(model, x)
+        if cs.get_replica_context().replica_id_in_sync_group == 1:
+            loss.backward()
+            if model is gpu.model:
+                handed.append(len(gpu.sums()._handed))
+            raise RuntimeError("after backward")
+        return loss
+
+    for training in (gpu, cpu):
+        with pytest.raises(RuntimeError, match="after backward"):
+            training.run(seed=2, loss=fails)
+        assert all(p.grad is None for p in training.model.parameters())
+    assert handed == [_bucket_count(gpu)]
+    assert gpu.sums().added == 0 and not gpu.sums()._handed
+    for step in (3, 4):
+        for training in (gpu, cpu):
+            training.step(seed=step)
+        _assert_same(gpu, cpu)
+        assert gpu.sums().added == _bucket_count(gpu)
+
+
+def test_a_gradient_kept_past_zero_grad_keeps_its_values() -> None:
+    """A ``.grad`` lent from the first replica's bucket and kept past ``zero_grad()``: the
+    next steps' sums go into another buffer of that bucket, and the kept values stay."""
+    gpu, cpu = _pair()
+    for training in (gpu, cpu):
+        training.step(seed=0)
+        training.step(seed=1, zero=False)
+    kept = gpu.model.trunk[0].weight.grad
+    assert kept is not None
+    value = kept.clone()
+    for training in (gpu, cpu):
+        training.optimizer.zero_grad()
+        for seed in (2, 3):
+            training.step(seed=seed)
+    assert torch.equal(kept, value)
+    _assert_same(gpu, cpu)
+    assert gpu.sums().added == _bucket_count(gpu)
