@@ -85,41 +85,54 @@ class BucketState(enum.Enum):
     READ = "read"  # the host waited for the copy; its gradients may not all be taken yet
 
 
-class Lender:
-    """Buffers of one size, each cut into a view per piece, whose views the sync point lends
-    to ``.grad`` (``lend``): ``host`` and ``views`` are the buffer being filled. At the start
-    of each fill (``unlent``) it takes a buffer that nothing outside it uses any more (a
-    ``.grad`` not yet set to None, a view of one kept), up to ``LENT_BUFFERS``; with that
-    many in use, a spare, which the sync point copies out instead of lending (``lends``).
-    ``make`` allocates a buffer. A loop that calls ``zero_grad()`` before its next backward
-    fills one buffer at every step."""
+@final
+class Bucket:
+    """A bucket of gradients of one dtype: its pinned buffers, and the fill in progress.
 
-    __slots__ = ("_buffers", "_make", "_spare", "_uses", "host", "lends", "pieces", "shapes",
-                 "views")
+    The sync point hands the gradients in the buffer to ``.grad`` as they lie (``lend``):
+    while some tensor still uses the buffer's memory (a ``.grad`` not yet set to None, a
+    view of one kept), the next fill goes to another buffer, taken from the ones no longer
+    used or pinned anew, up to ``LENT_BUFFERS``; with that many in use, it fills a spare,
+    which the sync point copies out instead of lending (``lends``). A loop that calls
+    ``zero_grad()`` before its next backward fills one buffer at every step."""
+
+    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_spare", "_streams",
+                 "_uses", "arrived", "dtype", "host", "keys", "lends", "pieces", "state",
+                 "unread", "views")
 
     def __init__(
-        self, make: Callable[[], torch.Tensor], pieces: list[Piece], shapes: list[torch.Size]
+        self, dtype: torch.dtype, numel: int, pieces: list[Piece],
+        shapes: list[torch.Size], keys: list[int],
     ) -> None:
+        self.dtype = dtype
         self.pieces = pieces
-        self.shapes = shapes  # by piece: its gradient's shape
-        self._make = make
+        self.keys = keys  # by piece: the variable whose gradient lands there
+        self._shapes = shapes  # by piece: its gradient's shape
+        self.state = BucketState.EMPTY
+        self.arrived = 0
+        self.unread = 0  # pieces copied in and not yet taken by a sync point
+        self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
+        # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
+        self._streams: dict[int, Any] = {}
+        self._side: Any = None
+        self._event: Any = None
         # the buffers it may lend: (buffer, its views by piece, its storage's use count when
         # nothing else uses it); the one being filled is ``host``, ``views``
-        self._buffers = [self._cut(make())]
+        self._buffers = [self._pinned(torch.empty(numel, dtype=dtype, pin_memory=True))]
         self._spare: _Buffer | None = None  # never lent (``LENT_BUFFERS``)
         self.host, self.views, self._uses = self._buffers[0]
         self.lends = True  # whether the sync point may lend the fill's gradients to ``.grad``
 
-    def _cut(self, host: torch.Tensor) -> _Buffer:
+    def _pinned(self, host: torch.Tensor) -> _Buffer:
         views = [
             host[p.offset:p.offset + p.numel].view(shape)
-            for p, shape in zip(self.pieces, self.shapes, strict=True)
+            for p, shape in zip(self.pieces, self._shapes, strict=True)
         ]
         return host, views, _use_count(host)
 
-    def unlent(self) -> None:
+    def _unlent(self) -> None:
         """At the start of a fill: the buffer of the fill before, if nothing outside the
-        lender uses it any more; else one that nothing uses, or a new one; else (with
+        bucket uses it any more; else one that nothing uses, or a new one; else (with
         ``LENT_BUFFERS`` in use) the spare."""
         if self.lends and _use_count(self.host) == self._uses:
             return
@@ -129,53 +142,19 @@ class Lender:
                 self.host, self.views, self._uses = buffer
                 return
         if len(self._buffers) < LENT_BUFFERS:
-            self._buffers.append(self._cut(self._make()))
+            self._buffers.append(self._pinned(torch.empty_like(self.host, pin_memory=True)))
             self.host, self.views, self._uses = self._buffers[-1]
             return
         if self._spare is None:
-            self._spare = self._cut(self._make())
+            self._spare = self._pinned(torch.empty_like(self.host, pin_memory=True))
         self.host, self.views, self._uses = self._spare
         self.lends = False
 
     @property
-    def nbytes(self) -> int:
-        """The bytes of every buffer allocated (lent or not)."""
-        buffers = self._buffers if self._spare is None else [*self._buffers, self._spare]
-        return sum(host.untyped_storage().nbytes() for host, _, _ in buffers)
-
-
-@final
-class Bucket(Lender):
-    """A bucket of gradients of one dtype: its pinned buffers (a ``Lender``'s), and the fill
-    in progress. ``keys``: by piece, the variable whose gradient lands there."""
-
-    __slots__ = ("__weakref__", "_event", "_held", "_side", "_streams", "arrived", "dtype",
-                 "keys", "numel", "state", "sums", "unread")
-
-    def __init__(
-        self, dtype: torch.dtype, numel: int, pieces: list[Piece],
-        shapes: list[torch.Size], keys: list[int],
-    ) -> None:
-        super().__init__(
-            functools.partial(torch.empty, numel, dtype=dtype, pin_memory=True), pieces, shapes
-        )
-        self.dtype, self.numel, self.keys = dtype, numel, keys
-        self.state = BucketState.EMPTY
-        self.arrived = 0
-        self.unread = 0  # pieces copied in and not yet taken by a sync point
-        self._held: list[torch.Tensor | None] = [None] * len(pieces)  # the arrived runs
-        # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
-        self._streams: dict[int, Any] = {}
-        self._side: Any = None
-        self._event: Any = None
-        # where the replicas' gradients of this bucket are added up on the host while
-        # backward goes on (``sums.py``; one replica's buckets hold it), made at first use
-        self.sums: Lender | None = None
-
-    @property
     def pinned_bytes(self) -> int:
         """The bytes of every buffer pinned for the bucket."""
-        return self.nbytes
+        buffers = self._buffers if self._spare is None else [*self._buffers, self._spare]
+        return sum(host.untyped_storage().nbytes() for host, _, _ in buffers)
 
     def accepts(self, piece: Piece) -> bool:
         """Whether ``piece`` may land now: the bucket's fill is open and has not had the
@@ -194,7 +173,7 @@ class Bucket(Lender):
             if not self.accepts(piece):
                 return False
             self.state, self.arrived, self._side = BucketState.FILLING, 0, side
-            self.unlent()
+            self._unlent()
         self._held[piece.position] = run
         if stream.cuda_stream not in self._streams:
             self._streams[stream.cuda_stream] = stream
