@@ -24,7 +24,10 @@ such a machine can tell:
      cs cpu -> cuda:0 fused  the same with the optimizer's fused kernel (``fused=True``),
                              which updates the variables on the host in one pass
      cs cuda:0               centralstore, variables and the replica on cuda:0
-     cs R=2 cpu -> cuda:0,1  with two GPUs or more: two replicas, variables on the CPU
+     cs R=2 cpu -> cuda:0,1  two replicas, variables on the CPU (``cuda:0,0``, both on
+                             cuda:0, with one GPU), their buckets added up on the host
+                             while backward runs (``variables/sums.py``)
+     ... held                the same with those sums left to the sync point
    Columns: the median ms per step over the rounds (timed between synchronizations of every
    GPU; the order of the configurations alternates between rounds), its ratio to plain, the
    median ms of the optimizer's step alone (``update``: with the variables on the CPU, the
@@ -129,6 +132,9 @@ class Config:
     parameter_device: str | None  # None: plain PyTorch, no strategy
     compute_devices: tuple[str, ...]
     fused: bool = False  # the optimizer's fused kernel instead of its default
+    # several replicas, variables on the CPU: their buckets added up while backward runs
+    # (``variables/sums.py``), or, False, at the sync point
+    early_sums: bool = True
 
 
 
@@ -142,8 +148,12 @@ def configs(num_gpus: int) -> list[Config]:
         Config("cs cpu -> cuda:0 fused", "cpu", ("cuda:0",), fused=True),
         Config("cs cuda:0", "cuda:0", ("cuda:0",)),
     ]
-    if num_gpus >= 2:
-        found.append(Config("cs R=2 cpu -> cuda:0,1", "cpu", ("cuda:0", "cuda:1")))
+    pair = ("cuda:0", "cuda:1") if num_gpus >= 2 else ("cuda:0", "cuda:0")
+    name = "cs R=2 cpu -> cuda:" + ("0,1" if num_gpus >= 2 else "0,0")
+    found += [
+        Config(name, "cpu", pair),
+        Config(name + " held", "cpu", pair, early_sums=False),
+    ]
     return found
 
 
@@ -290,6 +300,8 @@ def build_step(config: Config, model_name: str) -> Built:
 
         return Built(plain_step, model, optimizer.step)
     strategy = cs.CentralStorageStrategy(list(config.compute_devices), config.parameter_device)
+    if not config.early_sums:
+        strategy._store._sums = None
     with strategy.scope():
         model = make_model()
         optimizer = bench_train.make_optimizer(
