@@ -303,3 +303,31 @@ def test_a_gradient_kept_past_zero_grad_keeps_its_values() -> None:
     assert torch.equal(kept, value)
     _assert_same(gpu, cpu)
     assert gpu.sums().added == _bucket_count(gpu)
+
+
+@pytest.mark.parametrize("through", ["reduce", "each loss"])
+def test_a_backward_after_run_is_folded_as_it_comes(through: str) -> None:
+    """The replicas return their losses and the backward runs after ``run``, through
+    ``strategy.reduce`` or each replica's loss in turn (the first replica's buckets fill
+    before the last's): its gradients reach the buckets outside any run, where nothing is
+    handed to the helper (each backward's are folded as it ends), bit for bit the path
+    without early sums."""
+    (gpu, cpu), held = _pair(), _held()
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            generator = torch.Generator().manual_seed(step)
+            x = cs.PerReplica(
+                [torch.randn(4, 8, generator=generator).to(d) for d in training.devices]
+            )
+            training.optimizer.zero_grad()
+            losses = training.strategy.run(lambda x, t=training: _square(t.model, x), args=(x,))
+            if through == "reduce":
+                training.strategy.reduce("SUM", losses).backward()
+            else:
+                for loss in training.strategy.experimental_local_results(losses):
+                    loss.backward()
+            training.optimizer.step()
+        _assert_equal_states(gpu, held)
+        for name, value in cpu.model.state_dict().items():
+            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        assert not gpu.sums()._handed and gpu.sums().added == 0

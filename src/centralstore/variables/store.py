@@ -124,7 +124,7 @@ class VariableStore:
         # several GPU replicas of host variables in one process: their gradients added up
         # on the host while backward goes on
         self._sums = (
-            ReplicaSums(self.replicas, functools.partial(_waits, weakref.ref(self)))
+            ReplicaSums(self.replicas, functools.partial(_running, weakref.ref(self)))
             if len(self.replicas) > 1 and not exchange.watches_gradients and all(
                 folding.overlapped(device, placement.parameter_storage)
                 for device in placement.storage_devices
@@ -495,10 +495,10 @@ class VariableStore:
                     self.exchange.gradient_after_run(self, view)
 
 
-def _waits(store_ref: weakref.ref[VariableStore], replica: int) -> bool:
-    """Whether replica ``replica`` of the store's run waits in a rendezvous (``sums.py``)."""
+def _running(store_ref: weakref.ref[VariableStore]) -> Run | None:
+    """The store's run in progress, or None outside runs (``sums.py``)."""
     store = store_ref()
-    return store is not None and store.run.waits(replica)
+    return store.run if store is not None and store.in_run else None
 
 
 def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Tensor) -> None:

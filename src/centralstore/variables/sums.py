@@ -40,6 +40,7 @@ from .buckets import Bucket, BucketState, InBucket
 if TYPE_CHECKING:
     import torch
 
+    from .runs import Run
     from .views import ReplicaViews, View
 
 
@@ -66,14 +67,17 @@ def _add_up(hosts: list[torch.Tensor], events: list[Any]) -> None:
 @final
 class ReplicaSums:
     """The early sums of a store's GPU replicas (see the module's docstring): ``replicas``,
-    two or more, each on a GPU, their variables in host memory; ``waits(r)``: whether
-    replica ``r`` of the run in progress waits in a rendezvous."""
+    two or more, each on a GPU, their variables in host memory; ``running()``: the store's
+    run in progress, or None outside runs (a backward after ``run``, whose gradients are
+    folded as they come)."""
 
-    __slots__ = ("__weakref__", "_handed", "_helper", "_lock", "_replicas", "_waits", "added")
+    __slots__ = ("__weakref__", "_handed", "_helper", "_lock", "_replicas", "_running", "added")
 
-    def __init__(self, replicas: Sequence[ReplicaViews], waits: Callable[[int], bool]) -> None:
+    def __init__(
+        self, replicas: Sequence[ReplicaViews], running: Callable[[], Run | None]
+    ) -> None:
         self._replicas = list(replicas)
-        self._waits = waits
+        self._running = running
         self._handed: list[_Handed] = []
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # (the hooks run on the GPUs' backward threads)
@@ -87,7 +91,8 @@ class ReplicaSums:
         variables, laid out alike and copying too, and to nothing else, the helper adds
         them up."""
         last = len(self._replicas) - 1
-        if any(map(self._waits, range(last))):
+        run = self._running()
+        if run is None or any(map(run.waits, range(last))):
             return
         buckets, views = [], []
         for r, replica in enumerate(self._replicas):
@@ -120,8 +125,10 @@ class ReplicaSums:
         the helper raised (a copy that failed)."""
         handed = self._take()
         self.added = 0
-        for buckets, views, done in handed:
-            done.result()
+        failed = [error for h in handed if (error := h.done.exception()) is not None]
+        if failed:  # (once the helper has left every bucket)
+            raise failed[0]
+        for buckets, views, _ in handed:
             for bucket in buckets:
                 bucket.waited()  # (the helper waited for its copy)
             for bucket, (mine, copies) in zip(buckets[1:], views, strict=True):
@@ -170,8 +177,8 @@ def _views_of(
     copies = replica.gradient_buckets.slot_copies(keys)
     pendings = list(map(_pending_of, views))
     lengths = list(map(len, pendings))
-    if lengths.count(1) != len(keys) - (1 if arriving else 0):  # (arriving: one has none)
-        return None
+    if lengths.count(1) != len(keys) - arriving or lengths.count(0) != arriving:
+        return None  # (arriving: the one whose gradient is arriving has none yet)
     if not all(map(is_, map(_first, compress(pendings, lengths)), compress(copies, lengths))):
         return None
     tensors = list(map(_tensor_of, views))
