@@ -178,8 +178,14 @@ def _held(replicas: int = 2) -> _Training:
 
 
 def _assert_equal_states(a: _Training, b: _Training) -> None:
+    """The same weights and ``.grad``, bit for bit; then both zeroed for the next step."""
     for (name, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         assert torch.equal(x, y), name
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        assert p.grad is None or torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+    for training in (a, b):
+        training.optimizer.zero_grad()
 
 
 def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
@@ -197,10 +203,11 @@ def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
     (gpu, cpu), held = _pair(), _held()
     for step in range(3):
         for training in (gpu, held, cpu):
-            training.step(seed=step, loss=second_pass_on_the_last)
+            training.step(seed=step, loss=second_pass_on_the_last, zero=False)
         _assert_equal_states(gpu, held)
         for name, value in cpu.model.state_dict().items():
             torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        cpu.optimizer.zero_grad()
         assert gpu.sums().added == (_bucket_count(gpu) if step else 0)
     for training in (gpu, held):
         training.step(seed=3, passes=2)
@@ -227,31 +234,47 @@ def test_replicas_that_use_different_heads_fold_the_buckets_that_differ() -> Non
 
 
 def test_a_replica_that_runs_on_after_a_rendezvous_keeps_its_buckets_for_the_fold() -> None:
-    """Replica 0 meets the others in an ``all_reduce`` after its backward and may run on
-    (another backward would come before the last replica's in the fold): nothing is added
-    early, and training matches the twin bit for bit."""
+    """Each replica makes a backward, meets the others in an ``all_reduce``, and makes a
+    second: when the last replica's buckets fill, the first waits in the rendezvous and
+    will add a second backward's gradients, which the fold adds before the last replica's.
+    Nothing is added early: bit for bit the path without early sums (the twin, which adds
+    each replica's two passes first, to rounding)."""
 
-    def meets_after_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        loss = _square(model, x)
-        loss.backward()
-        cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, loss.detach())
-        return loss.detach() * 0
+    def backward_meet_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        _square(model, x).backward()
+        cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, x.sum())
+        return _square(model, x)
+
+    (gpu, cpu), held = _pair(), _held()
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            training.step(seed=step, loss=backward_meet_backward, zero=False)
+        _assert_equal_states(gpu, held)
+        for name, value in cpu.model.state_dict().items():
+            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        cpu.optimizer.zero_grad()
+        assert gpu.sums().added == 0
+    for training in (gpu, held):  # a run without rendezvous adds up early again
+        training.step(seed=3)
+    _assert_equal_states(gpu, held)
+    assert gpu.sums().added == _bucket_count(gpu)
+
+
+def test_replicas_that_meet_before_their_backward_add_up_early_on_threads() -> None:
+    """Replicas that meet in an ``all_reduce`` before their backward run on replica threads
+    from there on; the first has returned when the last one's buckets fill, so they are
+    added up early, bit for bit the twin."""
+
+    def meets_first(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, x.sum())
+        return _square(model, x)
 
     gpu, cpu = _pair()
     for step in range(3):
         for training in (gpu, cpu):
-            training.step(seed=step, loss=lambda m, x: _backward_only(meets_after_backward, m, x))
+            training.step(seed=step, loss=meets_first)
         _assert_same(gpu, cpu)
-        assert gpu.sums().added == 0
-    for training in (gpu, cpu):  # a run without rendezvous adds up early again
-        training.step(seed=3)
-    _assert_same(gpu, cpu)
-    assert gpu.sums().added == _bucket_count(gpu)
-
-
-def _backward_only(loss: Loss, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``loss`` (which runs its own backward) as a loss whose backward does nothing."""
-    return loss(model, x).requires_grad_()
+        assert gpu.sums().added == (_bucket_count(gpu) if step else 0)
 
 
 def test_a_failed_run_discards_the_buckets_after_the_helper() -> None:
