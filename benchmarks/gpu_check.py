@@ -457,7 +457,7 @@ def benchmark(rounds: int, steps: int) -> bool:
     print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
           f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes")
     print(f"H2D and D2H per step: {source}\n")
-    print(f"{'model':<12} {'config':<23} {'ms/step':>8} {'/plain':>7} {'update':>7} "
+    print(f"{'model':<12} {'config':<27} {'ms/step':>8} {'/plain':>7} {'update':>7} "
           f"{'peak MB':>8} {'H2D MB':>8} {'D2H MB':>8}")
     all_ran = True
     for model_name in MODEL_NAMES:
@@ -472,7 +472,7 @@ def benchmark(rounds: int, steps: int) -> bool:
         medians = time_configs(model_name, working, rounds, steps)
         plain = medians.get(PLAIN.name)
         for config in candidates:
-            label = f"{model_name:<12} {config.name:<23}"
+            label = f"{model_name:<12} {config.name:<27}"
             if config.name in errors:
                 print(f"{label} raised {errors[config.name]}")
                 continue
