@@ -15,10 +15,11 @@ nothing: every other replica has returned (one that waits in a rendezvous may st
 second backward's gradients, which the fold would add before the last replica's), each of
 its views of the bucket's variables holds its copy into that bucket and nothing else, and
 the variables have no ``.grad`` (one accumulated across runs comes first in the fold:
-``(old + r0) + r1`` is not ``old + (r0 + r1)``). A second backward of the last replica after
-the hand-off leaves its gradients beside the copy, and the fold adds them after the sum, as it
-would have. The other buckets are folded as before. A run that fails waits for the helper
-and discards the buckets as before.
+``(old + r0) + r1`` is not ``old + (r0 + r1)``), and the copy started inside a run (a
+backward after ``run`` folds its gradients as it ends). A second backward of the last
+replica after the hand-off leaves its gradients beside the copy, and the fold adds them after
+the sum, as it would have. The other buckets are folded as before. A run that fails waits for
+the helper and discards the buckets as before.
 """
 
 from __future__ import annotations
