@@ -178,14 +178,28 @@ def _held(replicas: int = 2) -> _Training:
 
 
 def _assert_equal_states(a: _Training, b: _Training) -> None:
-    """The same weights and ``.grad``, bit for bit; then both zeroed for the next step."""
-    for (name, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        assert torch.equal(x, y), name
-    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), name
-        assert p.grad is None or torch.equal(p.grad, q.grad), name  # type: ignore[arg-type]
+    """``_assert_same`` of two GPU trainings; then both zeroed for the next step."""
+    _assert_same(a, b)
     for training in (a, b):
         training.optimizer.zero_grad()
+
+
+def _against_held(
+    loss: Loss, added: Callable[[int, _Training], int]
+) -> tuple[_Training, _Training]:
+    """Three steps of ``loss`` on the GPUs with the early sums and held, bit for bit (weights
+    and ``.grad``), and on the twin, to rounding; ``added(step, gpu)``: the buckets added
+    up early at each step. Returns the two GPU trainings."""
+    (gpu, cpu), held = _pair(), _held()
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            training.step(seed=step, loss=loss, zero=False)
+        _assert_equal_states(gpu, held)
+        for name, value in cpu.model.state_dict().items():
+            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        cpu.optimizer.zero_grad()
+        assert gpu.sums().added == added(step, gpu)
+    return gpu, held
 
 
 def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
@@ -200,15 +214,9 @@ def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
             _square(model, x).backward()
         return _square(model, x)
 
-    (gpu, cpu), held = _pair(), _held()
-    for step in range(3):
-        for training in (gpu, held, cpu):
-            training.step(seed=step, loss=second_pass_on_the_last, zero=False)
-        _assert_equal_states(gpu, held)
-        for name, value in cpu.model.state_dict().items():
-            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
-        cpu.optimizer.zero_grad()
-        assert gpu.sums().added == (_bucket_count(gpu) if step else 0)
+    gpu, held = _against_held(
+        second_pass_on_the_last, lambda step, gpu: _bucket_count(gpu) if step else 0
+    )
     for training in (gpu, held):
         training.step(seed=3, passes=2)
     _assert_equal_states(gpu, held)
@@ -245,15 +253,7 @@ def test_a_replica_that_runs_on_after_a_rendezvous_keeps_its_buckets_for_the_fol
         cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, x.sum())
         return _square(model, x)
 
-    (gpu, cpu), held = _pair(), _held()
-    for step in range(3):
-        for training in (gpu, held, cpu):
-            training.step(seed=step, loss=backward_meet_backward, zero=False)
-        _assert_equal_states(gpu, held)
-        for name, value in cpu.model.state_dict().items():
-            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
-        cpu.optimizer.zero_grad()
-        assert gpu.sums().added == 0
+    gpu, held = _against_held(backward_meet_backward, lambda step, gpu: 0)
     for training in (gpu, held):  # a run without rendezvous adds up early again
         training.step(seed=3)
     _assert_equal_states(gpu, held)

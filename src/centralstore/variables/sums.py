@@ -28,7 +28,7 @@ import functools
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import compress, repeat
 from operator import attrgetter, call, delitem, is_, is_not, itemgetter
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 from torch._C import DisableTorchFunctionSubclass
 
+from .._autograd import grad_of, some
 from .buckets import Bucket, BucketState, InBucket
 
 if TYPE_CHECKING:
@@ -183,26 +184,21 @@ def _views_of(
     if not all(map(is_, map(_first, compress(pendings, lengths)), compress(copies, lengths))):
         return None
     tensors = list(map(_tensor_of, views))
-    if not all(map(is_, map(_alias_of, views), repeat(None))) or _any(map(_grad_of, tensors)):
+    if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
         return None
     centrals = list(map(call, map(_ref_of, views)))
     if not all(map(is_not, centrals, repeat(None))):
         return None
     with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-        if _any(map(_grad_of, centrals)):
+        if some(map(grad_of, centrals)):
             return None
     return views, copies  # type: ignore[return-value]
-
-
-def _any(values: Iterable[torch.Tensor | None]) -> bool:
-    return any(map(is_not, values, repeat(None)))
 
 
 _first = itemgetter(0)
 _pending_of = attrgetter("pending")
 _tensor_of = attrgetter("tensor")
 _alias_of = attrgetter("alias")
-_grad_of = attrgetter("grad")
 _ref_of = attrgetter("record.ref")
 
 
