@@ -4,9 +4,10 @@ Every test trains on fake GPUs with the variables on the CPU and compares bit fo
 a twin whose replicas are logical CPU devices seeing views (the same fold), or, where that
 twin agrees only to rounding (second backward passes, whose order differs on GPUs), with the
 same GPU training with the sums held for the sync point. A bucket added up early is the
-fold's own arithmetic; where the fold would add something else (a ``.grad`` already there,
-replicas whose buckets differ, a replica that runs on after a rendezvous) the buckets wait
-for the fold as before.
+fold's own arithmetic, from the ``.grad`` already there where a run accumulates; where the
+fold would add something else (replicas whose buckets differ, a replica that runs on after
+a rendezvous, a bucket whose variables' ``.grad`` are partly empty) the buckets wait for the
+fold as before.
 """
 
 from __future__ import annotations
@@ -144,10 +145,12 @@ def test_the_buckets_are_added_up_during_backward_bit_for_bit(replicas: int) -> 
     assert gpu.handed_in_backward == [0] + [_bucket_count(gpu)] * 3
 
 
-def test_gradients_accumulated_in_grad_are_folded_from_the_buckets() -> None:
-    """A run that finds ``.grad`` filled (two runs a step, or no ``zero_grad``) adds to it
-    first, ``(old + r0) + r1``: no bucket is added up early, and ``.grad`` takes the run's
-    gradients in place."""
+def test_gradients_accumulated_in_grad_are_added_up_early_and_copied_into_it() -> None:
+    """A run that finds ``.grad`` filled (two runs a step, or no ``zero_grad``): the helper
+    adds the old gradients into the first replica's buckets, then the other replica's,
+    ``(old + r0) + r1`` as the fold adds them, and the sync point copies the sums into
+    ``.grad``, which stays the same tensors; the step's last bucket (nothing left to hide
+    the helper's work behind) is folded. Bit for bit the twin."""
     gpu, cpu = _pair()
     for step in range(4):
         for training in (gpu, cpu):
@@ -156,7 +159,7 @@ def test_gradients_accumulated_in_grad_are_folded_from_the_buckets() -> None:
         lent = [p.grad for p in gpu.model.parameters()]
         for training in (gpu, cpu):
             training.run(seed=2 * step + 1)
-        assert gpu.sums().added == 0
+        assert gpu.sums().added == _bucket_count(gpu) - 1
         assert all(a is b for a, b in zip(lent, (p.grad for p in gpu.model.parameters())))
         del lent
         for training in (gpu, cpu):
@@ -164,9 +167,62 @@ def test_gradients_accumulated_in_grad_are_folded_from_the_buckets() -> None:
             if step % 2:
                 training.optimizer.zero_grad()
         _assert_same(gpu, cpu)
-        # added up where the first run found no .grad: not at step 0 (the layout is made
-        # at its sync point) nor after a step without zero_grad (1 and 3)
-        assert added_first == (_bucket_count(gpu) if step == 2 else 0)
+        # every run adds up early but the first (the layout is made at its sync point):
+        # every bucket where it finds .grad empty (step 2), all but the last where filled
+        # (steps 1 and 3)
+        count = _bucket_count(gpu)
+        assert added_first == {0: 0, 1: count - 1, 2: count, 3: count - 1}[step]
+
+
+def test_a_bucket_whose_grads_are_partly_filled_is_folded() -> None:
+    """One variable of a bucket has no ``.grad`` where the others have one: the fold would
+    take that one's sum as it is and add the others', so the bucket waits for the fold;
+    the other buckets are added up early. Bit for bit the twin."""
+    gpu, cpu = _pair()
+    for step in range(3):
+        for training in (gpu, cpu):
+            training.run(seed=2 * step)
+            training.model.heads[1].bias.grad = None
+            training.run(seed=2 * step + 1)
+        if step:
+            assert 0 < gpu.sums().added < _bucket_count(gpu)
+        for training in (gpu, cpu):
+            training.optimizer.step()
+            training.optimizer.zero_grad()
+        _assert_same(gpu, cpu)
+
+
+def test_a_grad_written_under_the_early_sums_fails_the_run() -> None:
+    """A ``.grad`` kept from before ``run`` and written in place inside it, after its
+    bucket was handed to the helper (which may have read it already): the run raises and
+    its gradients are discarded, ``.grad`` keeps the write alone; the next run adds up
+    early again, bit for bit the twin given the same write."""
+    gpu, cpu = _pair()
+    for training in (gpu, cpu):
+        training.step(seed=0)
+        training.run(seed=1)
+    head = gpu.model.heads[1].weight  # in a bucket that fills early: handed over
+    kept = head.grad
+    assert kept is not None
+    before = {p: p.grad.clone() for p in gpu.model.parameters()}  # type: ignore[union-attr]
+
+    def writes_kept(x: torch.Tensor) -> None:
+        _square(gpu.model, x).backward()
+        if cs.get_replica_context().replica_id_in_sync_group == 1:
+            kept.mul_(2)
+
+    x = cs.PerReplica([torch.randn(4, 8).to(d) for d in gpu.devices])
+    with pytest.raises(RuntimeError, match="written in place during run"):
+        gpu.strategy.run(writes_kept, args=(x,))
+    assert head.grad is kept
+    for p, old in before.items():
+        assert torch.equal(p.grad, 2 * old if p is head else old)  # type: ignore[arg-type]
+    assert gpu.sums().added == 0 and not gpu.sums()._handed
+    cpu.model.heads[1].weight.grad.mul_(2)  # type: ignore[union-attr]
+    for training in (gpu, cpu):
+        training.step(seed=3)
+    _assert_same(gpu, cpu)
+    assert gpu.sums().added == _bucket_count(gpu) - 1
 
 
 def _held(replicas: int = 2) -> _Training:

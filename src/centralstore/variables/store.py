@@ -369,7 +369,8 @@ class VariableStore:
     def close_run(self, error: BaseException | None) -> BaseException | None:
         """The replicas are done (``error``: one raised it); the sync point follows
         (``Workers.sync``), with the error this returns: ``error``, or else a write that a
-        kernel made behind a variable's version counter and its aggregation forbids."""
+        kernel made behind a variable's version counter and its aggregation forbids, or a
+        ``.grad`` changed under the replicas' early sums (``ReplicaSums.check``)."""
         self.in_run = False
         self.run.close()
         if error is None and any(map(_unseen_of, self.replicas)):
@@ -377,6 +378,8 @@ class VariableStore:
                 record_unseen(self.replicas)
             except ValueError as unseen_write:
                 return unseen_write
+        if error is None and self._sums is not None:  # a .grad the sums read, changed since
+            return self._sums.check()
         return error
 
     @contextlib.contextmanager
@@ -438,7 +441,7 @@ class VariableStore:
             if discard or not any(touched):
                 self._sums.drop()
             else:
-                self._sums.settle()
+                received += self._sums.settle()
         if any(touched):
             if discard:
                 for replica in self.replicas:

@@ -3,23 +3,32 @@
 Several replicas on GPUs in one process whose variables live in host memory copy their
 gradients into pinned buckets during backward (``buckets.py``); the sync point adds the
 other replicas' buckets into the first replica's, in place and in replica order, and lends
-that to ``.grad``. ``ReplicaSums`` makes those additions earlier: once the last replica's
-copy of a bucket has started, a helper thread waits for it and for the other replicas'
-copies of the same bucket, and adds them into the first replica's, while the GPUs still
-compute the buckets after it. The sync point then only waits for the helper and takes the
-added buckets off the other replicas' views: the first replica's bucket holds the sum, the
-fold's own arithmetic in its own order, so the same bits.
+that to ``.grad`` (or adds them all, in the same order, to a ``.grad`` already there).
+``ReplicaSums`` makes those additions earlier: once the last replica's copy of a bucket has
+started, a helper thread waits for it and for the other replicas' copies of the same
+bucket, and adds them into the first replica's, while the GPUs still compute the buckets
+after it. The sync point then only waits for the helper and takes the added buckets off the
+views: the first replica's bucket holds the sum, the fold's own arithmetic in its own
+order, so the same bits.
 
-A bucket is handed to the helper only where the fold would add exactly those gradients to
-nothing: every other replica has returned (one that waits in a rendezvous may still add a
-second backward's gradients, which the fold would add before the last replica's), each of
-its views of the bucket's variables holds its copy into that bucket and nothing else, and
-the variables have no ``.grad`` (one accumulated across runs comes first in the fold:
-``(old + r0) + r1`` is not ``old + (r0 + r1)``), and the copy started inside a run (a
-backward after ``run`` folds its gradients as it ends). A second backward of the last
-replica after the hand-off leaves its gradients beside the copy, and the fold adds them after
-the sum, as it would have. The other buckets are folded as before. A run that fails waits for
-the helper and discards the buckets as before.
+A bucket is handed to the helper only where the fold would add exactly those gradients: every
+other replica has returned (one that waits in a rendezvous may still add a second
+backward's gradients, which the fold would add before the last replica's), each of its
+views of the bucket's variables holds its copy into that bucket and nothing else, and the
+copy started inside a run (a backward after ``run`` folds its gradients as it ends). The
+variables have no ``.grad`` (then the sum is lent, as the fold's), or each has a dense one
+of the bucket's dtype and shape (a run that accumulates across runs): the fold computes
+``(old + r0) + r1``, so the helper first adds the old gradients into the first replica's
+bucket (``r0 + old``, which is ``old + r0`` bit for bit), then the others' buckets, and
+the sync point copies the sums into ``.grad`` in place: one pass over the gradients where
+the fold made R, and ``.grad`` untouched until then, so that a failed run leaves it as it
+was. A ``.grad`` replaced or written in place between the hand-over and the sync point (a
+tensor kept from before ``run`` and written inside it) would have been read too early: the
+run fails with an error that says so, and its work is discarded (``check``).
+
+A second backward of the last replica after the hand-off leaves its gradients beside the
+copy, and the fold adds them after the sum, as it would have. The other buckets are folded
+as before. A run that fails waits for the helper and discards the buckets as before.
 """
 
 from __future__ import annotations
@@ -34,33 +43,46 @@ from itertools import compress, repeat
 from operator import attrgetter, call, delitem, is_, is_not, itemgetter
 from typing import TYPE_CHECKING, Any, NamedTuple, final
 
+import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .._autograd import grad_of, some
+from .._autograd import grad_of, no_grad, some, version_of
 from .buckets import Bucket, BucketState, InBucket
 
 if TYPE_CHECKING:
-    import torch
-
     from .runs import Run
     from .views import ReplicaViews, View
 
 
+class _Start(NamedTuple):
+    """The ``.grad`` a handed bucket's sum starts from (a run that accumulates into it): the
+    variables, their gradients and those gradients' version counters at the hand-over, and
+    the first replica's views of its bucket's buffer, all by piece."""
+
+    centrals: list[torch.Tensor]
+    olds: list[torch.Tensor]
+    versions: list[int]
+    firsts: list[torch.Tensor]
+
+
 class _Handed(NamedTuple):
-    """A bucket handed to the helper: each replica's bucket, and after the first its views
-    of the bucket's variables with their copies into it, in replica order; the helper's
-    work."""
+    """A bucket handed to the helper: each replica's bucket and its views of the bucket's
+    variables with their copies into it, in replica order; the ``.grad`` the sum starts
+    from, if any; the helper's work."""
 
     buckets: list[Bucket]
     views: list[tuple[list[View], list[InBucket]]]
+    start: _Start | None
     done: Future[None]
 
 
-def _add_up(hosts: list[torch.Tensor], events: list[Any]) -> None:
-    """(On the helper thread.) Once every copy has finished, the other replicas' buffers
-    added into the first's, in replica order."""
+def _add_up(hosts: list[torch.Tensor], events: list[Any], start: _Start | None) -> None:
+    """(On the helper thread.) Once every copy has finished, the old gradients (``start``)
+    and then the other replicas' buffers added into the first's, in replica order."""
     for event in events:
         event.synchronize()
+    if start is not None:  # ``r0 + old`` is the fold's ``old + r0``, bit for bit
+        torch._foreach_add_(start.firsts, start.olds)
     first = hosts[0]
     for host in hosts[1:]:
         first.add_(host)
@@ -90,8 +112,8 @@ class ReplicaSums:
     def launched(self, bucket: Bucket) -> None:
         """The last replica's copy of ``bucket`` has started (its gradient is not yet on its
         view): if the fold would add it to the other replicas' buckets of the same
-        variables, laid out alike and copying too, and to nothing else, the helper adds
-        them up."""
+        variables, laid out alike and copying too, and to nothing else or to their
+        ``.grad``, the helper adds them up."""
         last = len(self._replicas) - 1
         run = self._running()
         if run is None or any(map(run.waits, range(last))):
@@ -114,26 +136,71 @@ class ReplicaSums:
                 return
             buckets.append(theirs)
             views.append(mine)
+        centrals = list(map(call, map(_ref_of, views[0][0])))
+        if not all(map(is_not, centrals, repeat(None))):
+            return
+        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
+            olds = list(map(grad_of, centrals))
+        start = None
+        if some(olds):
+            # (the step's last bucket has no backward left to hide behind: for it the
+            # helper's two additions and the copy into .grad would cost more than the fold)
+            if self._replicas[-1].gradient_buckets.complete or not _addable(olds, buckets[0]):
+                return
+            start = _Start(centrals, olds, list(map(version_of, olds)), buckets[0].views)
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="centralstore-sums")
-        done = self._helper.submit(_add_up, [b.host for b in buckets], [b.event for b in buckets])
+        done = self._helper.submit(
+            _add_up, [b.host for b in buckets], [b.event for b in buckets], start
+        )
         with self._lock:
-            self._handed.append(_Handed(buckets, views[1:], done))
+            self._handed.append(_Handed(buckets, views, start, done))
 
-    def settle(self) -> None:
+    def check(self) -> RuntimeError | None:
+        """Before the sync point of a run: an error if a ``.grad`` that a handed bucket's
+        sum started from was replaced or written in place since the hand-over (the helper
+        may have read it before), so that the run's work is discarded; else None."""
+        with self._lock:
+            starts = [h.start for h in self._handed if h.start is not None]
+        for centrals, olds, versions, _ in starts:
+            with DisableTorchFunctionSubclass():
+                now = list(map(grad_of, centrals))
+            if all(map(is_, now, olds)) and list(map(version_of, olds)) == versions:
+                continue
+            for central, grad, old, version in zip(centrals, now, olds, versions, strict=True):
+                if grad is not old or old._version != version:
+                    return RuntimeError(
+                        f"The .grad of a variable of shape {tuple(central.shape)} was "
+                        f"{'replaced' if grad is not old else 'written in place'} during "
+                        "run(), after its replicas' gradients had begun to be added to it "
+                        "(a tensor kept from before run() and changed inside it?): the run's "
+                        "gradients are discarded. Change .grad outside run(), or inside "
+                        "merge_call."
+                    )
+        return None
+
+    def settle(self) -> list[torch.Tensor]:
         """At the sync point of a run whose work is kept, before the fold: once the helper
         is done, the first replica's buckets hold the sums, and the copies that went into
-        them leave the other replicas' views (and their buckets are taken). Raises what
-        the helper raised (a copy that failed)."""
+        them leave the other replicas' views (and their buckets are taken); sums that
+        started from ``.grad`` are copied into it and leave the first replica's views too.
+        Returns the variables whose ``.grad`` took sums; raises what the helper raised (a
+        copy that failed), or ``check``'s error."""
+        unchanged = self.check()
         handed = self._take()
         self.added = 0
         failed = [error for h in handed if (error := h.done.exception()) is not None]
         if failed:  # (once the helper has left every bucket)
             raise failed[0]
-        for buckets, views, _ in handed:
+        if unchanged is not None:
+            raise unchanged
+        received: list[torch.Tensor] = []
+        for buckets, views, start, _ in handed:
             for bucket in buckets:
                 bucket.waited()  # (the helper waited for its copy)
-            for bucket, (mine, copies) in zip(buckets[1:], views, strict=True):
+            # the first replica's copies stay for the fold to lend, unless they hold .grad's
+            first = 0 if start is not None else 1
+            for bucket, (mine, copies) in zip(buckets[first:], views[first:], strict=True):
                 pendings = list(map(_pending_of, mine))
                 if not all(map(is_, map(_first, pendings), copies)):
                     raise RuntimeError(
@@ -143,9 +210,14 @@ class ReplicaSums:
                 # each copy is first: what the last replica's later passes left stays after
                 deque(map(delitem, pendings, repeat(0)), maxlen=0)
                 bucket.unread -= len(bucket.pieces)
+            if start is not None:
+                with no_grad():
+                    torch._foreach_copy_(start.olds, start.firsts)
+                received += start.centrals
             self.added += 1
-        for replica in self._replicas[1:] if handed else ():
+        for replica in self._replicas if handed else ():
             replica.gradient_buckets.synced = True  # (as taking a copy does)
+        return received
 
     def drop(self) -> None:
         """The run's work is discarded: once the helper has left the buckets, they are
@@ -171,7 +243,8 @@ def _views_of(
     """The replica's views of ``bucket``'s variables with their copies into it (a bucket
     holds its keys' slots), if each one's only gradient is that copy (``arriving``: the last
     replica's, where the gradient that started the bucket's copy reaches its view just
-    after) and its variable has no ``.grad``. (Passes in C: this runs inside backward.)"""
+    after), and the view has no gradient of its own. (Passes in C: this runs inside
+    backward.)"""
     keys = bucket.keys
     views = list(map(replica.views.get, keys))
     if not all(map(is_not, views, repeat(None))):
@@ -186,13 +259,22 @@ def _views_of(
     tensors = list(map(_tensor_of, views))
     if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
         return None
-    centrals = list(map(call, map(_ref_of, views)))
-    if not all(map(is_not, centrals, repeat(None))):
-        return None
-    with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-        if some(map(grad_of, centrals)):
-            return None
     return views, copies  # type: ignore[return-value]
+
+
+def _addable(olds: list[torch.Tensor | None], bucket: Bucket) -> bool:
+    """Whether the fold would add ``bucket``'s gradients to ``olds``, the ``.grad`` of its
+    variables by piece, as one ``_foreach_add_`` adds: each a distinct dense tensor in host
+    memory of the bucket's dtype and its piece's shape. (Passes in C.)"""
+    return (
+        all(map(is_not, olds, repeat(None)))
+        and set(map(type, olds)) == {torch.Tensor}
+        and set(map(_layout_of, olds)) == {torch.strided}
+        and set(map(_dtype_of, olds)) == {bucket.dtype}
+        and set(map(_device_type_of, olds)) == {"cpu"}
+        and list(map(_shape_of, olds)) == list(map(_shape_of, bucket.views))
+        and len(set(map(id, olds))) == len(olds)
+    )
 
 
 _first = itemgetter(0)
@@ -200,6 +282,10 @@ _pending_of = attrgetter("pending")
 _tensor_of = attrgetter("tensor")
 _alias_of = attrgetter("alias")
 _ref_of = attrgetter("record.ref")
+_layout_of = attrgetter("layout")
+_dtype_of = attrgetter("dtype")
+_device_type_of = attrgetter("device.type")
+_shape_of = attrgetter("shape")
 
 
 def _launched(sums_ref: weakref.ref[ReplicaSums], bucket: Bucket) -> None:
