@@ -89,14 +89,16 @@ R = 2 on ``cuda:0`` and ``cuda:1``, the sync point (from the last replica's back
 ``--phase-steps`` steps (default 20 here). At R = 2 twice, taking turns step by step: with
 the replicas' buckets added up on a helper thread while backward runs (``early``,
 ``variables/sums.py``), and with that off, added up at the sync point (``held``); the fake
-GPUs' backward runs on the host's cores too, beside the helper.
+GPUs' backward runs on the host's cores too, beside the helper. ``--accumulate`` makes each
+step two runs and times the second's sync point, which finds ``.grad`` filled (the helper
+adds the old gradients first, and the sync point copies the sums into ``.grad``).
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
         [--functions]] [--phase-steps 200]
     python benchmarks/bench_overhead.py --phases --workers [--functions]
         [--worker-model transformer|bn]
-    python benchmarks/bench_overhead.py --phases --fake-gpus [--phase-steps 20]
+    python benchmarks/bench_overhead.py --phases --fake-gpus [--phase-steps 20] [--accumulate]
 """
 
 from __future__ import annotations
@@ -414,13 +416,15 @@ def _worker(model_name: str = "transformer") -> _Worker:
 
 def _timed_step(
     strategy: cs.Strategy, optimizer: torch.optim.Optimizer, fn: Callable[..., None],
-    args: Any, marks: list[float],
+    args: Any, marks: list[float], zero: bool = True,
 ) -> tuple[float, float, float, float]:
     """One cs training step (``marks`` cleared before its run): the clock at its start, at
-    ``run``'s call and return, and at its end."""
+    ``run``'s call and return, and at its end. ``zero``: it begins with ``zero_grad()``
+    (else its run adds to the ``.grad`` there)."""
     clock = time.perf_counter
     start = clock()
-    optimizer.zero_grad()
+    if zero:
+        optimizer.zero_grad()
     marks.clear()
     called = clock()
     strategy.run(fn, args=args)
@@ -754,9 +758,10 @@ SYNC_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]
 }
 
 
-def fake_gpu_sync_points(steps: int) -> None:
+def fake_gpu_sync_points(steps: int, accumulate: bool = False) -> None:
     """``--phases --fake-gpus``: the host's time at the sync point of GPU replicas whose
-    variables are in host memory (module docstring)."""
+    variables are in host memory (module docstring); ``accumulate``: two runs a step, the
+    sync point the second's, which finds ``.grad`` filled (``--accumulate``)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
     import fakegpu
 
@@ -768,7 +773,7 @@ def fake_gpu_sync_points(steps: int) -> None:
             for devices in (["cuda:0"], ["cuda:0", "cuda:1"]):
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on cpu"
                 kinds = ["-"] if len(devices) == 1 else ["early", "held"]
-                found = _sync_points(build, example, devices, steps, kinds)
+                found = _sync_points(build, example, devices, steps, kinds, accumulate)
                 for kind, (megabytes, sync, update, step) in zip(kinds, found, strict=True):
                     print(f"{name:<24} {placement:<40} {kind:<10} {megabytes:>12.1f} "
                           f"{sync * 1e3:>11.2f} {update * 1e3:>9.2f} {step * 1e3:>8.2f}")
@@ -776,14 +781,15 @@ def fake_gpu_sync_points(steps: int) -> None:
 
 def _sync_points(
     build: Callable[[], nn.Module], example: Callable[[], torch.Tensor], devices: list[str],
-    steps: int, kinds: list[str],
+    steps: int, kinds: list[str], accumulate: bool = False,
 ) -> list[tuple[float, float, float, float]]:
     """An SGD step of ``build()`` on ``devices`` with its variables on the CPU, each replica
     on an ``example()``, for each of ``kinds`` (``early``: the replicas' buckets added up
     while backward runs, ``sums.py``; ``held``: at the sync point), the kinds taking turns
     step by step, each its own model: its gradients' megabytes, and the median seconds from
     the last replica's backward to ``run``'s return (the sync point), of
-    ``optimizer.step()`` and of the whole step."""
+    ``optimizer.step()`` and of the whole step. ``accumulate``: a first run before the
+    timed one, whose sync point then finds ``.grad`` filled."""
     timed = []
     for kind in kinds:
         strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
@@ -806,7 +812,12 @@ def _sync_points(
         for strategy, optimizer, replica, xs, marks, _, times in (
             timed if i % 2 else reversed(timed)
         ):
-            start, _, returned, end = _timed_step(strategy, optimizer, replica, (xs,), marks)
+            if accumulate:  # the first run, into an empty .grad
+                optimizer.zero_grad()
+                strategy.run(replica, args=(xs,))
+            start, _, returned, end = _timed_step(
+                strategy, optimizer, replica, (xs,), marks, zero=not accumulate
+            )
             if i >= 3:
                 times.append((returned - marks[-1], end - returned, end - start))
     return [
@@ -837,6 +848,9 @@ def main() -> None:
                         "all_reduce) on every thread")
     parser.add_argument("--worker-model", choices=list(WORKER_MODELS), default="transformer",
                         help="with --phases --workers: the model of the two workers")
+    parser.add_argument("--accumulate", action="store_true",
+                        help="with --phases --fake-gpus: two runs a step, timing the "
+                        "second's sync point, which finds .grad filled")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.phase_steps is None:
@@ -847,6 +861,8 @@ def main() -> None:
         options.worker or (options.phases and options.workers)
     ):
         parser.error("--worker-model goes with --phases --workers: add both")
+    if options.accumulate and not (options.phases and options.fake_gpus):
+        parser.error("--accumulate goes with --phases --fake-gpus: add both")
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
@@ -862,7 +878,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if options.fake_gpus:
         if options.phases:
-            fake_gpu_sync_points(options.phase_steps)
+            fake_gpu_sync_points(options.phase_steps, options.accumulate)
         else:
             fake_gpu_counts()
         return
