@@ -11,20 +11,23 @@ after it. The sync point then only waits for the helper and takes the added buck
 views: the first replica's bucket holds the sum, the fold's own arithmetic in its own
 order, so the same bits.
 
-A bucket is handed to the helper only where the fold would add exactly those gradients: every
-other replica has returned (one that waits in a rendezvous may still add a second
+A bucket is handed to the helper only where the fold would add exactly those gradients:
+every other replica has returned (one that waits in a rendezvous may still add a second
 backward's gradients, which the fold would add before the last replica's), each of its
 views of the bucket's variables holds its copy into that bucket and nothing else, and the
-copy started inside a run (a backward after ``run`` folds its gradients as it ends). The
-variables have no ``.grad`` (then the sum is lent, as the fold's), or each has a dense one
-of the bucket's dtype and shape (a run that accumulates across runs): the fold computes
+copy started inside a run (a backward after ``run`` folds its gradients as it ends).
+
+Where the variables have no ``.grad``, the sum is lent to it, as the fold's. Where each has
+a dense one of the bucket's dtype and shape (a run that accumulates), the fold computes
 ``(old + r0) + r1``, so the helper first adds the old gradients into the first replica's
-bucket (``r0 + old``, which is ``old + r0`` bit for bit), then the others' buckets, and
-the sync point copies the sums into ``.grad`` in place: one pass over the gradients where
-the fold made R, and ``.grad`` untouched until then, so that a failed run leaves it as it
-was. A ``.grad`` replaced or written in place between the hand-over and the sync point (a
-tensor kept from before ``run`` and written inside it) would have been read too early: the
-run fails with an error that says so, and its work is discarded (``check``).
+bucket (``r0 + old``, which is ``old + r0`` bit for bit), then the others' buckets, and the
+sync point copies the sums into ``.grad`` in place: one pass over the gradients where the
+fold made R, and ``.grad`` untouched until then, so that a failed run leaves it as it was.
+The copy is a pass the fold does not make, so the bucket that completes the step (no
+backward left to hide the helper's work) is left to the fold. A ``.grad`` replaced or
+written in place between the hand-over and the sync point (a tensor kept from before
+``run`` and written inside it) would have been read too early: the run fails with an
+error that says so, and its work is discarded (``check``).
 
 A second backward of the last replica after the hand-off leaves its gradients beside the
 copy, and the fold adds them after the sum, as it would have. The other buckets are folded
@@ -41,7 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import compress, repeat
 from operator import attrgetter, call, delitem, is_, is_not, itemgetter
-from typing import TYPE_CHECKING, Any, NamedTuple, final
+from typing import TYPE_CHECKING, Any, NamedTuple, cast, final
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
@@ -118,36 +121,41 @@ class ReplicaSums:
         run = self._running()
         if run is None or any(map(run.waits, range(last))):
             return
+        arriving = _views_of(self._replicas[last], bucket, arriving=True)
+        if arriving is None:
+            return
+        centrals = list(map(call, map(_ref_of, arriving[0])))
+        if not all(map(is_not, centrals, repeat(None))):
+            return
+        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
+            olds = list(map(grad_of, centrals))
+        # (the step's last bucket has no backward left to hide behind: for it the helper's
+        # additions and the copy into .grad would cost more than the fold)
+        if some(olds) and (
+            self._replicas[last].gradient_buckets.complete or not _addable(olds, bucket)
+        ):
+            return
         buckets, views = [], []
-        for r, replica in enumerate(self._replicas):
-            if r == last:
-                theirs: Bucket | None = bucket
-            else:
-                copy = replica.gradient_buckets.slot_copy(bucket.keys[0])
-                theirs = copy.bucket if copy is not None and copy.borrowed else None
+        for replica in self._replicas[:last]:
+            copy = replica.gradient_buckets.slot_copy(bucket.keys[0])
+            theirs = copy.bucket if copy is not None and copy.borrowed else None
             if (
                 theirs is None or theirs.state is not BucketState.COPYING
                 or theirs.keys != bucket.keys or theirs.pieces != bucket.pieces
                 or theirs.dtype != bucket.dtype
             ):
                 return
-            mine = _views_of(replica, theirs, arriving=r == last)
+            mine = _views_of(replica, theirs, arriving=False)
             if mine is None:
                 return
             buckets.append(theirs)
             views.append(mine)
-        centrals = list(map(call, map(_ref_of, views[0][0])))
-        if not all(map(is_not, centrals, repeat(None))):
-            return
-        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-            olds = list(map(grad_of, centrals))
+        buckets.append(bucket)
+        views.append(arriving)
         start = None
-        if some(olds):
-            # (the step's last bucket has no backward left to hide behind: for it the
-            # helper's two additions and the copy into .grad would cost more than the fold)
-            if self._replicas[-1].gradient_buckets.complete or not _addable(olds, buckets[0]):
-                return
-            start = _Start(centrals, olds, list(map(version_of, olds)), buckets[0].views)
+        if some(olds):  # (all of them: ``_addable``)
+            filled = cast(list[torch.Tensor], olds)
+            start = _Start(centrals, filled, list(map(version_of, filled)), buckets[0].views)
         if self._helper is None:
             self._helper = ThreadPoolExecutor(1, thread_name_prefix="centralstore-sums")
         done = self._helper.submit(
@@ -160,6 +168,8 @@ class ReplicaSums:
         """Before the sync point of a run: an error if a ``.grad`` that a handed bucket's
         sum started from was replaced or written in place since the hand-over (the helper
         may have read it before), so that the run's work is discarded; else None."""
+        if not self._handed:  # (the replicas are done: no hook adds one now)
+            return None
         with self._lock:
             starts = [h.start for h in self._handed if h.start is not None]
         for centrals, olds, versions, _ in starts:
@@ -186,9 +196,11 @@ class ReplicaSums:
         started from ``.grad`` are copied into it and leave the first replica's views too.
         Returns the variables whose ``.grad`` took sums; raises what the helper raised (a
         copy that failed), or ``check``'s error."""
+        self.added = 0
+        if not self._handed:
+            return []
         unchanged = self.check()
         handed = self._take()
-        self.added = 0
         failed = [error for h in handed if (error := h.done.exception()) is not None]
         if failed:  # (once the helper has left every bucket)
             raise failed[0]
