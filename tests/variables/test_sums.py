@@ -145,13 +145,17 @@ def test_the_buckets_are_added_up_during_backward_bit_for_bit(replicas: int) -> 
     assert gpu.handed_in_backward == [0] + [_bucket_count(gpu)] * 3
 
 
-def test_gradients_accumulated_in_grad_are_added_up_early_and_copied_into_it() -> None:
+@pytest.mark.parametrize("replicas", [2, 3], ids=["two-gpus", "three-gpus"])
+@pytest.mark.fake_gpus(3)
+def test_gradients_accumulated_in_grad_are_added_up_early_and_copied_into_it(
+    replicas: int,
+) -> None:
     """A run that finds ``.grad`` filled (two runs a step, or no ``zero_grad``): the helper
-    adds the old gradients into the first replica's buckets, then the other replica's,
-    ``(old + r0) + r1`` as the fold adds them, and the sync point copies the sums into
-    ``.grad``, which stays the same tensors; the step's last bucket (nothing left to hide
-    the helper's work behind) is folded. Bit for bit the twin."""
-    gpu, cpu = _pair()
+    adds the old gradients into the first replica's buckets, then the other replicas',
+    ``((old + r0) + r1) + r2`` as the fold adds them, and the sync point copies the sums
+    into ``.grad``, which stays the same tensors; the step's last bucket (nothing left to
+    hide the helper's work behind) is folded. Bit for bit the twin."""
+    gpu, cpu = _pair(replicas)
     for step in range(4):
         for training in (gpu, cpu):
             training.run(seed=2 * step)
