@@ -28,6 +28,8 @@ such a machine can tell:
                              cuda:0, with one GPU), their buckets added up on the host
                              while backward runs (``variables/sums.py``)
      ... held                the same with those sums left to the sync point
+     ... x2, ... x2 held     the same two, accumulating: two runs a step (twice the
+                             passes of plain), the second adding into a filled ``.grad``
    Columns: the median ms per step over the rounds (timed between synchronizations of every
    GPU; the order of the configurations alternates between rounds), its ratio to plain, the
    median ms of the optimizer's step alone (``update``: with the variables on the CPU, the
@@ -135,6 +137,7 @@ class Config:
     # several replicas, variables on the CPU: their buckets added up while backward runs
     # (``variables/sums.py``), or, False, at the sync point
     early_sums: bool = True
+    runs: int = 1  # runs a step before the optimizer's: from the second on, .grad is filled
 
 
 
@@ -153,6 +156,8 @@ def configs(num_gpus: int) -> list[Config]:
     found += [
         Config(name, "cpu", pair),
         Config(name + " held", "cpu", pair, early_sums=False),
+        Config(name + " x2", "cpu", pair, runs=2),
+        Config(name + " x2 held", "cpu", pair, early_sums=False, runs=2),
     ]
     return found
 
@@ -315,7 +320,8 @@ def build_step(config: Config, model_name: str) -> Built:
 
     def cs_step() -> None:
         optimizer.zero_grad()
-        strategy.run(replica_step, args=args)
+        for _ in range(config.runs):
+            strategy.run(replica_step, args=args)
         optimizer.step()
 
     return Built(cs_step, model, optimizer.step)
@@ -387,13 +393,13 @@ def profiled_transfers(step: Step) -> tuple[float, float]:
 
 def expected_transfers(config: Config, model: nn.Module) -> tuple[float, float]:
     """Bytes per step by the model of docs/design.md §7: with the variables on the CPU, each
-    replica refreshes its copy of every variable (the optimizer changes every weight,
-    BatchNorm its statistics), and sends back a gradient of every parameter and the buffers
-    it wrote; with the variables on the replica's GPU nothing crosses."""
+    replica refreshes its copy of every variable at each run (the optimizer changes every
+    weight, BatchNorm its statistics), and sends back a gradient of every parameter and the
+    buffers it wrote; with the variables on the replica's GPU nothing crosses."""
     if config.parameter_device != "cpu":
         return 0.0, 0.0
     variables = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    each_way = float(len(config.compute_devices) * variables)
+    each_way = float(config.runs * len(config.compute_devices) * variables)
     return each_way, each_way
 
 
@@ -457,7 +463,7 @@ def benchmark(rounds: int, steps: int) -> bool:
     print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
           f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes")
     print(f"H2D and D2H per step: {source}\n")
-    print(f"{'model':<12} {'config':<27} {'ms/step':>8} {'/plain':>7} {'update':>7} "
+    print(f"{'model':<12} {'config':<30} {'ms/step':>8} {'/plain':>7} {'update':>7} "
           f"{'peak MB':>8} {'H2D MB':>8} {'D2H MB':>8}")
     all_ran = True
     for model_name in MODEL_NAMES:
@@ -472,7 +478,7 @@ def benchmark(rounds: int, steps: int) -> bool:
         medians = time_configs(model_name, working, rounds, steps)
         plain = medians.get(PLAIN.name)
         for config in candidates:
-            label = f"{model_name:<12} {config.name:<27}"
+            label = f"{model_name:<12} {config.name:<30}"
             if config.name in errors:
                 print(f"{label} raised {errors[config.name]}")
                 continue
