@@ -196,11 +196,13 @@ def test_a_bucket_whose_grads_are_partly_filled_is_folded() -> None:
         _assert_same(gpu, cpu)
 
 
-def test_a_grad_written_under_the_early_sums_fails_the_run() -> None:
-    """A ``.grad`` kept from before ``run`` and written in place inside it, after its
-    bucket was handed to the helper (which may have read it already): the run raises and
-    its gradients are discarded, ``.grad`` keeps the write alone; the next run adds up
-    early again, bit for bit the twin given the same write."""
+@pytest.mark.parametrize("change", ["written in place", "replaced"])
+def test_a_grad_changed_under_the_early_sums_fails_the_run(change: str) -> None:
+    """A ``.grad`` changed inside ``run`` after its bucket was handed to the helper (which
+    may have read it already): written in place through a tensor kept from before the run,
+    or replaced (which replica code can do only with the variables' torch function off):
+    the run raises and its gradients are discarded, ``.grad`` keeps the change alone; the
+    next run adds up early again, bit for bit the twin given the same change."""
     gpu, cpu = _pair()
     for training in (gpu, cpu):
         training.step(seed=0)
@@ -209,16 +211,21 @@ def test_a_grad_written_under_the_early_sums_fails_the_run() -> None:
     kept = head.grad
     assert kept is not None
     before = {p: p.grad.clone() for p in gpu.model.parameters()}  # type: ignore[union-attr]
+    doubled = 2 * kept
 
-    def writes_kept(x: torch.Tensor) -> None:
+    def changes_kept(x: torch.Tensor) -> None:
         _square(gpu.model, x).backward()
         if cs.get_replica_context().replica_id_in_sync_group == 1:
-            kept.mul_(2)
+            if change == "replaced":
+                with torch._C.DisableTorchFunctionSubclass():
+                    head.grad = doubled
+            else:
+                kept.mul_(2)
 
     x = cs.PerReplica([torch.randn(4, 8).to(d) for d in gpu.devices])
-    with pytest.raises(RuntimeError, match="written in place during run"):
-        gpu.strategy.run(writes_kept, args=(x,))
-    assert head.grad is kept
+    with pytest.raises(RuntimeError, match=rf"{change} during run\(\) after the replicas"):
+        gpu.strategy.run(changes_kept, args=(x,))
+    assert head.grad is (doubled if change == "replaced" else kept)
     for p, old in before.items():
         assert torch.equal(p.grad, 2 * old if p is head else old)  # type: ignore[arg-type]
     assert gpu.sums().added == 0 and not gpu.sums()._handed

@@ -53,6 +53,7 @@ from .._autograd import grad_of, no_grad, some, version_of
 from .buckets import Bucket, BucketState, InBucket
 
 if TYPE_CHECKING:
+    from .records import Central
     from .runs import Run
     from .views import ReplicaViews, View
 
@@ -171,22 +172,30 @@ class ReplicaSums:
         if not self._handed:  # (the replicas are done: no hook adds one now)
             return None
         with self._lock:
-            starts = [h.start for h in self._handed if h.start is not None]
-        for centrals, olds, versions, _ in starts:
+            handed = list(self._handed)
+        for _, views, start, _ in handed:
+            if start is None:
+                continue
+            centrals, olds, versions, _ = start
             with DisableTorchFunctionSubclass():
                 now = list(map(grad_of, centrals))
             if all(map(is_, now, olds)) and list(map(version_of, olds)) == versions:
                 continue
-            for central, grad, old, version in zip(centrals, now, olds, versions, strict=True):
-                if grad is not old or old._version != version:
-                    return RuntimeError(
-                        f"The .grad of a variable of shape {tuple(central.shape)} was "
-                        f"{'replaced' if grad is not old else 'written in place'} during "
-                        "run(), after its replicas' gradients had begun to be added to it "
-                        "(a tensor kept from before run() and changed inside it?): the run's "
-                        "gradients are discarded. Change .grad outside run(), or inside "
-                        "merge_call."
-                    )
+            replaced = not all(map(is_, now, olds))
+            moved = [  # (views of one memory share a version counter: each may be named)
+                _named(view.record, old)
+                for view, grad, old, version in zip(views[0][0], now, olds, versions, strict=True)
+                if grad is not old or (not replaced and old._version != version)
+            ]
+            whose = moved[0] if len(moved) == 1 else (
+                f"one of {len(moved)} variables whose .grad share memory, {moved[0]} among them"
+            )
+            return RuntimeError(
+                f"A .grad was {'replaced' if replaced else 'written in place'} during run() "
+                f"after the replicas' gradients had begun to be added to it: that of {whose} "
+                "(a tensor kept from before run() and changed inside it?). The run's "
+                "gradients are discarded. Change .grad outside run(), or inside merge_call."
+            )
         return None
 
     def settle(self) -> list[torch.Tensor]:
@@ -272,6 +281,12 @@ def _views_of(
     if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
         return None
     return views, copies  # type: ignore[return-value]
+
+
+def _named(record: Central, tensor: torch.Tensor) -> str:
+    """A variable as an error names it: its name in its module, and its shape."""
+    name = f"{record.owners[0][1]!r} " if record.owners else "the variable "
+    return f"{name}of shape {tuple(tensor.shape)}"
 
 
 def _addable(olds: list[torch.Tensor | None], bucket: Bucket) -> bool:
