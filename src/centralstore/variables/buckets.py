@@ -511,12 +511,6 @@ class GradientBuckets:
         return list(map(self._copies.get, keys))
 
     @property
-    def complete(self) -> bool:
-        """Whether every slot of the layout has had its gradient since the latest sync point
-        (so the bucket a gradient just launched is the step's last)."""
-        return self._filled == len(self._copies)
-
-    @property
     def slots(self) -> dict[int, Slot]:
         """The present layout: each variable's slot, by its key."""
         return {key: copy.slot for key, copy in self._copies.items()}

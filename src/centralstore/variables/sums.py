@@ -17,17 +17,20 @@ backward's gradients, which the fold would add before the last replica's), each 
 views of the bucket's variables holds its copy into that bucket and nothing else, and the
 copy started inside a run (a backward after ``run`` folds its gradients as it ends).
 
-Where the variables have no ``.grad``, the sum is lent to it, as the fold's. Where each has
-a dense one of the bucket's dtype and shape (a run that accumulates), the fold computes
-``(old + r0) + r1``, so the helper first adds the old gradients into the first replica's
-bucket (``r0 + old``, which is ``old + r0`` bit for bit), then the others' buckets, and the
-sync point copies the sums into ``.grad`` in place: one pass over the gradients where the
-fold made R, and ``.grad`` untouched until then, so that a failed run leaves it as it was.
-The copy is a pass the fold does not make, so the bucket that completes the step (no
-backward left to hide the helper's work) is left to the fold. A ``.grad`` replaced or
-written in place between the hand-over and the sync point (a tensor kept from before
-``run`` and written inside it) would have been read too early: the run fails with an
-error that says so, and its work is discarded (``check``).
+Where the variables have no ``.grad``, the sum becomes it (lent), as the fold's. Where each
+has a dense one of the bucket's dtype and shape (a run that accumulates), the fold computes
+``(old + r0) + r1``: so as soon as the first replica's copy of a bucket starts, the helper
+adds the old gradients into it (``r0 + old``, which is ``old + r0`` bit for bit: IEEE
+addition commutes) while the replicas compute on (whatever the first replica does after, a
+second backward or a rendezvous, the fold adds after ``old + r0`` too); the hand-over then
+adds the others' buckets, and the sync point copies the sums into ``.grad`` in place: one
+pass over the gradients where the fold made R, and ``.grad`` untouched until then, so
+that a failed run leaves it as it was. A first replica's bucket that took ``.grad`` but
+whose hand-over did not come (the last replica's bucket there holds other variables) is
+copied into ``.grad`` alone, and the fold adds the other replicas' gradients to it, as it
+would have. A ``.grad`` replaced or written in place after its bucket took it (a tensor
+kept from before ``run`` and written inside it) would have been read too early: the run
+fails with an error that says so, and its work is discarded (``check``).
 
 A second backward of the last replica after the hand-off leaves its gradients beside the
 copy, and the fold adds them after the sum, as it would have. The other buckets are folded
@@ -71,8 +74,8 @@ class _Start(NamedTuple):
 
 class _Handed(NamedTuple):
     """A bucket handed to the helper: each replica's bucket and its views of the bucket's
-    variables with their copies into it, in replica order; the ``.grad`` the sum starts
-    from, if any; the helper's work."""
+    variables with their copies into it, in replica order; the ``.grad`` the first
+    replica's bucket took, if any; the helper's work."""
 
     buckets: list[Bucket]
     views: list[tuple[list[View], list[InBucket]]]
@@ -80,13 +83,29 @@ class _Handed(NamedTuple):
     done: Future[None]
 
 
-def _add_up(hosts: list[torch.Tensor], events: list[Any], start: _Start | None) -> None:
-    """(On the helper thread.) Once every copy has finished, the old gradients (``start``)
-    and then the other replicas' buffers added into the first's, in replica order."""
+class _Begun(NamedTuple):
+    """A first replica's bucket that took its variables' ``.grad`` while backward ran (a run
+    that accumulates): its views of the bucket's variables with their copies into it, the
+    ``.grad`` it took, the helper's work."""
+
+    bucket: Bucket
+    views: tuple[list[View], list[InBucket]]
+    start: _Start
+    done: Future[None]
+
+
+def _take_old(event: Any, start: _Start) -> None:
+    """(On the helper thread.) Once the first replica's copy has finished, the old
+    gradients added into its bucket: ``r0 + old``, the fold's ``old + r0`` bit for bit."""
+    event.synchronize()
+    torch._foreach_add_(start.firsts, start.olds)
+
+
+def _add_up(hosts: list[torch.Tensor], events: list[Any]) -> None:
+    """(On the helper thread.) Once every copy has finished, the other replicas' buffers
+    added into the first's, in replica order."""
     for event in events:
         event.synchronize()
-    if start is not None:  # ``r0 + old`` is the fold's ``old + r0``, bit for bit
-        torch._foreach_add_(start.firsts, start.olds)
     first = hosts[0]
     for host in hosts[1:]:
         first.add_(host)
@@ -99,7 +118,8 @@ class ReplicaSums:
     run in progress, or None outside runs (a backward after ``run``, whose gradients are
     folded as they come)."""
 
-    __slots__ = ("__weakref__", "_handed", "_helper", "_lock", "_replicas", "_running", "added")
+    __slots__ = ("__weakref__", "_begun", "_handed", "_helper", "_lock", "_replicas",
+                 "_running", "added", "begun")
 
     def __init__(
         self, replicas: Sequence[ReplicaViews], running: Callable[[], Run | None]
@@ -107,34 +127,50 @@ class ReplicaSums:
         self._replicas = list(replicas)
         self._running = running
         self._handed: list[_Handed] = []
+        self._begun: dict[int, _Begun] = {}  # by the id of the first replica's bucket
         self._helper: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # (the hooks run on the GPUs' backward threads)
-        # buckets the latest sync point that had some handed took added up
+        # at the latest sync point that had some: the buckets it took added up, and the first
+        # replica's buckets that took .grad early without the others' (they were folded)
         self.added = 0
-        replicas[-1].gradient_buckets.launched = functools.partial(_launched, weakref.ref(self))
+        self.begun = 0
+        me = weakref.ref(self)
+        replicas[0].gradient_buckets.launched = functools.partial(_first_launched, me)
+        replicas[-1].gradient_buckets.launched = functools.partial(_launched, me)
+
+    def first_launched(self, bucket: Bucket) -> None:
+        """The first replica's copy of ``bucket`` has started: if its variables' ``.grad``
+        are filled (a run that accumulates) and the fold would add the bucket to them first,
+        the helper adds them into the bucket at once, while the replicas compute on."""
+        if self._running() is None or _no_grad(self._replicas[0], bucket):
+            return
+        views = _views_of(self._replicas[0], bucket, arriving=True)
+        if views is None:
+            return
+        centrals = list(map(call, map(_ref_of, views[0])))
+        if not all(map(is_not, centrals, repeat(None))):
+            return
+        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
+            olds = list(map(grad_of, centrals))
+        if not _addable(olds, bucket):
+            return
+        filled = cast(list[torch.Tensor], olds)
+        start = _Start(centrals, filled, list(map(version_of, filled)), bucket.views)
+        done = self._submit(_take_old, bucket.event, start)
+        with self._lock:
+            self._begun[id(bucket)] = _Begun(bucket, views, start, done)
 
     def launched(self, bucket: Bucket) -> None:
         """The last replica's copy of ``bucket`` has started (its gradient is not yet on its
         view): if the fold would add it to the other replicas' buckets of the same
-        variables, laid out alike and copying too, and to nothing else or to their
-        ``.grad``, the helper adds them up."""
+        variables, laid out alike and copying too, and to nothing else or to the ``.grad``
+        that the first replica's bucket took, the helper adds them up."""
         last = len(self._replicas) - 1
         run = self._running()
         if run is None or any(map(run.waits, range(last))):
             return
         arriving = _views_of(self._replicas[last], bucket, arriving=True)
         if arriving is None:
-            return
-        centrals = list(map(call, map(_ref_of, arriving[0])))
-        if not all(map(is_not, centrals, repeat(None))):
-            return
-        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-            olds = list(map(grad_of, centrals))
-        # (the step's last bucket has no backward left to hide behind: for it the helper's
-        # additions and the copy into .grad would cost more than the fold)
-        if some(olds) and (
-            self._replicas[last].gradient_buckets.complete or not _addable(olds, bucket)
-        ):
             return
         buckets, views = [], []
         for replica in self._replicas[:last]:
@@ -153,30 +189,36 @@ class ReplicaSums:
             views.append(mine)
         buckets.append(bucket)
         views.append(arriving)
-        start = None
-        if some(olds):  # (all of them: ``_addable``)
-            filled = cast(list[torch.Tensor], olds)
-            start = _Start(centrals, filled, list(map(version_of, filled)), buckets[0].views)
-        if self._helper is None:
-            self._helper = ThreadPoolExecutor(1, thread_name_prefix="centralstore-sums")
-        done = self._helper.submit(
-            _add_up, [b.host for b in buckets], [b.event for b in buckets], start
-        )
+        centrals = list(map(call, map(_ref_of, arriving[0])))
+        if not all(map(is_not, centrals, repeat(None))):
+            return
+        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
+            olds = list(map(grad_of, centrals))
+        begun = self._begun.get(id(buckets[0])) if some(olds) else None
+        if some(olds) and (begun is None or not all(map(is_, begun.start.olds, olds))):
+            return  # (the first replica's bucket did not take them: the fold adds it to them)
+        start = None if begun is None else begun.start
+        done = self._submit(_add_up, [b.host for b in buckets], [b.event for b in buckets])
         with self._lock:
+            if begun is not None:
+                del self._begun[id(buckets[0])]
             self._handed.append(_Handed(buckets, views, start, done))
 
+    def _submit(self, work: Callable[..., None], *args: Any) -> Future[None]:
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="centralstore-sums")
+        return self._helper.submit(work, *args)
+
     def check(self) -> RuntimeError | None:
-        """Before the sync point of a run: an error if a ``.grad`` that a handed bucket's
-        sum started from was replaced or written in place since the hand-over (the helper
-        may have read it before), so that the run's work is discarded; else None."""
-        if not self._handed:  # (the replicas are done: no hook adds one now)
+        """Before the sync point of a run: an error if a ``.grad`` that a bucket took early
+        was replaced or written in place since (the helper may have read it before), so that
+        the run's work is discarded; else None."""
+        if not self._begun and not self._handed:  # (the replicas are done: no hook adds one)
             return None
         with self._lock:
-            handed = list(self._handed)
-        for _, views, start, _ in handed:
-            if start is None:
-                continue
-            centrals, olds, versions, _ = start
+            starts = [(b.views[0], b.start) for b in self._begun.values()]
+            starts += [(h.views[0][0], h.start) for h in self._handed if h.start is not None]
+        for views, (centrals, olds, versions, _) in starts:
             with DisableTorchFunctionSubclass():
                 now = list(map(grad_of, centrals))
             if all(map(is_, now, olds)) and list(map(version_of, olds)) == versions:
@@ -184,7 +226,7 @@ class ReplicaSums:
             replaced = not all(map(is_, now, olds))
             moved = [  # (views of one memory share a version counter: each may be named)
                 _named(view.record, old)
-                for view, grad, old, version in zip(views[0][0], now, olds, versions, strict=True)
+                for view, grad, old, version in zip(views, now, olds, versions, strict=True)
                 if grad is not old or (not replaced and old._version != version)
             ]
             whose = moved[0] if len(moved) == 1 else (
@@ -201,16 +243,18 @@ class ReplicaSums:
     def settle(self) -> list[torch.Tensor]:
         """At the sync point of a run whose work is kept, before the fold: once the helper
         is done, the first replica's buckets hold the sums, and the copies that went into
-        them leave the other replicas' views (and their buckets are taken); sums that
-        started from ``.grad`` are copied into it and leave the first replica's views too.
+        them leave the other replicas' views (and their buckets are taken); a first
+        replica's bucket that took ``.grad`` is copied into it, the sum or alone (the
+        others' gradients are folded after it), and leaves the first replica's views too.
         Returns the variables whose ``.grad`` took sums; raises what the helper raised (a
         copy that failed), or ``check``'s error."""
-        self.added = 0
-        if not self._handed:
+        self.added = self.begun = 0
+        if not self._handed and not self._begun:
             return []
         unchanged = self.check()
-        handed = self._take()
-        failed = [error for h in handed if (error := h.done.exception()) is not None]
+        handed, begun = self._take()
+        works = [h.done for h in handed] + [b.done for b in begun]
+        failed = [error for work in works if (error := work.exception()) is not None]
         if failed:  # (once the helper has left every bucket)
             raise failed[0]
         if unchanged is not None:
@@ -222,40 +266,57 @@ class ReplicaSums:
             # the first replica's copies stay for the fold to lend, unless they hold .grad's
             first = 0 if start is not None else 1
             for bucket, (mine, copies) in zip(buckets[first:], views[first:], strict=True):
-                pendings = list(map(_pending_of, mine))
-                if not all(map(is_, map(_first, pendings), copies)):
-                    raise RuntimeError(
-                        "centralstore: a gradient bucket added up early lost its place in a "
-                        "replica's gradients (a bug: please report it)"
-                    )
-                # each copy is first: what the last replica's later passes left stays after
-                deque(map(delitem, pendings, repeat(0)), maxlen=0)
-                bucket.unread -= len(bucket.pieces)
+                _taken(bucket, mine, copies)
             if start is not None:
-                with no_grad():
-                    torch._foreach_copy_(start.olds, start.firsts)
-                received += start.centrals
+                received += _into_grad(start)
             self.added += 1
-        for replica in self._replicas if handed else ():
+        for bucket, (mine, copies), start, _ in begun:
+            bucket.waited()
+            _taken(bucket, mine, copies)
+            received += _into_grad(start)
+            self.begun += 1
+        for replica in self._replicas:
             replica.gradient_buckets.synced = True  # (as taking a copy does)
         return received
 
     def drop(self) -> None:
         """The run's work is discarded: once the helper has left the buckets, they are
         discarded as before."""
-        handed = self._take()
-        if handed:
-            self.added = 0
-        for handed_bucket in handed:
+        handed, begun = self._take()
+        if handed or begun:
+            self.added = self.begun = 0
+        for work in [h.done for h in handed] + [b.done for b in begun]:
             try:
-                handed_bucket.done.result()
+                work.result()
             except Exception:  # (a failed copy: the discard's own wait reports it)
                 continue
 
-    def _take(self) -> list[_Handed]:
+    def _take(self) -> tuple[list[_Handed], list[_Begun]]:
         with self._lock:
             handed, self._handed = self._handed, []
-        return handed
+            begun, self._begun = list(self._begun.values()), {}
+        return handed, begun
+
+
+def _taken(bucket: Bucket, views: list[View], copies: list[InBucket]) -> None:
+    """``copies``, each the first gradient of its view, taken off them: their bucket's sum
+    is read. (What a replica's later passes left stays after them, for the fold.)"""
+    pendings = list(map(_pending_of, views))
+    if not all(map(is_, map(_first, pendings), copies)):
+        raise RuntimeError(
+            "centralstore: a gradient bucket added up early lost its place in a replica's "
+            "gradients (a bug: please report it)"
+        )
+    deque(map(delitem, pendings, repeat(0)), maxlen=0)
+    bucket.unread -= len(bucket.pieces)
+
+
+def _into_grad(start: _Start) -> list[torch.Tensor]:
+    """The first replica's bucket, which took ``.grad`` (and maybe the others' buckets),
+    copied into ``.grad`` in place; returns the variables."""
+    with no_grad():
+        torch._foreach_copy_(start.olds, start.firsts)
+    return start.centrals
 
 
 def _views_of(
@@ -281,6 +342,17 @@ def _views_of(
     if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
         return None
     return views, copies  # type: ignore[return-value]
+
+
+def _no_grad(replica: ReplicaViews, bucket: Bucket) -> bool:
+    """Whether the variable of ``bucket``'s first piece has no ``.grad`` (the usual run, not
+    accumulating: then no bucket takes one), or has gone."""
+    view = replica.views.get(bucket.keys[0])
+    central = None if view is None else view.record.ref()
+    if central is None:
+        return True
+    with DisableTorchFunctionSubclass():  # (in replica code it would read its view's)
+        return central.grad is None
 
 
 def _named(record: Central, tensor: torch.Tensor) -> str:
@@ -319,3 +391,9 @@ def _launched(sums_ref: weakref.ref[ReplicaSums], bucket: Bucket) -> None:
     sums = sums_ref()
     if sums is not None:
         sums.launched(bucket)
+
+
+def _first_launched(sums_ref: weakref.ref[ReplicaSums], bucket: Bucket) -> None:
+    sums = sums_ref()
+    if sums is not None:
+        sums.first_launched(bucket)
