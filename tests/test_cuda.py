@@ -247,9 +247,10 @@ def test_gradients_lent_from_pinned_buckets_accumulate_like_one_device(
     compute_devices: tuple[str, ...],
 ) -> None:
     """Variables on the CPU: ``.grad`` is the pinned buckets the GPUs' gradients were copied
-    into, not a copy of them. Two runs a step add into it, and a ``.grad`` kept past
-    ``zero_grad()`` keeps its values while the later steps' copies fill other buffers; the
-    weights come out as on the CPU."""
+    into, not a copy of them. Two runs a step add into it (with two replicas, the second
+    run's buckets take ``.grad`` and are added up while backward runs, ``sums.py``), and a
+    ``.grad`` kept past ``zero_grad()`` keeps its values while the later steps' copies fill
+    other buffers; the weights come out as on the CPU."""
     batches = _batches(6)
     reference, state = _reference(_mlp)
     reference_optimizer = _sgd(reference.parameters())
@@ -269,6 +270,8 @@ def test_gradients_lent_from_pinned_buckets_accumulate_like_one_device(
         optimizer.zero_grad()
         for x, y in (first, second):
             strategy.run(step, args=_per_replica(strategy, x, y))
+        sums = strategy._store._sums
+        assert sums is None or sums.added > 0  # (the second run's: into a filled .grad)
         grads = [p.grad for p in model.parameters()]
         assert all(g is not None and g.is_pinned() for g in grads)
         if kept is None:
