@@ -288,6 +288,32 @@ def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
     assert gpu.sums().added == 0
 
 
+def test_a_second_backward_of_the_first_replica_follows_the_grad_its_buckets_took() -> None:
+    """A run that accumulates, whose first replica makes a second backward after its
+    buckets took ``.grad``: that replica's second gradients come after its copies, so no
+    bucket is handed over, and the sync point copies ``old + r0`` into ``.grad`` and folds
+    ``r0'`` and ``r1`` after it, the fold's order: bit for bit the path without early sums
+    (the twin adds each replica's two passes first, to rounding)."""
+
+    def second_pass_on_the_first(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if cs.get_replica_context().replica_id_in_sync_group == 0:
+            _square(model, x).backward()
+        return _square(model, x)
+
+    (gpu, cpu), held = _pair(), _held()
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            training.run(seed=2 * step)
+            training.run(seed=2 * step + 1, loss=second_pass_on_the_first)
+            training.optimizer.step()
+        if step:
+            assert (gpu.sums().added, gpu.sums().begun) == (0, _bucket_count(gpu))
+        _assert_equal_states(gpu, held)
+        for name, value in cpu.model.state_dict().items():
+            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
+        cpu.optimizer.zero_grad()
+
+
 def test_replicas_that_use_different_heads_fold_the_buckets_that_differ() -> None:
     """Each replica uses a head of its own: the buckets holding the heads differ between
     the replicas and wait for the fold; the trunk's are added up early. Bit for bit the
