@@ -393,14 +393,18 @@ def test_replicas_that_meet_before_their_backward_add_up_early_on_threads() -> N
         assert gpu.sums().added == (_bucket_count(gpu) if step else 0)
 
 
-def test_a_failed_run_discards_the_buckets_after_the_helper() -> None:
+@pytest.mark.parametrize("accumulating", [False, True], ids=["grad-empty", "grad-filled"])
+def test_a_failed_run_discards_the_buckets_after_the_helper(accumulating: bool) -> None:
     """The last replica raises after its backward (every bucket handed to the helper by
-    then): the run's gradients are discarded once the helper is done, ``.grad`` stays as
-    before the run, and the next steps match the twin."""
+    then, after the first replica's took ``.grad`` where it was filled): the run's gradients
+    are discarded once the helper is done, ``.grad`` stays as before the run (the same
+    tensors and values), and the next steps match the twin."""
     gpu, cpu = _pair()
     for training in (gpu, cpu):
         training.step(seed=0)
-        training.step(seed=1)
+        training.step(seed=1, zero=not accumulating)
+    before = [p.grad for p in gpu.model.parameters()]
+    values = [None if g is None else g.clone() for g in before]
     handed = []
 
     def fails(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -415,9 +419,14 @@ def test_a_failed_run_discards_the_buckets_after_the_helper() -> None:
     for training in (gpu, cpu):
         with pytest.raises(RuntimeError, match="after backward"):
             training.run(seed=2, loss=fails)
-        assert all(p.grad is None for p in training.model.parameters())
+    assert all(a is b for a, b in zip(before, (p.grad for p in gpu.model.parameters())))
+    for grad, value in zip(before, values, strict=True):
+        assert (grad is None) == (not accumulating)
+        assert grad is None or torch.equal(grad, value)  # type: ignore[arg-type]
+    del before
+    _assert_same(gpu, cpu)
     assert handed == [_bucket_count(gpu)]
-    assert gpu.sums().added == 0 and not gpu.sums()._handed
+    assert gpu.sums().added == 0 and not gpu.sums()._handed and not gpu.sums()._begun
     for step in (3, 4):
         for training in (gpu, cpu):
             training.step(seed=step)
