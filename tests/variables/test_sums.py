@@ -314,6 +314,38 @@ def test_a_second_backward_of_the_first_replica_follows_the_grad_its_buckets_too
         cpu.optimizer.zero_grad()
 
 
+def test_an_accumulating_run_that_meets_in_merge_call_after_backward() -> None:
+    """Each replica makes its backward into a filled ``.grad``, then meets the others in
+    ``merge_call`` (an optimizer's ``apply_gradients`` in TensorFlow code): the first
+    replica's buckets take ``.grad`` as their copies start, the first replica waits while
+    the last computes (so nothing is handed over), and the merge's sync point copies
+    ``old + r0`` into ``.grad`` and folds ``r1`` after it. Bit for bit the path without
+    early sums, and the twin."""
+    (gpu, cpu), held = _pair(), _held()
+    begun: list[int] = []
+
+    for step in range(3):
+        for training in (gpu, held, cpu):
+            training.run(seed=2 * step)
+            generator = torch.Generator().manual_seed(2 * step + 1)
+            x = cs.PerReplica(
+                [torch.randn(4, 8, generator=generator).to(d) for d in training.devices]
+            )
+
+            def backward_then_merge(x: torch.Tensor, t: _Training = training) -> None:
+                _square(t.model, x).backward()
+                cs.get_replica_context().merge_call(
+                    lambda strategy: begun.append(gpu.sums().begun) if t is gpu else None
+                )
+
+            training.strategy.run(backward_then_merge, args=(x,))
+            training.optimizer.step()
+        _assert_same(gpu, cpu)
+        _assert_equal_states(gpu, held)
+        cpu.optimizer.zero_grad()
+    assert begun == [_bucket_count(gpu)] * 3
+
+
 def test_replicas_that_use_different_heads_fold_the_buckets_that_differ() -> None:
     """Each replica uses a head of its own: the buckets holding the heads differ between
     the replicas and wait for the fold; the trunk's are added up early. Bit for bit the
