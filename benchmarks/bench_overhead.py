@@ -789,7 +789,8 @@ def _sync_points(
     step by step, each its own model: its gradients' megabytes, and the median seconds from
     the last replica's backward to ``run``'s return (the sync point), of
     ``optimizer.step()`` and of the whole step. ``accumulate``: a first run before the
-    timed one, whose sync point then finds ``.grad`` filled."""
+    timed one, whose sync point then finds ``.grad`` filled (the step timed is then the
+    second run and the optimizer's step)."""
     timed = []
     for kind in kinds:
         strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
