@@ -53,6 +53,12 @@ def _square(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
+def _own_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Each replica's loss through a head of its own."""
+    replica = cs.get_replica_context().replica_id_in_sync_group
+    return model(x, (replica,)).square().mean()
+
+
 class _Training:
     """``_Heads`` with SGD (momentum) under ``strategy``, from the same initial weights."""
 
@@ -351,14 +357,10 @@ def test_replicas_that_use_different_heads_fold_the_buckets_that_differ() -> Non
     the replicas and wait for the fold; the trunk's are added up early. Bit for bit the
     twin."""
 
-    def own_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        replica = cs.get_replica_context().replica_id_in_sync_group
-        return model(x, (replica,)).square().mean()
-
     gpu, cpu = _pair()
     for step in range(4):
         for training in (gpu, cpu):
-            training.step(seed=step, loss=own_head)
+            training.step(seed=step, loss=_own_head)
         _assert_same(gpu, cpu)
         if step:
             assert 0 < gpu.sums().added < _bucket_count(gpu)
@@ -371,15 +373,11 @@ def test_accumulating_replicas_with_heads_of_their_own_copy_the_first_bucket_alo
     ``.grad`` and the fold adds the last replica's gradients to it; the trunk's buckets
     are added up. Bit for bit the twin."""
 
-    def own_head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        replica = cs.get_replica_context().replica_id_in_sync_group
-        return model(x, (replica,)).square().mean()
-
     gpu, cpu = _pair()
     for step in range(4):
         for training in (gpu, cpu):
-            training.run(seed=2 * step, loss=own_head)
-            training.run(seed=2 * step + 1, loss=own_head)
+            training.run(seed=2 * step, loss=_own_head)
+            training.run(seed=2 * step + 1, loss=_own_head)
         if step:
             assert 0 < gpu.sums().added < _bucket_count(gpu)
             assert gpu.sums().begun == 1

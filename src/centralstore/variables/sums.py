@@ -147,11 +147,10 @@ class ReplicaSums:
         views = _views_of(self._replicas[0], bucket, arriving=True)
         if views is None:
             return
-        centrals = list(map(call, map(_ref_of, views[0])))
-        if not all(map(is_not, centrals, repeat(None))):
+        found = _centrals_and_grads(views[0])
+        if found is None:
             return
-        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-            olds = list(map(grad_of, centrals))
+        centrals, olds = found
         if not _addable(olds, bucket):
             return
         filled = cast(list[torch.Tensor], olds)
@@ -189,11 +188,10 @@ class ReplicaSums:
             views.append(mine)
         buckets.append(bucket)
         views.append(arriving)
-        centrals = list(map(call, map(_ref_of, arriving[0])))
-        if not all(map(is_not, centrals, repeat(None))):
+        found = _centrals_and_grads(arriving[0])
+        if found is None:
             return
-        with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
-            olds = list(map(grad_of, centrals))
+        _, olds = found
         begun = self._begun.get(id(buckets[0])) if some(olds) else None
         if some(olds) and (begun is None or not all(map(is_, begun.start.olds, olds))):
             return  # (the first replica's bucket did not take them: the fold adds it to them)
@@ -342,6 +340,18 @@ def _views_of(
     if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
         return None
     return views, copies  # type: ignore[return-value]
+
+
+def _centrals_and_grads(
+    views: list[View],
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]] | None:
+    """The views' variables and their ``.grad``, or None when one has gone. (Passes in C:
+    this runs inside backward.)"""
+    centrals = list(map(call, map(_ref_of, views)))
+    if not all(map(is_not, centrals, repeat(None))):
+        return None
+    with DisableTorchFunctionSubclass():  # (in replica code it would read the views')
+        return centrals, list(map(grad_of, centrals))
 
 
 def _no_grad(replica: ReplicaViews, bucket: Bucket) -> bool:
