@@ -658,7 +658,9 @@ def test_memory_stays_flat_over_many_dropped_models() -> None:
         one_model()
     gc.collect()
     weights = 40 * (1024 * 1024 + 1024) * 4
-    assert _rss_bytes() - start < 0.1 * weights
+    # A tensor of a model's size kept per step would add all of ``weights``; the allocator
+    # alone moves the resident size by some 20 MB on a busy machine (CI once read 21 MB).
+    assert _rss_bytes() - start < 0.5 * weights
 
 
 def test_a_variable_created_inside_run_is_replica_local() -> None:
