@@ -681,18 +681,22 @@ def _train_on_cpu_parameters() -> None:
 
 
 def _backward_twice_in_a_run() -> None:
-    """Two backward passes in one run: the second gradient of each variable finds its slot
-    in the bucket taken and is copied alone (its own pinned block, ``record_stream``)."""
+    """A run of one backward pass, then one of two: the second gradient of each variable
+    finds its slot in the bucket taken (the run before brought one per variable, so the
+    first is not held on the GPU for it) and is copied alone (its own pinned block,
+    ``record_stream``)."""
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
     with strategy.scope():
         model = _model()
 
-    def step(x: torch.Tensor) -> None:
+    def step(x: torch.Tensor, passes: int) -> None:
         model(x).sum().backward()
-        model(x).square().sum().backward()
+        if passes == 2:
+            model(x).square().sum().backward()
 
-    for _ in range(2):
-        strategy.run(step, args=(_per_replica(torch.randn(BATCH, 6), strategy.compute_devices),))
+    for passes in (1, 2):
+        x = _per_replica(torch.randn(BATCH, 6), strategy.compute_devices)
+        strategy.run(step, args=(x, passes))
 
 
 def _iterate_a_distributed_dataset() -> None:

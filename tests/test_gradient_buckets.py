@@ -436,27 +436,65 @@ def test_the_layout_follows_the_parameters_that_are_used(
     assert changed == [2, 5, 6, 7]
 
 
-def test_a_second_backward_in_a_run_copies_its_gradients_alone(
+def _backward(steps: _Steps, loss: Callable[..., torch.Tensor], seed: int) -> None:
+    """A run of ``loss``'s backward on ``steps``, no optimizer step."""
+    x = _inputs(steps.devices, seed=seed)
+    steps.strategy.run(lambda x: loss(steps.model, x).backward(), args=(x,))
+
+
+def test_a_loop_of_backwards_in_a_run_copies_each_gradient_once_from_the_second_step(
     fake_gpus: fakegpu.FakeGPUs,
 ) -> None:
-    """Its gradients find their slots taken until the sync point: each is copied alone (a
-    pinned block, which the host allocator then keeps for the next such step). The fold
-    adds a replica's two gradients, then the other's, as before buckets, where the CPU twin
-    adds each replica's sum of two: equal to rounding."""
+    """Three micro-batches inside one run. The first step copies the later passes'
+    gradients alone (a pinned block each) and learns that each comes three times; from then
+    on the first two stay on their GPU, where the next pass adds to them, and the sum goes
+    into its slot: the calls and the pinned memory of one backward, and the fold adds each
+    replica's sum, as the CPU twin does: its gradients bit for bit from the same weights.
+    (The first step's fold adds every pass in turn: equal to rounding.)"""
     gpu, cpu = _on_gpus(_Branches), _on_cpus(_Branches)
-    allocations = []
+    loss = _heads_loss((0, 1, 2), passes=3)
+    calls, allocations = [], []
     for step in range(4):
+        before = [_copy_calls(fake_gpus, d) for d in GPUS]
         pins = _pinned_allocations(fake_gpus)
         for steps in (gpu, cpu):
-            steps.step(seed=step, loss=_heads_loss((0, 1, 2), passes=2))
+            _backward(steps, loss, seed=step)
+        calls.append([_copy_calls(fake_gpus, d) - n for d, n in zip(GPUS, before, strict=True)])
         allocations.append(_pinned_allocations(fake_gpus) - pins)
-        for name, value in cpu.state().items():
-            torch.testing.assert_close(gpu.state()[name], value, msg=name)
+        if step == 0:
+            torch.testing.assert_close(gpu.grads(), cpu.grads())
+        else:
+            _assert_same(gpu, cpu)
+        for steps in (gpu, cpu):
+            steps.optimizer.zero_grad()
     parameters = len(list(gpu.model.parameters()))
-    assert allocations == [2 + 2 * parameters] + [2 * parameters] * 3  # + the buckets
-    reserved = fake_gpus.pinned.reserved
-    gpu.step(seed=4, loss=_heads_loss((0, 1, 2), passes=2))
-    assert fake_gpus.pinned.reserved == reserved  # the blocks of the step before, reused
+    assert allocations == [2 + 2 * 2 * parameters] + [0] * 3  # the buckets, two alone each
+    assert calls[1:] == [[5, 5]] * 3  # one bucket each, as one backward's
+
+
+def test_a_loop_whose_passes_change_trains_like_the_cpu_twin(
+    fake_gpus: fakegpu.FakeGPUs,
+) -> None:
+    """Each step holds as many passes as the step before brought. One fewer leaves sums on
+    the GPU, copied into their slots when the replica returns (one bucket's calls, as
+    always); one more goes alone (calls of its own). The next step counts again, and the
+    buckets keep their layout throughout."""
+    gpu, cpu = _on_gpus(_Branches), _on_cpus(_Branches)
+    plan = [4, 4, 2, 2, 1, 3, 3]
+    layouts, calls = set(), []
+    for step, passes in enumerate(plan):
+        before = [_copy_calls(fake_gpus, d) for d in GPUS]
+        for steps in (gpu, cpu):
+            steps.step(seed=step, loss=_heads_loss((0, 1, 2), passes=passes))
+        calls.append([_copy_calls(fake_gpus, d) - n for d, n in zip(GPUS, before, strict=True)])
+        torch.testing.assert_close(gpu.state(), cpu.state())
+        layouts.add(_layout_of(gpu))
+    assert len(layouts) == 1
+    # steps 1 to 4 and 6 expect as many passes as they make, or fewer: one bucket's copy
+    assert [calls[i] for i in (1, 2, 3, 4, 6)] == [[5, 5]] * 5
+    assert min(calls[5]) > 5  # three passes where one was expected: two go alone
+    passes = gpu.strategy._store.replicas[1].gradient_buckets.passes
+    assert sorted(passes.values()) == [3] * len(list(gpu.model.parameters()))
 
 
 @uses_gpus

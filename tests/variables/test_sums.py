@@ -389,18 +389,24 @@ def test_accumulating_replicas_with_heads_of_their_own_copy_the_first_bucket_alo
 
 def test_a_replica_that_runs_on_after_a_rendezvous_keeps_its_buckets_for_the_fold() -> None:
     """Each replica makes a backward, meets the others in an ``all_reduce``, and makes a
-    second: when the last replica's buckets fill, the first waits in the rendezvous and
-    will add a second backward's gradients, which the fold adds before the last replica's.
-    Nothing is added early: bit for bit the path without early sums (the twin, which adds
-    each replica's two passes first, to rounding)."""
+    second. At the first step each backward's gradients are copied: when the last replica's
+    buckets fill, the first waits in the rendezvous and will add a second backward's
+    gradients, which the fold adds before the last replica's, so nothing is added early.
+    From then on each replica holds its first pass's gradients on its GPU
+    (``GradientBuckets.holds``) and copies the sums at the second: the first has returned
+    when the last one's buckets fill, and they are added up early. A last step of one pass
+    copies what it held when each replica returns, and adds up early too. Bit for bit the
+    path without early sums throughout (and the twin to rounding)."""
 
     def backward_meet_backward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         _square(model, x).backward()
         cs.get_replica_context().all_reduce(cs.ReduceOp.SUM, x.sum())
         return _square(model, x)
 
-    gpu, held = _against_held(backward_meet_backward, lambda step, gpu: 0)
-    for training in (gpu, held):  # a run without rendezvous adds up early again
+    gpu, held = _against_held(
+        backward_meet_backward, lambda step, gpu: _bucket_count(gpu) if step else 0
+    )
+    for training in (gpu, held):
         training.step(seed=3)
     _assert_equal_states(gpu, held)
     assert gpu.sums().added == _bucket_count(gpu)

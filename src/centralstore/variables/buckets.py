@@ -42,6 +42,17 @@ copies it there: the layout is built when the gradients are known, and the first
 nothing else. A gradient that cannot land in its slot is copied alone, as before buckets (a
 pinned block of its own, an event, ``record_stream``): a second gradient for a slot before
 the sync point took the first, or one for a bucket whose earlier contents are not yet taken.
+
+A loop of micro-batches inside one run brings each variable's gradient several times
+before the sync point. The buckets count them, and the next step leaves that many but the
+last on their GPU (``GradientBuckets.holds``), where the next pass's gradient accumulates
+into them as on one device: the last pass copies each replica's sum once, into its slot,
+with the calls and the host memory of one backward, and the fold adds the replicas' sums
+in the CPU twin's order. (Copied at every pass, the later ones went alone: K times the
+bytes over the bus, and the fold added them on the host after the last backward.) A
+replica that returns with gradients still held (fewer passes than the step before) starts
+their copies then; a pass more than the step before goes alone; either way the next step
+counts again. The first step of a loop, with nothing counted, copies alone.
 """
 
 from __future__ import annotations
@@ -428,8 +439,8 @@ class GradientBuckets:
     """One replica's gradient buckets: their layout, built from a step's arrivals, and the
     step in progress (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_arrivals", "_copies", "_deferred", "_filled", "_stale",
-                 "launched", "synced")
+    __slots__ = ("__weakref__", "_arrivals", "_copies", "_counts", "_deferred", "_filled",
+                 "_stale", "holding", "launched", "learns", "passes", "synced")
 
     def __init__(self) -> None:
         # by the key of the central variable: its slot, as the copy into it
@@ -443,6 +454,13 @@ class GradientBuckets:
         # called with each bucket whose copy a gradient's arrival (``copy``: inside backward,
         # not at a sync point) has just started (``sums.py``)
         self.launched: Callable[[Bucket], None] | None = None
+        # a loop of micro-batches (``holds``): by variable key, the gradients it received at
+        # the step before, where more than one; this step's so far; and the keys of those
+        # held on their GPU now, in the order they came
+        self.passes: dict[int, int] = {}
+        self._counts: dict[int, int] = {}
+        self.holding: dict[int, None] = {}
+        self.learns = True  # whether it holds passes at all (not where an exchange counts them)
 
     def copy(self, key: int, grad: torch.Tensor, side: Any) -> GradientCopy:
         """Start copying ``grad``, the gradient of variable ``key``, to host memory on the
@@ -471,6 +489,47 @@ class GradientBuckets:
         ):
             self.launched(copy.bucket)
         return landed
+
+    def holds(self, key: int) -> bool:
+        """Whether the gradient of variable ``key`` that has just accumulated should stay on
+        its GPU (the store's hook then copies nothing). A variable that received ``n`` at
+        the step before (a loop of ``n`` micro-batches inside one run) keeps the first
+        ``n - 1`` there, where the next pass's gradient adds to it in backward's own
+        accumulation, and the ``n``-th arrival copies the sum into its slot. (Copied at each
+        arrival, the later ones would go alone, ``n`` times the bytes, and the fold would
+        add them on the host.) Gradients still held when their replica returns (fewer
+        passes this step) are copied then (``release``); more passes go alone, as before;
+        either way the next step counts again. Called while ``passes`` is empty only at a
+        step's first arrival."""
+        if self.synced:
+            self._next_step()
+        expected = self.passes.get(key)
+        if expected is None:
+            return False
+        arrived = self._counts.get(key, 0) + 1
+        self._counts[key] = arrived
+        if arrived < expected:
+            self.holding[key] = None
+            return True
+        self.holding.pop(key, None)
+        return False
+
+    def release(self) -> list[int]:
+        """The keys of the gradients held now, which wait for no more passes (their replica
+        returned): the caller starts their copies, which ``holds`` lets go, as any later
+        arrival of theirs this step."""
+        keys = list(self.holding)
+        self.holding.clear()
+        for key in keys:
+            del self.passes[key]  # (``_counts`` keeps what the step brought, for the next)
+        return keys
+
+    def _passes(self) -> dict[int, int]:
+        """The gradients the step that ended received of each variable, where more than one:
+        its copies' arrivals, and the counts of those ``holds`` was asked about."""
+        counts = Counter(key for key, _, _ in self._arrivals if key not in self._counts)
+        counts.update(self._counts)
+        return {key: n for key, n in counts.items() if n > 1}
 
     def _land(self, copy: InBucket, grad: torch.Tensor, stream: Any, side: Any) -> GradientCopy:
         """``copy``'s piece takes ``grad``, if its bucket accepts it now; else it is copied
@@ -531,9 +590,15 @@ class GradientBuckets:
         """The first gradient after a sync point: lay out again if the step before did not
         fit the layout (a slot left empty; one missing was laid out at the sync point)."""
         self.synced = False
-        if self._stale or self._filled != len(self._copies):
+        # (gradients held to the sync point, their replica never returned: their slots stay)
+        if self._stale or self._filled + len(self.holding) != len(self._copies):
             self._lay_out()
-        self._arrivals, self._filled, self._stale = [], 0, False
+        if self.learns and (  # (some variable's gradient came again)
+            self.passes or self._counts or len(self._arrivals) > self._filled
+        ):
+            self.passes = self._passes()
+        self._arrivals, self._filled, self._stale, self._counts = [], 0, False, {}
+        self.holding.clear()
         for entry in self._deferred:  # not taken at the sync point (a discarded view's)
             entry.place(functools.partial(Alone, self))
         self._deferred = []

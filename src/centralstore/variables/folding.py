@@ -31,7 +31,7 @@ from .._aggregation import (
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
 from .buckets import GradientBuckets, lend, take_all
 from .records import Central
-from .views import EXACT_CLASSES, View
+from .views import EXACT_CLASSES, ReplicaViews, View
 
 
 def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
@@ -42,13 +42,28 @@ def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
 
 def start_copy(buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
     """Start copying the gradient just accumulated on ``tensor`` to pinned host memory: into
-    its slot of the replica's ``buckets``, on the side stream of its GPU."""
+    its slot of the replica's ``buckets``, on the side stream of its GPU; unless it stays
+    there for the next pass of a loop of micro-batches to add to (``GradientBuckets.holds``)."""
     grad = tensor.grad
     if grad is None or grad.is_sparse:  # a sparse gradient waits on the view for the fold
+        return
+    if (buckets.synced or buckets.passes) and buckets.holds(view.record.key):
         return
     tensor.grad = None
     side = _side_streams.get(grad.device) or _side_stream(grad.device)
     view.pending.append(buckets.copy(view.record.key, grad, side))
+
+
+def copy_held(replica: ReplicaViews) -> None:
+    """``replica`` returned: the gradients it held on its GPU for a pass that did not come
+    (fewer than at the step before) start their copies, while the other replicas compute."""
+    buckets = replica.gradient_buckets
+    for key in buckets.release():
+        view = replica.views.get(key)
+        if view is not None:
+            for tensor in (view.tensor, view.alias):
+                if tensor is not None and tensor.grad is not None:
+                    start_copy(buckets, view, tensor)
 
 
 _side_streams: dict[torch.device, Any] = {}

@@ -40,6 +40,7 @@ from typing import Protocol, final
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
+from . import folding
 from .direct import Copier, DirectReplicas, SharedBuffers, Undo, shared_parameters
 from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, Written
 from .modules import (
@@ -458,6 +459,10 @@ class ReplicasRun(Run):
             shared = self._shared
             if finished and shared is not None and self._direct(replica):
                 _finish_shared(self._store, shared, replica)
+        if finished:
+            views = self._store.replicas[replica]
+            if views.gradient_buckets.holding:
+                folding.copy_held(views)
 
     def suspend(self, replica: int) -> None:
         filled, self._filled = self._filled, None

@@ -121,6 +121,9 @@ class VariableStore:
             )
             for r, device in enumerate(placement.storage_devices)
         ]
+        if exchange.watches_gradients:  # its buckets count every arrival: none stays on a GPU
+            for replica in self.replicas:
+                replica.gradient_buckets.learns = False
         # several GPU replicas of host variables in one process: their gradients added up
         # on the host while backward goes on
         self._sums = (
@@ -423,6 +426,9 @@ class VariableStore:
         if self._on_gpus:
             for replica in self.replicas:
                 replica.wait_for_copies()
+                # the next arrival starts a step, though this sync point may take no copy:
+                # every gradient a loop held on its GPU (``GradientBuckets.holds``)
+                replica.gradient_buckets.synced = True
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)
@@ -470,8 +476,8 @@ class VariableStore:
             views.epoch += 1
 
     # A view's gradient has accumulated on a GPU: its copy to the parameter device starts,
-    # into its replica's buckets, while backward goes on (the function itself: a method
-    # around it would cost a call per gradient).
+    # into its replica's buckets, while backward goes on, or at the last pass of a loop of
+    # micro-batches (the function itself: a method around it would cost a call per gradient).
     on_gradient = staticmethod(folding.start_copy)
 
     def watch(self, outputs: list[torch.Tensor]) -> None:
