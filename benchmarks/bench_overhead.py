@@ -92,6 +92,11 @@ the replicas' buckets added up on a helper thread while backward runs (``early``
 GPUs' backward runs on the host's cores too, beside the helper. ``--accumulate`` makes each
 step two runs and times the second's sync point, which finds ``.grad`` filled (the helper
 adds the old gradients first, and the sync point copies the sums into ``.grad``).
+``--loop K`` makes each replica loop over K micro-batches inside one run (``docs/porting.md``)
+and compares, at R = 1 and 2, each pass's gradients but the last held on their GPU, where
+the next pass adds to them, and the sum copied once (``hold``, ``GradientBuckets.holds``),
+against every pass's gradients copied as they come, the later ones alone, and added on the
+host by the fold (``each``): the sync point, the optimizer's step, and the whole step.
 
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
@@ -99,6 +104,7 @@ adds the old gradients first, and the sync point copies the sums into ``.grad``)
     python benchmarks/bench_overhead.py --phases --workers [--functions]
         [--worker-model transformer|bn]
     python benchmarks/bench_overhead.py --phases --fake-gpus [--phase-steps 20] [--accumulate]
+        [--loop K]
 """
 
 from __future__ import annotations
@@ -124,6 +130,7 @@ from bench_models import MODELS, make_step
 from torch import nn
 
 import centralstore as cs
+from centralstore.variables import folding
 
 PER_REPLICA = 4
 # The model's work (bench_models' replica_step and plain_loss, and every backward; here
@@ -758,22 +765,27 @@ SYNC_MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]
 }
 
 
-def fake_gpu_sync_points(steps: int, accumulate: bool = False) -> None:
+def fake_gpu_sync_points(steps: int, accumulate: bool = False, loop: int = 1) -> None:
     """``--phases --fake-gpus``: the host's time at the sync point of GPU replicas whose
     variables are in host memory (module docstring); ``accumulate``: two runs a step, the
-    sync point the second's, which finds ``.grad`` filled (``--accumulate``)."""
+    sync point the second's, which finds ``.grad`` filled (``--accumulate``); ``loop``: the
+    micro-batches each replica loops over inside a run (``--loop``)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
     import fakegpu
 
-    print(f"{'model':<24} {'placement':<40} {'sums':<10} {'gradients MB':>12} "
+    print(f"{'model':<24} {'placement':<40} {'kind' if loop > 1 else 'sums':<10} "
+          f"{'gradients MB':>12} "
           f"{'sync point':>11} {'opt step':>9} {'step':>8}   (ms, medians of {steps} steps "
           "after 3)")
     with fakegpu.devices(2):
         for name, (build, example) in SYNC_MODELS.items():
             for devices in (["cuda:0"], ["cuda:0", "cuda:1"]):
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on cpu"
-                kinds = ["-"] if len(devices) == 1 else ["early", "held"]
-                found = _sync_points(build, example, devices, steps, kinds, accumulate)
+                kinds = (
+                    ["hold", "each"] if loop > 1 else ["-"] if len(devices) == 1
+                    else ["early", "held"]
+                )
+                found = _sync_points(build, example, devices, steps, kinds, accumulate, loop)
                 for kind, (megabytes, sync, update, step) in zip(kinds, found, strict=True):
                     print(f"{name:<24} {placement:<40} {kind:<10} {megabytes:>12.1f} "
                           f"{sync * 1e3:>11.2f} {update * 1e3:>9.2f} {step * 1e3:>8.2f}")
@@ -781,7 +793,7 @@ def fake_gpu_sync_points(steps: int, accumulate: bool = False) -> None:
 
 def _sync_points(
     build: Callable[[], nn.Module], example: Callable[[], torch.Tensor], devices: list[str],
-    steps: int, kinds: list[str], accumulate: bool = False,
+    steps: int, kinds: list[str], accumulate: bool = False, loop: int = 1,
 ) -> list[tuple[float, float, float, float]]:
     """An SGD step of ``build()`` on ``devices`` with its variables on the CPU, each replica
     on an ``example()``, for each of ``kinds`` (``early``: the replicas' buckets added up
@@ -790,12 +802,15 @@ def _sync_points(
     the last replica's backward to ``run``'s return (the sync point), of
     ``optimizer.step()`` and of the whole step. ``accumulate``: a first run before the
     timed one, whose sync point then finds ``.grad`` filled (the step timed is then the
-    second run and the optimizer's step)."""
+    second run and the optimizer's step). ``loop``: each replica's backward passes in a run,
+    over the same example, the kinds ``hold`` and ``each`` (``--loop``)."""
     timed = []
     for kind in kinds:
         strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
         if kind == "held":
             strategy._store._sums = None
+        elif kind == "each":  # the hook copies every gradient as it comes
+            strategy._store.on_gradient = folding.start_copy  # type: ignore[method-assign]
         torch.manual_seed(0)
         with strategy.scope():
             model = build()
@@ -804,7 +819,8 @@ def _sync_points(
         marks: list[float] = []
 
         def replica(x: torch.Tensor, model: nn.Module = model, marks: list[float] = marks) -> None:
-            model(x).square().mean().backward()
+            for _ in range(loop):
+                model(x).square().mean().backward()
             marks.append(time.perf_counter())
 
         megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e6
@@ -852,6 +868,9 @@ def main() -> None:
     parser.add_argument("--accumulate", action="store_true",
                         help="with --phases --fake-gpus: two runs a step, timing the "
                         "second's sync point, which finds .grad filled")
+    parser.add_argument("--loop", type=int, default=1,
+                        help="with --phases --fake-gpus: micro-batches each replica loops "
+                        "over inside one run, its gradients held on its GPU or copied each")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.phase_steps is None:
@@ -864,6 +883,10 @@ def main() -> None:
         parser.error("--worker-model goes with --phases --workers: add both")
     if options.accumulate and not (options.phases and options.fake_gpus):
         parser.error("--accumulate goes with --phases --fake-gpus: add both")
+    if options.loop != 1 and not (options.phases and options.fake_gpus):
+        parser.error("--loop goes with --phases --fake-gpus: add both")
+    if options.loop < 1:
+        parser.error(f"--loop takes a number of micro-batches, 1 or more, not {options.loop}")
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
@@ -879,7 +902,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if options.fake_gpus:
         if options.phases:
-            fake_gpu_sync_points(options.phase_steps, options.accumulate)
+            fake_gpu_sync_points(options.phase_steps, options.accumulate, options.loop)
         else:
             fake_gpu_counts()
         return

@@ -30,6 +30,9 @@ such a machine can tell:
      ... held                the same with those sums left to the sync point
      ... x2, ... x2 held     the same two, accumulating: two runs a step (twice the
                              passes of plain), the second adding into a filled ``.grad``
+     ... loop2               the same passes looped inside one run: each replica's first
+                             gradients stay on its GPU for the second to add to, and go
+                             back once (``GradientBuckets.holds``)
    Columns: the median ms per step over the rounds (timed between synchronizations of every
    GPU; the order of the configurations alternates between rounds), its ratio to plain, the
    median ms of the optimizer's step alone (``update``: with the variables on the CPU, the
@@ -138,6 +141,7 @@ class Config:
     # (``variables/sums.py``), or, False, at the sync point
     early_sums: bool = True
     runs: int = 1  # runs a step before the optimizer's: from the second on, .grad is filled
+    loop: int = 1  # backward passes each replica makes inside a run
 
 
 
@@ -158,6 +162,7 @@ def configs(num_gpus: int) -> list[Config]:
         Config(name + " held", "cpu", pair, early_sums=False),
         Config(name + " x2", "cpu", pair, runs=2),
         Config(name + " x2 held", "cpu", pair, early_sums=False, runs=2),
+        Config(name + " loop2", "cpu", pair, loop=2),
     ]
     return found
 
@@ -315,8 +320,9 @@ def build_step(config: Config, model_name: str) -> Built:
     args = per_replica((x, y), config.compute_devices)
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        per_example = F.cross_entropy(model(xs), ys, reduction="none")
-        cs.compute_average_loss(per_example, global_batch_size=batch).backward()
+        for _ in range(config.loop):
+            per_example = F.cross_entropy(model(xs), ys, reduction="none")
+            cs.compute_average_loss(per_example, global_batch_size=batch).backward()
 
     def cs_step() -> None:
         optimizer.zero_grad()
