@@ -320,6 +320,35 @@ def test_a_second_backward_of_the_first_replica_follows_the_grad_its_buckets_too
         cpu.optimizer.zero_grad()
 
 
+def test_runs_that_loop_over_micro_batches_and_accumulate_add_up_early() -> None:
+    """Two runs a step, each looping over three micro-batches, the second into a filled
+    ``.grad``. Once a first run has counted the passes (no optimizer step: the same
+    weights), each replica keeps its passes' sum on its GPU until the third
+    (``GradientBuckets.holds``): the first replica's buckets take ``.grad`` as their copies
+    start, the last's are added up early, each replica's three passes first, then the
+    replicas: the twin's order, bit for bit."""
+    gpu, cpu = _pair()
+    for training in (gpu, cpu):  # the passes counted
+        training.run(seed=99, passes=3)
+        training.optimizer.zero_grad()
+    for step in range(3):
+        counts = []
+        for training in (gpu, cpu):
+            training.run(seed=2 * step, passes=3)
+            if training is gpu:
+                counts.append((gpu.sums().added, gpu.sums().begun))
+            training.run(seed=2 * step + 1, passes=3)
+            if training is gpu:
+                counts.append((gpu.sums().added, gpu.sums().begun))
+            training.optimizer.step()
+        _assert_same(gpu, cpu)
+        for training in (gpu, cpu):
+            training.optimizer.zero_grad()
+        # every bucket added up early in both runs (in the second, a hand-over needs the
+        # first replica's bucket to have taken .grad)
+        assert counts == [(_bucket_count(gpu), 0)] * 2
+
+
 def test_an_accumulating_run_that_meets_in_merge_call_after_backward() -> None:
     """Each replica makes its backward into a filled ``.grad``, then meets the others in
     ``merge_call`` (an optimizer's ``apply_gradients`` in TensorFlow code): the first
