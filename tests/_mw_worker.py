@@ -513,7 +513,7 @@ def failure_mid_backward(rank: int) -> dict[str, Any]:
 AGAIN_PASSES = (2, 2, 1, 3, 4, 4)  # the backward passes of again_scenario's runs
 
 
-def again_scenario(local: int) -> dict[str, Any]:
+def again_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     """Runs that back several times (``AGAIN_PASSES``). In the first, the buckets that left
     during the first backward are not what the fold produces: every worker exchanges again
     from the fold, and the workers learn that a run makes two backward passes; in the next
@@ -521,34 +521,42 @@ def again_scenario(local: int) -> dict[str, Any]:
     agreement (the plan keeps waiting for two). A run of three passes learns three the same
     way; the next, of four, finds its buckets stale too: after two stale runs in a row the
     layout's buckets no longer leave early. With ``local`` replicas (each makes the run's
-    passes on the whole input, one replica after the other)."""
+    passes on the whole input, one replica after the other), or on GPUs (``on_gpus``)
+    placed as ``GPU_PLACEMENTS[placement]``."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
-    strategy = MultiWorkerCentralStorageStrategy(
-        [f"cpu:{i}" for i in range(local)], timeout=30, bucket_cap_mb=BUCKET
-    )
-    with strategy.scope():
-        net = mlp()
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
-    strategy.run(lambda: net(x).sum().backward())  # its sync point plans the buckets
-    out: dict[str, Any] = {
-        "initial": net.state_dict(), "collectives": [], "grads": [], "after_each_backward": [],
-    }
+    devices, parameter_device = placed(placement, local)
+    with on_gpus(placement):
+        strategy = MultiWorkerCentralStorageStrategy(
+            devices, parameter_device=parameter_device, timeout=30, bucket_cap_mb=BUCKET
+        )
+        with strategy.scope():
+            net = mlp()
+        host = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
 
-    def passes(n: int) -> None:
-        sent = out["after_each_backward"][-1]
-        for part in x.tensor_split(n):
-            net(part).sum().backward()
-            sent.append(strategy.traffic["collectives"] - before)
+        def inputs() -> torch.Tensor:  # on the replica's device (its view's)
+            return host.to(next(net.parameters()).device)
 
-    for n in AGAIN_PASSES:
-        for p in net.parameters():
-            p.grad = None
-        before = strategy.traffic["collectives"]
-        out["after_each_backward"].append([])
-        strategy.run(passes, args=(n,))
-        out["collectives"].append(strategy.traffic["collectives"] - before)
-        out["grads"].append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+        strategy.run(lambda: net(inputs()).sum().backward())  # its sync point plans the buckets
+        out: dict[str, Any] = {
+            "initial": {k: v.cpu() for k, v in net.state_dict().items()}, "collectives": [],
+            "grads": [], "after_each_backward": [],
+        }
+
+        def passes(n: int) -> None:
+            sent = out["after_each_backward"][-1]
+            for part in inputs().tensor_split(n):
+                net(part).sum().backward()
+                sent.append(strategy.traffic["collectives"] - before)
+
+        for n in AGAIN_PASSES:
+            for p in net.parameters():
+                p.grad = None
+            before = strategy.traffic["collectives"]
+            out["after_each_backward"].append([])
+            strategy.run(passes, args=(n,))
+            out["collectives"].append(strategy.traffic["collectives"] - before)
+            out["grads"].append([p.grad.cpu() for p in net.parameters() if p.grad is not None])
     return out
 
 
@@ -1206,7 +1214,7 @@ def main() -> None:
         pinned = None if sys.argv[4] == "-" else int(sys.argv[4])
         results = copied_early_scenario(sys.argv[3], pinned)
     elif scenario == "again":
-        results = again_scenario(int(sys.argv[3]))
+        results = again_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

@@ -492,24 +492,41 @@ def test_buckets_that_a_second_backward_changed_are_exchanged_again(
     pass once the workers learnt how many a run makes, and the sums are those of one
     device over the same passes, the same bits on every worker."""
     results = launch(tmp_path, 2, "again", str(tmp_path), str(local))
+    _assert_again_grads(results, local)
+    sent, collectives = AGAIN_TRAFFIC[local]
+    for result in results:
+        assert result["after_each_backward"] == sent, result["after_each_backward"]
+        assert result["collectives"] == collectives, result["collectives"]
+
+
+def _assert_again_grads(results: list[dict[str, Any]], local: int) -> None:
+    """Each run's gradients are the sums of one device over the same passes (every
+    replica of both workers made them), to rounding, the same bits on every worker."""
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
     for run, passes in enumerate(helper.AGAIN_PASSES):
         oracle = helper.mlp()
         oracle.load_state_dict(results[0]["initial"])
         for part in x.tensor_split(passes):
             oracle(part).sum().backward()
-        # every replica of both workers made the same passes
         expected = [2 * local * p.grad for p in oracle.parameters() if p.grad is not None]
         for result in results:
             grads = result["grads"][run]
             assert len(grads) == len(expected) == 4
             for got, want, first in zip(grads, expected, results[0]["grads"][run], strict=True):
                 torch.testing.assert_close(got, want)
-                assert torch.equal(got, first)  # every worker alike, bit for bit
-    sent, collectives = AGAIN_TRAFFIC[local]
-    for result in results:
-        assert result["after_each_backward"] == sent, result["after_each_backward"]
-        assert result["collectives"] == collectives, result["collectives"]
+                assert torch.equal(got, first)
+
+
+@pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
+def test_runs_of_several_backward_passes_on_gpus_sum_like_one_device(
+    tmp_path: Path, placement: str
+) -> None:
+    """The runs above on fake GPUs (or real ones): their replicas' passes, copied to the
+    host or summed where the parameters are, and exchanged early or again from the fold,
+    give one device's sums, the same bits on every worker."""
+    skip_without_gpus(placement)
+    results = launch(tmp_path, 2, "again", str(tmp_path), "0", placement)
+    _assert_again_grads(results, len(helper.GPU_PLACEMENTS[placement][0]))
 
 
 @pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
