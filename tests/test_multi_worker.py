@@ -575,10 +575,11 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     bucket's copy, and so every bucket, starts with the last gradient. A run that fails on
     worker 1 after its backward leaves ``.grad`` as it was on both, whatever left. A run of
     two passes sends its buckets during the first, finds them stale and exchanges again;
-    the plan then waits for two passes, and the next such run sends them during its second
-    (whose copies, each in a pinned block of its own, leave at once), as DDP under
-    ``no_sync``. Without the helper thread, backward still returns, and the sync point
-    raises."""
+    the plan then waits for two passes, and the next such run sends them during its second,
+    as DDP under ``no_sync``: its first pass's gradients stay on the GPU
+    (``GradientBuckets.holds``) and the second copies their sums into the pinned buckets,
+    whose copies start as a one-pass run's do. Without the helper thread, backward still
+    returns, and the sync point raises."""
     skip_without_gpus(placement)
     results = launch(
         tmp_path, 2, "copied", str(tmp_path), placement, "-" if pinned is None else str(pinned)
@@ -591,14 +592,14 @@ def test_buckets_copied_from_gpus_leave_during_backward(
     # GPUs, worker 1's failing run ends after its first replica.
     if placement == "one-gpu-params-on-host":
         after = [[0, 3, 3, 3, 3, 0]] * 2
-        before_first = [[0, p, p, p, 3, 0, 2, 0]] * 2
+        before_first = [[0, p, p, p, 3, 0, p, 0]] * 2
     else:
         after = [
             [0, 0, 0, 3, 0, 3, 0, 0, 0, 3, 0, 0], [0, 0, 0, 3, 0, 0, 0, 0, 3, 0, 0],
         ]
         before_first = [
-            [0, 0, 0, p, 0, p, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0],
-            [0, 0, 0, p, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0],
+            [0, 0, 0, p, 0, p, 0, 0, 0, 0, 0, 0, 0, p, 0, 0],
+            [0, 0, 0, p, 0, 0, 0, 0, 0, 0, 0, 0, p, 0, 0],
         ]
     for rank, result in enumerate(results):
         early, late = result["early"], result["late"]

@@ -21,10 +21,12 @@ on different workers: on every worker an early exchange starts every bucket of t
 plan order.
 
 GPU replicas of variables in host memory copy each gradient there as it accumulates
-(``folding.start_copy``, the store's receiver, which the exchange calls first). A bucket
-whose gradients have all come and whose copies are all queued goes to a helper thread,
-which waits for the copies, sums them and starts the bucket, in plan order: neither the
-backward nor the GPU waits for the host.
+(``folding.start_copy``, the store's receiver, which the exchange calls first), or, in a
+run of several backward passes, hold it on the GPU for the next pass and copy the sum at
+the last (``GradientBuckets.holds``). A bucket whose gradients have all come and whose
+copies are all queued (one per pass on each view, or one of their sum) goes to a helper
+thread, which waits for the copies, sums them and starts the bucket, in plan order:
+neither the backward nor the GPU waits for the host.
 """
 
 from __future__ import annotations
@@ -343,10 +345,13 @@ class EarlyExchange:
     def _copied_sources(self, b: int) -> _Copied | None:
         """Bucket ``b``'s gradients on every local replica as copies to host memory, if
         each may leave early: every view holds a copy from each of the plan's backward
-        passes, and nothing else."""
-        passes = self._plan.passes
+        passes, or one of their sum (the passes before the last held on the GPU:
+        ``GradientBuckets.holds``), and nothing else."""
         replicas = self._bucket_views(b)
         if replicas is None:
+            return None
+        passes = len(replicas[0][0][0].pending) if replicas[0][0] else 0
+        if passes not in (1, self._plan.passes):
             return None
         found = _Copied([], [], [])
         for mine, tensors in replicas:

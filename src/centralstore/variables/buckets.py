@@ -460,7 +460,7 @@ class GradientBuckets:
         self.passes: dict[int, int] = {}
         self._counts: dict[int, int] = {}
         self.holding: dict[int, None] = {}
-        self.learns = True  # whether it holds passes at all (not where an exchange counts them)
+        self.learns = True  # whether it counts passes and holds them (off: copied each)
 
     def copy(self, key: int, grad: torch.Tensor, side: Any) -> GradientCopy:
         """Start copying ``grad``, the gradient of variable ``key``, to host memory on the

@@ -121,9 +121,6 @@ class VariableStore:
             )
             for r, device in enumerate(placement.storage_devices)
         ]
-        if exchange.watches_gradients:  # its buckets count every arrival: none stays on a GPU
-            for replica in self.replicas:
-                replica.gradient_buckets.learns = False
         # several GPU replicas of host variables in one process: their gradients added up
         # on the host while backward goes on
         self._sums = (
