@@ -1087,8 +1087,10 @@ def copied_runs(
     the fold): the gradients after each run (of a run that failed, those set before it), how
     many buckets had left when the first layer's weight got its gradient (the last but one
     to come) in each pass, and at the end of each replica's passes, and what each run
-    raised. Then (not ``late``) a run of two passes without the helper thread: what it
-    raised, and how many replicas' passes returned."""
+    raised. Then (not ``late``) a run of two passes, after which each replica holds the
+    first of two passes on its GPU (``GradientBuckets.holds``), so that the next copies
+    one sum per view, which may leave early; and that next run, of two passes, without the
+    helper thread: what it raised, and how many replicas' passes returned."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     strategy = MultiWorkerCentralStorageStrategy(
@@ -1133,9 +1135,11 @@ def copied_runs(
         "errors": errors,
     }
     if not late:  # the helper thread gone (an interpreter exiting): the buckets cannot
+        strategy.run(passes, args=(2, False))
+        returned = len(after)
         strategy._collectives._copies[1].shutdown()  # start, yet every backward returns
         out["helper gone"] = _raised(lambda: strategy.run(passes, args=(2, False)))
-        out["helper gone returned"] = len(after) - len(out["after"])
+        out["helper gone returned"] = len(after) - returned
     return out
 
 

@@ -166,6 +166,16 @@ PATTERNS: dict[str, dict[str, Any]] = {
         optimizer_of=_sgd,
         step_of=lambda m: _twice(m),
     ),
+    "gradients scaled inside the step, after backward (.grad read and written)": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=_sgd,
+        step_of=lambda m: _scaled_inside(m),
+    ),
+    "gradients discarded inside the step (zero_grad between two backward passes)": dict(
+        make=lambda: nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)),
+        optimizer_of=_sgd,
+        step_of=lambda m: _zeroed_inside(m),
+    ),
     "mixed precision's GradScaler, its scale on the parameter device; step 2 overflows": dict(
         make=lambda: _Scaled(),
         optimizer_of=_sgd,
@@ -443,6 +453,30 @@ def _micro_batches(model: nn.Module) -> Callable[..., Any]:
     def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
         for x, y in zip(xs.tensor_split(3), ys.tensor_split(3), strict=True):
             (((model(x) - y) ** 2).sum() / len(X)).backward()
+
+    return step
+
+
+def _scaled_inside(model: nn.Module) -> Callable[..., Any]:
+    """A replica's gradients halved in place after its backward, inside the step: one
+    device's halved, summed."""
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        (((model(xs) - ys) ** 2).sum() / len(X)).backward()
+        for parameter in model.parameters():
+            parameter.grad.mul_(0.5)
+
+    return step
+
+
+def _zeroed_inside(model: nn.Module) -> Callable[..., Any]:
+    """A first backward whose gradients the step discards (``zero_grad``) before its
+    second: only the second's count."""
+
+    def step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        (model(xs).abs().sum() / len(X)).backward()
+        model.zero_grad()
+        (((model(xs) - ys) ** 2).sum() / len(X)).backward()
 
     return step
 

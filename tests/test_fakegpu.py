@@ -680,23 +680,20 @@ def _train_on_cpu_parameters() -> None:
            _initial_state(), steps=2)
 
 
-def _backward_twice_in_a_run() -> None:
-    """A run of one backward pass, then one of two: the second gradient of each variable
-    finds its slot in the bucket taken (the run before brought one per variable, so the
-    first is not held on the GPU for it) and is copied alone (its own pinned block,
-    ``record_stream``)."""
+def _clip_inside_the_step() -> None:
+    """GPU replicas of host variables that clip their gradients inside the step: the clip
+    writes each ``.grad`` in place, which its copy to the host has just read (or still
+    reads, without the stream's wait at the end of backward)."""
     strategy = cs.CentralStorageStrategy(["cuda:0", "cuda:1"], parameter_device="cpu")
     with strategy.scope():
         model = _model()
 
-    def step(x: torch.Tensor, passes: int) -> None:
-        model(x).sum().backward()
-        if passes == 2:
-            model(x).square().sum().backward()
+    def step(x: torch.Tensor) -> None:
+        model(x).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
 
-    for passes in (1, 2):
-        x = _per_replica(torch.randn(BATCH, 6), strategy.compute_devices)
-        strategy.run(step, args=(x, passes))
+    for _ in range(2):
+        strategy.run(step, args=(_per_replica(torch.randn(BATCH, 6), strategy.compute_devices),))
 
 
 def _iterate_a_distributed_dataset() -> None:
@@ -721,8 +718,8 @@ _MUTATIONS = [
     pytest.param(buckets.GradientBuckets, "copy", "Stream.wait_stream",
                  _train_on_cpu_parameters, "write/read",
                  id="gradient-copy-side-stream-waits-for-backward"),
-    pytest.param(buckets.GradientBuckets, "copy", "record_stream", _backward_twice_in_a_run,
-                 "free", id="gradient-copy-record_stream"),
+    pytest.param(buckets.GradientBuckets, "after_backward", "Stream.wait_stream",
+                 _clip_inside_the_step, "read/write", id="gradient-copy-ordered-after-backward"),
     pytest.param(buckets.Bucket, "_launch", "Event.record", _train_on_cpu_parameters,
                  "write/", id="bucket-event-record"),
     pytest.param(buckets.Bucket, "wait", "Event.synchronize", _train_on_cpu_parameters,

@@ -294,12 +294,12 @@ def test_a_second_backward_of_the_last_replica_is_added_after_the_sum() -> None:
     assert gpu.sums().added == 0
 
 
-def test_a_second_backward_of_the_first_replica_follows_the_grad_its_buckets_took() -> None:
+def test_a_second_backward_of_the_first_replica_after_its_buckets_took_grad_is_folded() -> None:
     """A run that accumulates, whose first replica makes a second backward after its
-    buckets took ``.grad``: that replica's second gradients come after its copies, so no
-    bucket is handed over, and the sync point copies ``old + r0`` into ``.grad`` and folds
-    ``r0'`` and ``r1`` after it, the fold's order: bit for bit the path without early sums
-    (the twin adds each replica's two passes first, to rounding)."""
+    buckets took ``.grad``: that backward adds to the gradients in place on the GPU, so
+    the copies no longer stand for them, the bucket's start is dropped, and the fold adds
+    the replica's sum of two, then the other's: the twin's order, bit for bit, as the path
+    without early sums."""
 
     def second_pass_on_the_first(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if cs.get_replica_context().replica_id_in_sync_group == 0:
@@ -312,12 +312,47 @@ def test_a_second_backward_of_the_first_replica_follows_the_grad_its_buckets_too
             training.run(seed=2 * step)
             training.run(seed=2 * step + 1, loss=second_pass_on_the_first)
             training.optimizer.step()
-        if step:
-            assert (gpu.sums().added, gpu.sums().begun) == (0, _bucket_count(gpu))
+        assert (gpu.sums().added, gpu.sums().begun) == (0, 0)
+        _assert_same(gpu, cpu)
         _assert_equal_states(gpu, held)
-        for name, value in cpu.model.state_dict().items():
-            torch.testing.assert_close(gpu.model.state_dict()[name], value, msg=name)
         cpu.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("accumulating", [False, True], ids=["grad-empty", "grad-filled"])
+def test_a_grad_the_last_replica_scales_after_the_hand_over_is_folded(
+    accumulating: bool,
+) -> None:
+    """The last replica halves its ``.grad`` inside the step, after its backward, when its
+    buckets have been handed over: the copies no longer stand for the gradients, the sync
+    point drops the sums (and the ``.grad`` the first replica's buckets took stays as it
+    was), and the fold adds the gradients themselves: bit for bit the twin."""
+    gpu, cpu = _pair()
+    handed = []
+
+    def halved_on_the_last(x: torch.Tensor, t: _Training) -> None:
+        _square(t.model, x).backward()
+        if cs.get_replica_context().replica_id_in_sync_group == 1:
+            if t is gpu:
+                handed.append(len(gpu.sums()._handed))
+            for p in t.model.parameters():
+                p.grad.mul_(0.5)  # type: ignore[union-attr]
+
+    for step in range(3):
+        for training in (gpu, cpu):
+            if accumulating:
+                training.run(seed=10 + step)
+            generator = torch.Generator().manual_seed(step)
+            x = cs.PerReplica(
+                [torch.randn(4, 8, generator=generator).to(d) for d in training.devices]
+            )
+            training.strategy.run(halved_on_the_last, args=(x, training))
+            training.optimizer.step()
+        _assert_same(gpu, cpu)
+        for training in (gpu, cpu):
+            training.optimizer.zero_grad()
+        if step:
+            assert handed[-1] == _bucket_count(gpu)  # handed over, then
+            assert gpu.sums().added == 0  # dropped
 
 
 def test_runs_that_loop_over_micro_batches_and_accumulate_add_up_early() -> None:

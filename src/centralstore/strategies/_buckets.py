@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast, final
 import torch
 
 from .._autograd import no_grad
+from ..variables.buckets import standing
 from ._flat import pack, unflatten
 
 if TYPE_CHECKING:
@@ -177,9 +178,9 @@ class _Sources(NamedTuple):
 
 class _Copied(NamedTuple):
     """One bucket's gradients that left early from GPU replicas, as copies to host memory
-    (``GradientCopy``): per local replica, per backward pass, in the bucket's order; and
-    what must still hold at the sync point: each view still its replica's tensor, its
-    gradients still those copies and no other."""
+    (``GradientCopy``): per local replica, one round of copies in the bucket's order; and
+    what must still hold at the sync point: each view still its replica's tensor, its one
+    copy standing for its gradient."""
 
     views: list[list[View]]
     tensors: list[list[torch.Tensor]]
@@ -191,6 +192,7 @@ _record_of = attrgetter("record")
 _epoch_of = attrgetter("epoch")
 _private_of = attrgetter("private")
 _pending_of = attrgetter("pending")
+_first = itemgetter(0)
 _grad_of = attrgetter("grad")
 _version_of = attrgetter("_version")
 _dtype_of = attrgetter("dtype")
@@ -344,27 +346,27 @@ class EarlyExchange:
 
     def _copied_sources(self, b: int) -> _Copied | None:
         """Bucket ``b``'s gradients on every local replica as copies to host memory, if
-        each may leave early: every view holds a copy from each of the plan's backward
-        passes, or one of their sum (the passes before the last held on the GPU:
-        ``GradientBuckets.holds``), and nothing else."""
+        each may leave early: every view holds one copy, which stands for its ``.grad``
+        (``buckets.standing``: in a run of several backward passes, the sum of the last,
+        the passes before held on the GPU, ``GradientBuckets.holds``), and nothing else.
+        (With two copies, the second is the running sum: the bucket waits for the fold.)"""
         replicas = self._bucket_views(b)
         if replicas is None:
-            return None
-        passes = len(replicas[0][0][0].pending) if replicas[0][0] else 0
-        if passes not in (1, self._plan.passes):
             return None
         found = _Copied([], [], [])
         for mine, tensors in replicas:
             pendings = list(map(_pending_of, mine))
             if (
                 not all(map(is_, map(_alias_of, mine), repeat(None)))
-                or list(map(len, pendings)).count(passes) != len(mine)
-                or any(map(is_not, map(_grad_of, tensors), repeat(None)))
+                or list(map(len, pendings)).count(1) != len(mine)
             ):
+                return None
+            copies = list(map(_first, pendings))
+            if not standing(tensors, copies):
                 return None
             found.views.append(mine)
             found.tensors.append(tensors)
-            found.copies.append([list(map(itemgetter(k), pendings)) for k in range(passes)])
+            found.copies.append([copies])
         return found
 
     def _sum_copies(self, found: _Copied, events: list[Any]) -> None:
@@ -464,7 +466,7 @@ class EarlyExchange:
                         all(map(is_, map(itemgetter(k), pendings), round_))
                         for k, round_ in enumerate(rounds)
                     )
-                    or any(map(is_not, map(_grad_of, its_tensors), repeat(None)))
+                    or not standing(its_tensors, rounds[-1])
                     or not all(map(is_, map(_alias_of, mine), repeat(None)))
                 ):
                     return False

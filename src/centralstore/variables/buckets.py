@@ -25,8 +25,18 @@ it: when its last gradient has arrived, the side stream waits for the streams th
 them, concatenates them (one kernel), copies the result into the pinned buffer (one copy) and
 records the bucket's event; the sync point synchronizes that event once. The gradients are
 held until then rather than named to ``record_stream`` one by one: once the host has waited
-for the event, freeing them is safe. A bucket some of whose gradients never came is copied at
-the sync point, each run of arrived gradients as above.
+for the event, freeing them is safe. A bucket some of whose gradients never came is copied
+when the backward ends (``GradientBuckets.after_backward``), each run of arrived gradients
+as above, or at the sync point.
+
+A gradient copied stays in its view's ``.grad``, as on one device: code in the replica
+reads it after backward, writes it (clipping, scaling), sets it to None, and a later
+backward adds to it. Each copy keeps the tensor it copied and its version counter
+(``GradientCopy.source``, ``version``); the sync point takes a copy only while it still
+stands for the view's gradient (``standing``), else the gradient itself. At the end of a
+backward that copied, the replica's stream waits for the side stream, so that no such
+write meets a copy's read; the sync point waits for the copies anyway, so this costs
+nothing where nothing follows the backward.
 
 Pinned memory per replica, for gradients of ``G`` bytes: each bucket asks for the bytes of
 its gradients, which torch's caching host allocator rounds up to a power of two, at most
@@ -61,13 +71,14 @@ import abc
 import enum
 import functools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import starmap
-from operator import attrgetter, getitem, methodcaller
+from operator import attrgetter, getitem, is_, methodcaller
 from typing import Any, NamedTuple, cast, final
 
 import torch
 
+from .._autograd import grad_of, version_of
 from .._devices import current_stream
 
 BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allocator serves
@@ -264,6 +275,11 @@ class GradientCopy(abc.ABC):
     # point keeps must then be a tensor of its own on that memory (``lend``), which the
     # bucket sees using it, so that no later fill overwrites it.
     borrowed: bool
+    # The gradient copied, which stays in its view's ``.grad``, and its version counter
+    # then: the copy stands for the view's gradient while both are unchanged (a later
+    # backward adds to it in place, or replaces it; code in the replica may write it).
+    source: torch.Tensor | None
+    version: int
 
     @abc.abstractmethod
     def take(self) -> torch.Tensor:
@@ -286,7 +302,8 @@ class InBucket(GradientCopy):
     """A gradient copied into its slot of the buckets. (One per slot, made with the layout:
     a slot holds one gradient at a time.)"""
 
-    __slots__ = ("_owner", "borrowed", "bucket", "dtype", "piece", "shape", "slot")
+    __slots__ = ("_owner", "borrowed", "bucket", "dtype", "piece", "shape", "slot", "source",
+                 "version")
     bucket: Bucket  # with ``piece``, the slot's piece: set when ``borrowed``
     piece: Piece
 
@@ -295,6 +312,7 @@ class InBucket(GradientCopy):
         self.slot = slot
         self.borrowed = bool(slot.pieces)  # (not an empty gradient)
         self.shape, self.dtype = slot.shape, slot.dtype  # read at each arrival
+        self.source, self.version = None, -1  # set at each arrival that lands in the slot
         if self.borrowed:
             self.bucket, self.piece = slot.pieces[0]
 
@@ -328,7 +346,7 @@ class InBucket(GradientCopy):
 class Alone(GradientCopy):
     """A gradient copied into a pinned block of its own."""
 
-    __slots__ = ("_event", "_host", "_owner")
+    __slots__ = ("_event", "_host", "_owner", "source", "version")
     borrowed = False
 
     def __init__(self, owner: GradientBuckets, grad: torch.Tensor, stream: Any, side: Any) -> None:
@@ -340,6 +358,7 @@ class Alone(GradientCopy):
             self._event.record(side)
         grad.record_stream(side)
         self._owner = owner
+        self.source, self.version = grad, grad._version
 
     def take(self) -> torch.Tensor:
         self._event.synchronize()
@@ -358,7 +377,7 @@ class Deferred(GradientCopy):
     """A gradient the layout had no slot for: held on its GPU until the sync point, which
     lays the buckets out again, this step's arrivals included, and copies it there."""
 
-    __slots__ = ("_copy", "_owner", "grad", "key", "side", "stream")
+    __slots__ = ("_copy", "_owner", "grad", "key", "side", "source", "stream", "version")
 
     def __init__(
         self, owner: GradientBuckets, key: int, grad: torch.Tensor, stream: Any, side: Any
@@ -366,6 +385,7 @@ class Deferred(GradientCopy):
         self._owner = owner
         self.key, self.stream, self.side = key, stream, side
         self.grad: torch.Tensor | None = grad
+        self.source, self.version = grad, grad._version
         self._copy: GradientCopy | None = None
 
     def place(self, start: Callable[[torch.Tensor, Any, Any], GradientCopy]) -> None:
@@ -405,6 +425,15 @@ def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
     return [v if b.lends else v.clone() for v, b in zip(views, buckets, strict=True)]
 
 
+def standing(tensors: list[torch.Tensor], copies: Sequence[GradientCopy]) -> bool:
+    """Whether each of ``tensors`` (views' tensors) still holds in ``.grad`` the gradient its
+    copy of ``copies`` took, unchanged since: the copy then stands for it. (Passes in C.)"""
+    grads = list(map(grad_of, tensors))
+    return all(map(is_, grads, map(_source_of, copies))) and list(
+        map(version_of, grads)
+    ) == list(map(_copy_version_of, copies))
+
+
 def lend(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Tensors of their own on the memory of ``grads``, views of gradient buckets' buffers,
     for ``.grad`` to keep: while one lives, its bucket fills another buffer (``Bucket``), so
@@ -419,6 +448,8 @@ def _use_count(tensor: torch.Tensor) -> int:
 
 
 _take = methodcaller("take")
+_source_of = attrgetter("source")
+_copy_version_of = attrgetter("version")
 _borrowed_of = attrgetter("borrowed")
 _bucket_of = attrgetter("bucket")
 _views_of = attrgetter("views")
@@ -439,12 +470,14 @@ class GradientBuckets:
     """One replica's gradient buckets: their layout, built from a step's arrivals, and the
     step in progress (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_arrivals", "_copies", "_counts", "_deferred", "_filled",
-                 "_stale", "holding", "launched", "learns", "passes", "synced")
+    __slots__ = ("__weakref__", "_arrivals", "_buckets", "_copies", "_counts", "_deferred",
+                 "_filled", "_stale", "holding", "launched", "learns", "ordered", "passes",
+                 "synced")
 
     def __init__(self) -> None:
         # by the key of the central variable: its slot, as the copy into it
         self._copies: dict[int, InBucket] = {}
+        self._buckets: list[Bucket] = []  # the layout's, in the order of its slots
         # this step's gradients, in order (``_Arrival``'s fields: a tuple costs no call)
         self._arrivals: list[tuple[int, torch.Size, torch.dtype]] = []
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
@@ -461,6 +494,7 @@ class GradientBuckets:
         self._counts: dict[int, int] = {}
         self.holding: dict[int, None] = {}
         self.learns = True  # whether it counts passes and holds them (off: copied each)
+        self.ordered = False  # whether the backward in progress orders later work (``folding``)
 
     def copy(self, key: int, grad: torch.Tensor, side: Any) -> GradientCopy:
         """Start copying ``grad``, the gradient of variable ``key``, to host memory on the
@@ -478,6 +512,7 @@ class GradientBuckets:
         if copy.borrowed and grad.is_contiguous():  # in one piece, as it is (most gradients)
             if not copy.bucket.add(copy.piece, grad.view(-1), stream, side):
                 return Alone(self, grad, stream, side)
+            copy.source, copy.version = grad, grad._version
             self._filled += 1
             if self.launched is not None and copy.bucket.state is BucketState.COPYING:
                 self.launched(copy.bucket)  # (a full bucket takes no more: this one filled it)
@@ -524,6 +559,19 @@ class GradientBuckets:
             del self.passes[key]  # (``_counts`` keeps what the step brought, for the next)
         return keys
 
+    def after_backward(self, stream: Any, side: Any) -> None:
+        """A backward that copied gradients has ended: the buckets still filling start
+        their copies (a bucket whose pieces spanned two backwards would read, during the
+        next, gradients that backward adds to in place), and ``stream``, where the replica's
+        work goes on, waits for the copies on ``side``, so that no later write to a
+        gradient (the next backward's accumulation, code in the replica) meets its copy's
+        read."""
+        self.ordered = False
+        for bucket in self.buckets:
+            if bucket.state is BucketState.FILLING:
+                bucket._launch()
+        stream.wait_stream(side)
+
     def _passes(self) -> dict[int, int]:
         """The gradients the step that ended received of each variable, where more than one:
         its copies' arrivals, and the counts of those ``holds`` was asked about."""
@@ -542,6 +590,7 @@ class GradientBuckets:
         else:  # a copy, made where the gradient was (the sync point's stream may differ)
             with torch.cuda.stream(stream):
                 flat = grad.reshape(-1)
+        copy.source, copy.version = grad, grad._version
         for bucket, piece in pieces:
             bucket.add(piece, flat, stream, side)
         self._filled += 1
@@ -551,6 +600,9 @@ class GradientBuckets:
         """Slots for this step's arrivals."""
         slots = lay_out(list(starmap(_Arrival, self._arrivals)), BUCKET_BYTES)
         self._copies = {key: InBucket(self, slot) for key, slot in slots.items()}
+        self._buckets = list(
+            {id(b): b for copy in self._copies.values() for b, _ in copy.slot.pieces}.values()
+        )
 
     def settle(self) -> None:
         """At the sync point, with deferred gradients: the layout from this step's arrivals,
@@ -577,8 +629,7 @@ class GradientBuckets:
     @property
     def buckets(self) -> list[Bucket]:
         """The present layout's buckets, in the order of its slots."""
-        return list({id(b): b for copy in self._copies.values() for b, _ in copy.slot.pieces}
-                    .values())
+        return self._buckets
 
     @property
     def pinned_bytes(self) -> int:

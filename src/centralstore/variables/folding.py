@@ -13,6 +13,8 @@ When the sync point happens is the store's business (``store.py``).
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress, count, repeat, zip_longest
@@ -29,7 +31,8 @@ from .._aggregation import (
     written_value,
 )
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
-from .buckets import GradientBuckets, lend, take_all
+from .._devices import current_stream
+from .buckets import GradientBuckets, GradientCopy, lend, standing, take_all
 from .records import Central
 from .views import EXACT_CLASSES, ReplicaViews, View
 
@@ -43,15 +46,28 @@ def overlapped(device: torch.device, parameter_device: torch.device) -> bool:
 def start_copy(buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> None:
     """Start copying the gradient just accumulated on ``tensor`` to pinned host memory: into
     its slot of the replica's ``buckets``, on the side stream of its GPU; unless it stays
-    there for the next pass of a loop of micro-batches to add to (``GradientBuckets.holds``)."""
+    there for the next pass of a loop of micro-batches to add to (``GradientBuckets.holds``).
+    The gradient stays in ``.grad`` for the replica's code (the copy stands for it while it
+    is unchanged: ``gradients_of``), and the backward's end orders the replica's later work
+    after the copies (``GradientBuckets.after_backward``)."""
     grad = tensor.grad
     if grad is None or grad.is_sparse:  # a sparse gradient waits on the view for the fold
         return
     if (buckets.synced or buckets.passes) and buckets.holds(view.record.key):
         return
-    tensor.grad = None
     side = _side_streams.get(grad.device) or _side_stream(grad.device)
     view.pending.append(buckets.copy(view.record.key, grad, side))
+    if not buckets.ordered:  # (the gradient stays in .grad, as on one device)
+        buckets.ordered = True
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(
+            _after_backward, weakref.ref(buckets), current_stream(grad.device), side
+        ))
+
+
+def _after_backward(buckets_ref: weakref.ref[GradientBuckets], stream: Any, side: Any) -> None:
+    buckets = buckets_ref()
+    if buckets is not None:
+        buckets.after_backward(stream, side)
 
 
 def copy_held(replica: ReplicaViews) -> None:
@@ -62,8 +78,12 @@ def copy_held(replica: ReplicaViews) -> None:
         view = replica.views.get(key)
         if view is not None:
             for tensor in (view.tensor, view.alias):
-                if tensor is not None and tensor.grad is not None:
-                    start_copy(buckets, view, tensor)
+                grad = None if tensor is None else tensor.grad
+                if grad is not None and not grad.is_sparse:
+                    side = _side_streams.get(grad.device) or _side_stream(grad.device)
+                    view.pending.append(buckets.copy(key, grad, side))
+                    # (a backward after ``run`` may add to it in place: after the copy)
+                    current_stream(grad.device).wait_stream(side)
 
 
 _side_streams: dict[torch.device, Any] = {}
@@ -77,19 +97,30 @@ def _side_stream(device: torch.device) -> Any:
 
 
 def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Tensor]:
-    """The view's gradients, in order, taken off it. The ids of those that are views of a
-    gradient bucket's buffer, which the sync point lends to ``.grad``, go to ``borrowed``."""
+    """The view's gradients, taken off it: for each of its tensors (the view, and the
+    shared one while routed to a private copy), the copy to host memory of its ``.grad``
+    if one still stands for it (the latest copy of that tensor, unchanged since), else
+    the ``.grad`` itself; the other copies are taken and dropped. The ids of those that are
+    views of a gradient bucket's buffer, which the sync point lends to ``.grad``, go to
+    ``borrowed``."""
+    copies, view.pending = view.pending, []
+    taken = [copy.take() for copy in copies]  # (every copy, for its bucket's accounting)
     grads = []
-    for copy in view.pending:
-        grad = copy.take()
-        if copy.borrowed and borrowed is not None:
-            borrowed.add(id(grad))
-        grads.append(grad)
-    view.pending.clear()
     for tensor in (view.tensor, view.alias):
-        if tensor is not None and tensor.grad is not None:
-            grads.append(tensor.grad)
-            tensor.grad = None
+        if tensor is None or tensor.grad is None:
+            continue
+        grad, tensor.grad = tensor.grad, None
+        standing = None
+        for i in range(len(copies) - 1, -1, -1):
+            if copies[i].source is grad:
+                standing = i if copies[i].version == grad._version else None
+                break
+        if standing is None:
+            grads.append(grad)
+            continue
+        if copies[standing].borrowed and borrowed is not None:
+            borrowed.add(id(taken[standing]))
+        grads.append(taken[standing])
     return grads
 
 
@@ -259,13 +290,15 @@ def _fold_rounds(
     borrowed: set[int] = set()  # ids of gradients that are views of a bucket
     pendings = list(map(_pending_of, views))
     counts = list(map(len, pendings))
-    if (  # the usual step of GPU replicas: a copy each or none, nothing else, in C passes
+    if (  # the usual step of GPU replicas: a copy each or none, standing for the view's
+        # gradient (``gradients_of``), in C passes
         set(counts) <= {0, 1}
         and all(map(is_, map(_alias_of, views), repeat(None)))
-        and not some(list(map(grad_of, map(_tensor_of, views))))
+        and _standing(views, pendings, counts)
     ):
         if not all(counts):  # (views without a gradient: buffers, unused parameters)
             views, pendings = list(compress(views, counts)), list(compress(pendings, counts))
+        set_grads(list(map(_tensor_of, views)), repeat(None))
         copies = list(map(_first, pendings))
         taken = take_all(copies)  # in order, as below
         borrowed.update(map(id, compress(taken, map(_borrowed_of, copies))))
@@ -293,6 +326,17 @@ def _fold_rounds(
                 for g in grads
             ])
     return _fold_in_rounds(centrals, gradients, borrowed)
+
+
+def _standing(views: list[View], pendings: list[list[GradientCopy]], counts: list[int]) -> bool:
+    """Whether each view's one copy stands for its ``.grad`` (``buckets.standing``), and
+    the views without a copy have none. (Passes in C.)"""
+    tensors = list(map(_tensor_of, views))
+    if all(counts):
+        return standing(tensors, list(map(_first, pendings)))
+    return not some(list(map(grad_of, compress(tensors, map(not_, counts))))) and standing(
+        list(compress(tensors, counts)), list(map(_first, compress(pendings, counts)))
+    )
 
 
 def _fold_in_rounds(

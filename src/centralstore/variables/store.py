@@ -424,8 +424,11 @@ class VariableStore:
             for replica in self.replicas:
                 replica.wait_for_copies()
                 # the next arrival starts a step, though this sync point may take no copy:
-                # every gradient a loop held on its GPU (``GradientBuckets.holds``)
-                replica.gradient_buckets.synced = True
+                # every gradient a loop held on its GPU (``GradientBuckets.holds``); and
+                # the next backward orders what follows it after its copies, though one
+                # that failed never did (``folding.start_copy``)
+                buckets = replica.gradient_buckets
+                buckets.synced, buckets.ordered = True, False
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)

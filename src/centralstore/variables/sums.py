@@ -14,8 +14,11 @@ order, so the same bits.
 A bucket is handed to the helper only where the fold would add exactly those gradients:
 every other replica has returned (one that waits in a rendezvous may still add a second
 backward's gradients, which the fold would add before the last replica's), each of its
-views of the bucket's variables holds its copy into that bucket and nothing else, and the
-copy started inside a run (a backward after ``run`` folds its gradients as it ends).
+views of the bucket's variables holds its copy into that bucket and nothing else, its
+``.grad`` still the gradient the copy took (``buckets.standing``), and the copy started
+inside a run (a backward after ``run`` folds its gradients as it ends). Code in a replica
+may still change its ``.grad`` after the hand-over (scale it, a later backward): the sync
+point then drops the bucket's sum, and the fold adds the gradients themselves.
 
 Where the variables have no ``.grad``, the sum becomes it (lent), as the fold's. Where each
 has a dense one of the bucket's dtype and shape (a run that accumulates), the fold computes
@@ -32,9 +35,11 @@ would have. A ``.grad`` replaced or written in place after its bucket took it (a
 kept from before ``run`` and written inside it) would have been read too early: the run
 fails with an error that says so, and its work is discarded (``check``).
 
-A second backward of the last replica after the hand-off leaves its gradients beside the
-copy, and the fold adds them after the sum, as it would have. The other buckets are folded
-as before. A run that fails waits for the helper and discards the buckets as before.
+A second backward of the last replica after the hand-off adds to its gradients in place,
+so the sum is dropped and the fold adds each replica's gradients, the twin's order (in a
+loop of micro-batches the buckets hold the passes before the last on the GPU instead:
+``GradientBuckets.holds``). The other buckets are folded as before. A run that fails waits
+for the helper and discards the buckets as before.
 """
 
 from __future__ import annotations
@@ -52,8 +57,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast, final
 import torch
 from torch._C import DisableTorchFunctionSubclass
 
-from .._autograd import grad_of, no_grad, some, version_of
-from .buckets import Bucket, BucketState, InBucket
+from .._autograd import grad_of, no_grad, set_grads, some, version_of
+from .buckets import Bucket, BucketState, InBucket, standing
 
 if TYPE_CHECKING:
     from .records import Central
@@ -261,6 +266,12 @@ class ReplicaSums:
         for buckets, views, start, _ in handed:
             for bucket in buckets:
                 bucket.waited()  # (the helper waited for its copy)
+            if not all(_standing(mine, copies) for mine, copies in views):
+                # a gradient changed after its copy (code in a replica, a later backward):
+                # the first replica's buffer holds a sum that no longer stands, so its
+                # views keep their gradients for the fold, as the others' do
+                _taken(buckets[0], *views[0], keep=True)
+                continue
             # the first replica's copies stay for the fold to lend, unless they hold .grad's
             first = 0 if start is not None else 1
             for bucket, (mine, copies) in zip(buckets[first:], views[first:], strict=True):
@@ -270,6 +281,9 @@ class ReplicaSums:
             self.added += 1
         for bucket, (mine, copies), start, _ in begun:
             bucket.waited()
+            if not _standing(mine, copies):  # (as above: the fold adds the gradients)
+                _taken(bucket, mine, copies, keep=True)
+                continue
             _taken(bucket, mine, copies)
             received += _into_grad(start)
             self.begun += 1
@@ -296,9 +310,13 @@ class ReplicaSums:
         return handed, begun
 
 
-def _taken(bucket: Bucket, views: list[View], copies: list[InBucket]) -> None:
-    """``copies``, each the first gradient of its view, taken off them: their bucket's sum
-    is read. (What a replica's later passes left stays after them, for the fold.)"""
+def _taken(
+    bucket: Bucket, views: list[View], copies: list[InBucket], keep: bool = False
+) -> None:
+    """``copies``, each the first gradient of its view, taken off them, and the views'
+    ``.grad``, for which they stood, unless ``keep`` (the copies no longer stand: the fold
+    takes the gradients): their bucket's sum is read. (What a replica's later passes left
+    stays after them, for the fold.)"""
     pendings = list(map(_pending_of, views))
     if not all(map(is_, map(_first, pendings), copies)):
         raise RuntimeError(
@@ -307,6 +325,13 @@ def _taken(bucket: Bucket, views: list[View], copies: list[InBucket]) -> None:
         )
     deque(map(delitem, pendings, repeat(0)), maxlen=0)
     bucket.unread -= len(bucket.pieces)
+    if not keep:
+        set_grads(list(map(_tensor_of, views)), repeat(None))
+
+
+def _standing(views: list[View], copies: list[InBucket]) -> bool:
+    """Whether the views' copies still stand for their ``.grad`` (``buckets.standing``)."""
+    return standing(list(map(_tensor_of, views)), copies)
 
 
 def _into_grad(start: _Start) -> list[torch.Tensor]:
@@ -336,8 +361,9 @@ def _views_of(
         return None  # (arriving: the one whose gradient is arriving has none yet)
     if not all(map(is_, map(_first, compress(pendings, lengths)), compress(copies, lengths))):
         return None
-    tensors = list(map(_tensor_of, views))
-    if not all(map(is_, map(_alias_of, views), repeat(None))) or some(map(grad_of, tensors)):
+    if not all(map(is_, map(_alias_of, views), repeat(None))) or not _standing(
+        views, copies  # type: ignore[arg-type]
+    ):
         return None
     return views, copies  # type: ignore[return-value]
 
