@@ -24,9 +24,9 @@ GPU replicas of variables in host memory copy each gradient there as it accumula
 (``folding.start_copy``, the store's receiver, which the exchange calls first), or, in a
 run of several backward passes, hold it on the GPU for the next pass and copy the sum at
 the last (``GradientBuckets.holds``). A bucket whose gradients have all come and whose
-copies are all queued (one per pass on each view, or one of their sum) goes to a helper
-thread, which waits for the copies, sums them and starts the bucket, in plan order:
-neither the backward nor the GPU waits for the host.
+copies are all queued (one on each view, standing for its ``.grad``: ``buckets.standing``)
+goes to a helper thread, which waits for the copies, sums them and starts the bucket, in
+plan order: neither the backward nor the GPU waits for the host.
 """
 
 from __future__ import annotations

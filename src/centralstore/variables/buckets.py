@@ -58,11 +58,12 @@ before the sync point. The buckets count them, and the next step leaves that man
 last on their GPU (``GradientBuckets.holds``), where the next pass's gradient accumulates
 into them as on one device: the last pass copies each replica's sum once, into its slot,
 with the calls and the host memory of one backward, and the fold adds the replicas' sums
-in the CPU twin's order. (Copied at every pass, the later ones went alone: K times the
-bytes over the bus, and the fold added them on the host after the last backward.) A
-replica that returns with gradients still held (fewer passes than the step before) starts
-their copies then; a pass more than the step before goes alone; either way the next step
-counts again. The first step of a loop, with nothing counted, copies alone.
+in the CPU twin's order. (Copied at every pass, the later ones go alone, K times the
+bytes over the bus, of which the sync point uses the last, the sum, which still stands for
+the gradient.) A replica that returns with gradients still held (fewer passes than the
+step before) starts their copies then; a pass more than the step before goes alone;
+either way the next step counts again. The first step of a loop, with nothing counted,
+copies every pass.
 """
 
 from __future__ import annotations
@@ -531,8 +532,8 @@ class GradientBuckets:
         the step before (a loop of ``n`` micro-batches inside one run) keeps the first
         ``n - 1`` there, where the next pass's gradient adds to it in backward's own
         accumulation, and the ``n``-th arrival copies the sum into its slot. (Copied at each
-        arrival, the later ones would go alone, ``n`` times the bytes, and the fold would
-        add them on the host.) Gradients still held when their replica returns (fewer
+        arrival, the later ones would go alone, ``n`` times the bytes over the bus.)
+        Gradients still held when their replica returns (fewer
         passes this step) are copied then (``release``); more passes go alone, as before;
         either way the next step counts again. Called while ``passes`` is empty only at a
         step's first arrival."""

@@ -110,17 +110,17 @@ def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Ten
         if tensor is None or tensor.grad is None:
             continue
         grad, tensor.grad = tensor.grad, None
-        standing = None
+        kept = None  # the copy that stands for it
         for i in range(len(copies) - 1, -1, -1):
             if copies[i].source is grad:
-                standing = i if copies[i].version == grad._version else None
+                kept = i if copies[i].version == grad._version else None
                 break
-        if standing is None:
+        if kept is None:
             grads.append(grad)
             continue
-        if copies[standing].borrowed and borrowed is not None:
-            borrowed.add(id(taken[standing]))
-        grads.append(taken[standing])
+        if copies[kept].borrowed and borrowed is not None:
+            borrowed.add(id(taken[kept]))
+        grads.append(taken[kept])
     return grads
 
 

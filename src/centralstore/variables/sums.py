@@ -346,10 +346,10 @@ def _views_of(
     replica: ReplicaViews, bucket: Bucket, arriving: bool
 ) -> tuple[list[View], list[InBucket]] | None:
     """The replica's views of ``bucket``'s variables with their copies into it (a bucket
-    holds its keys' slots), if each one's only gradient is that copy (``arriving``: the last
-    replica's, where the gradient that started the bucket's copy reaches its view just
-    after), and the view has no gradient of its own. (Passes in C: this runs inside
-    backward.)"""
+    holds its keys' slots), if each one's only copy is that one (``arriving``: the last
+    replica's, where the copy that started the bucket's reaches its view just after), and
+    it stands for the view's ``.grad`` (``buckets.standing``). (Passes in C: this runs
+    inside backward.)"""
     keys = bucket.keys
     views = list(map(replica.views.get, keys))
     if not all(map(is_not, views, repeat(None))):
