@@ -470,13 +470,14 @@ def test_a_loop_of_backwards_in_a_run_copies_each_gradient_once_from_the_second_
     assert calls[1:] == [[5, 5]] * 3  # one bucket each, as one backward's
 
 
-def test_a_loop_whose_passes_change_trains_like_the_cpu_twin(
+def test_a_loop_whose_passes_change_trains_bit_for_bit_like_the_cpu_twin(
     fake_gpus: fakegpu.FakeGPUs,
 ) -> None:
     """Each step holds as many passes as the step before brought. One fewer leaves sums on
     the GPU, copied into their slots when the replica returns (one bucket's calls, as
-    always); one more goes alone (calls of its own). The next step counts again, and the
-    buckets keep their layout throughout."""
+    always); one more goes alone (calls of its own), and the last copy, of the sum, stands
+    for the gradient. The next step counts again, and the buckets keep their layout
+    throughout."""
     gpu, cpu = _on_gpus(_Branches), _on_cpus(_Branches)
     plan = [4, 4, 2, 2, 1, 3, 3]
     layouts, calls = set(), []
@@ -485,7 +486,7 @@ def test_a_loop_whose_passes_change_trains_like_the_cpu_twin(
         for steps in (gpu, cpu):
             steps.step(seed=step, loss=_heads_loss((0, 1, 2), passes=passes))
         calls.append([_copy_calls(fake_gpus, d) - n for d, n in zip(GPUS, before, strict=True)])
-        torch.testing.assert_close(gpu.state(), cpu.state())
+        _assert_same(gpu, cpu)
         layouts.add(_layout_of(gpu))
     assert len(layouts) == 1
     # steps 1 to 4 and 6 expect as many passes as they make, or fewer: one bucket's copy
