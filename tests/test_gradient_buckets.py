@@ -10,6 +10,8 @@ teardown (``fake_gpus``).
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -544,6 +546,28 @@ def test_the_layout_puts_each_gradient_whole_into_buckets_in_arrival_order() -> 
     assert bucket.views[piece.position].shape == (3, 4)
     float32 = [b for key in (1, 2, 5, 7) for b, _ in slots[key].pieces]
     assert all(b.host.is_pinned() for b in float32)
+
+
+@pytest.mark.parametrize("devices", [GPUS[:1], GPUS], ids=["one-gpu", "two-gpus"])
+@uses_gpus
+def test_the_gradients_copied_are_let_go_at_the_sync_point(devices: tuple[str, ...]) -> None:
+    """A replica's gradients stay in its views' ``.grad`` until the sync point, which lets
+    them go: nothing keeps them (a slot's copy outlives the step, and holding what it
+    copied would keep GPU memory into the next step's forward)."""
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cpu")
+    steps = _Steps(strategy, lambda: _stack(3))
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    def step(x: torch.Tensor) -> None:
+        steps.model(x).square().mean().backward()
+        seen.extend(weakref.ref(p.grad) for p in steps.model.parameters() if p.grad is not None)
+
+    for seed in range(2):
+        seen.clear()
+        steps.strategy.run(step, args=(_inputs(steps.devices, seed=seed),))
+        gc.collect()
+        assert len(seen) == 6 * len(devices)
+        assert [ref() for ref in seen] == [None] * len(seen)
 
 
 # -- the synchronizations of the buckets -------------------------------------------------------

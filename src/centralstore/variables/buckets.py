@@ -71,9 +71,9 @@ from __future__ import annotations
 import abc
 import enum
 import functools
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from itertools import starmap
+from itertools import repeat, starmap
 from operator import attrgetter, getitem, is_, methodcaller
 from typing import Any, NamedTuple, cast, final
 
@@ -327,6 +327,7 @@ class InBucket(GradientCopy):
             if not bucket.lends:  # the spare's: copied out
                 grad = grad.clone()
         self._owner.synced = True
+        self.source = None  # (the slot outlives the step: its GPU memory is let go)
         return grad
 
     def queued(self) -> list[Any] | None:
@@ -418,6 +419,7 @@ def take_all(copies: list[GradientCopy]) -> list[torch.Tensor]:
         bucket.unread -= taken
     for owner in set(map(_owner_of, copies)):
         owner.synced = True
+    forget_sources(copies)
     views = cast(list[torch.Tensor], list(
         map(getitem, map(_views_of, buckets), map(_position_of, map(_piece_of, copies)))
     ))
@@ -433,6 +435,12 @@ def standing(tensors: list[torch.Tensor], copies: Sequence[GradientCopy]) -> boo
     return all(map(is_, grads, map(_source_of, copies))) and list(
         map(version_of, grads)
     ) == list(map(_copy_version_of, copies))
+
+
+def forget_sources(copies: Sequence[GradientCopy]) -> None:
+    """The copies no longer keep the gradients they copied (a slot's copy outlives the step:
+    its source would hold GPU memory into the next). (A pass in C.)"""
+    deque(map(setattr, copies, repeat("source"), repeat(None)), maxlen=0)
 
 
 def lend(grads: list[torch.Tensor]) -> list[torch.Tensor]:

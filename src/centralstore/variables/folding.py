@@ -104,6 +104,7 @@ def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Ten
     views of a gradient bucket's buffer, which the sync point lends to ``.grad``, go to
     ``borrowed``."""
     copies, view.pending = view.pending, []
+    sources = [(copy.source, copy.version) for copy in copies]  # (``take`` forgets them)
     taken = [copy.take() for copy in copies]  # (every copy, for its bucket's accounting)
     grads = []
     for tensor in (view.tensor, view.alias):
@@ -112,8 +113,9 @@ def gradients_of(view: View, borrowed: set[int] | None = None) -> list[torch.Ten
         grad, tensor.grad = tensor.grad, None
         kept = None  # the copy that stands for it
         for i in range(len(copies) - 1, -1, -1):
-            if copies[i].source is grad:
-                kept = i if copies[i].version == grad._version else None
+            source, version = sources[i]
+            if source is grad:
+                kept = i if version == grad._version else None
                 break
         if kept is None:
             grads.append(grad)

@@ -58,7 +58,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from .._autograd import grad_of, no_grad, set_grads, some, version_of
-from .buckets import Bucket, BucketState, InBucket, standing
+from .buckets import Bucket, BucketState, InBucket, forget_sources, standing
 
 if TYPE_CHECKING:
     from .records import Central
@@ -325,6 +325,7 @@ def _taken(
         )
     deque(map(delitem, pendings, repeat(0)), maxlen=0)
     bucket.unread -= len(bucket.pieces)
+    forget_sources(copies)
     if not keep:
         set_grads(list(map(_tensor_of, views)), repeat(None))
 
