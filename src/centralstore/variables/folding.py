@@ -60,14 +60,19 @@ def start_copy(buckets: GradientBuckets, view: View, tensor: torch.Tensor) -> No
     if not buckets.ordered:  # (the gradient stays in .grad, as on one device)
         buckets.ordered = True
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(
-            _after_backward, weakref.ref(buckets), current_stream(grad.device), side
+            _after_backward, weakref.ref(buckets), grad.device, side
         ))
 
 
-def _after_backward(buckets_ref: weakref.ref[GradientBuckets], stream: Any, side: Any) -> None:
+def _after_backward(
+    buckets_ref: weakref.ref[GradientBuckets], device: torch.device, side: Any
+) -> None:
+    """(A backward's final callback, which autograd runs on the streams current around the
+    call to ``backward()``, after it synchronized them with backward's own: the streams
+    the replica's later work goes to.)"""
     buckets = buckets_ref()
     if buckets is not None:
-        buckets.after_backward(stream, side)
+        buckets.after_backward(current_stream(device), side)
 
 
 def copy_held(replica: ReplicaViews) -> None:
