@@ -98,6 +98,12 @@ the next pass adds to them, and the sum copied once (``hold``, ``GradientBuckets
 against every pass's gradients copied as they come, the later ones alone, and added on the
 host by the fold (``each``): the sync point, the optimizer's step, and the whole step.
 
+Every ``--phases`` timing runs with glibc's mmap threshold fixed, as bench_models.py's
+(``bench_train.fix_mmap_threshold``). On the fake GPUs device memory is the host's heap: with
+the threshold dynamic, each step's freed gradients went back to the system and the next
+step faulted them in again, which a GPU's caching allocator never does (the EmbeddingBag's
+R = 2 step read 64 ms that way, 32 ms fixed).
+
     python benchmarks/bench_overhead.py [--models cnn gpt2 bert vit bn] [--workers]
         [--where "cnn cs R=2"] [--fake-gpus] [--rendezvous] [--phases [--views]
         [--functions]] [--phase-steps 200]
@@ -127,6 +133,7 @@ from typing import Any, NamedTuple
 
 import torch
 from bench_models import MODELS, make_step
+from bench_train import fix_mmap_threshold
 from torch import nn
 
 import centralstore as cs
@@ -890,6 +897,9 @@ def main() -> None:
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
+    # glibc's heap as bench_models.py times it; on the fake GPUs it stands for a GPU's
+    # caching allocator, which does not hand freed gradients back to be faulted in again
+    fixed = options.phases and fix_mmap_threshold()
     if options.worker:
         torch.set_num_threads(1)
         result = (
@@ -900,6 +910,8 @@ def main() -> None:
             print(json.dumps(result))
         return
     torch.set_num_threads(1)
+    if options.phases:
+        print(f"mmap threshold {'fixed' if fixed else 'dynamic (no mallopt here)'}")
     if options.fake_gpus:
         if options.phases:
             fake_gpu_sync_points(options.phase_steps, options.accumulate, options.loop)
