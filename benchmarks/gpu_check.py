@@ -51,8 +51,12 @@ such a machine can tell:
 
 4. It times the optimizers' update alone on the host, as the variables on the CPU have it:
    median ms per ``optimizer.step()`` of each model's optimizer in its default form, with
-   ``foreach=True`` and with ``fused=True``, over the same gradients, taking turns. This
-   needs no GPU: ``--host-update`` prints only this table, on any machine.
+   ``foreach=True`` and with ``fused=True``, over the same gradients, taking turns, with the
+   page faults each step took; the models above and ``large``, Adam over a GPT-2 small's
+   embedding and three of its feed-forward matrices (45.7 million parameters), whose
+   tensors are past glibc's largest dynamic mmap threshold. This needs no GPU:
+   ``--host-update`` prints only this table, on any machine (the allocator's settings come
+   from the environment, ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``).
 
 A configuration that raises is reported in its row, and the others still run. Exit status: 0
 when every test passed and every configuration ran (or without a CUDA device, where there is
@@ -68,6 +72,7 @@ import gc
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -500,15 +505,39 @@ HOST_UPDATE_ROUNDS = 30
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 
 
+class _Large(nn.Module):
+    """The parameters of a GPT-2 small's embedding and of three of its feed-forward matrices
+    (45.7 million): tensors past glibc's largest dynamic mmap threshold (32 MiB)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Parameter(torch.zeros(50257, 768))
+        self.layers = nn.ParameterList([torch.zeros(768, 3072) for _ in range(3)])
+
+
+HOST_MODELS: dict[str, tuple[Callable[[], nn.Module], type]] = {
+    **{name: (bench_train.MODELS[name][0], bench_train.MODELS[name][3]) for name in MODEL_NAMES},
+    "large": (_Large, torch.optim.Adam),
+}
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def host_update() -> None:
     """Print the median ms of one optimizer step on the host per model and implementation
-    (``IMPLEMENTATIONS``), each over fixed gradients, the order alternating between rounds."""
+    (``IMPLEMENTATIONS``), each over fixed gradients, the order alternating between rounds;
+    and the median of the page faults each step took: an update that makes temporaries as
+    large as its tensors (Adam's default) gets them from glibc, which maps blocks over its
+    threshold afresh and returns them when they are freed, so each step faults their pages
+    in again (see the README's answer on GPUs)."""
     print(f"\nthe update on the host, ms per optimizer.step(), medians of {HOST_UPDATE_ROUNDS}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; page "
+          "faults per step in brackets")
     print(f"{'model':<12} {'optimizer':<10} {'parameters':>10} "
-          + " ".join(f"{name:>8}" for name in IMPLEMENTATIONS) + f" {'default/fused':>14}")
-    for model_name in MODEL_NAMES:
-        make_model, _, _, kind = bench_train.MODELS[model_name]
+          + " ".join(f"{name:>17}" for name in IMPLEMENTATIONS) + f" {'default/fused':>14}")
+    for model_name, (make_model, kind) in HOST_MODELS.items():
         optimizers = {}
         for implementation in IMPLEMENTATIONS:
             torch.manual_seed(0)
@@ -520,20 +549,28 @@ def host_update() -> None:
                 fused=implementation == "fused" or None,
             )
         times: dict[str, list[float]] = {name: [] for name in optimizers}
+        faults: dict[str, list[int]] = {name: [] for name in optimizers}
         for optimizer in optimizers.values():
             for _ in range(WARMUP_STEPS):
                 optimizer.step()
         for round_ in range(HOST_UPDATE_ROUNDS):
             names = list(optimizers) if round_ % 2 == 0 else list(reversed(optimizers))
             for name in names:
+                before = _minor_faults()
                 start = time.perf_counter()
                 optimizers[name].step()
                 times[name].append((time.perf_counter() - start) * 1e3)
+                faults[name].append(_minor_faults() - before)
         medians = {name: statistics.median(values) for name, values in times.items()}
         count = sum(p.numel() for p in model.parameters())
-        print(f"{model_name:<12} {kind.__name__:<10} {count:>10} "
-              + " ".join(f"{medians[name]:8.3f}" for name in IMPLEMENTATIONS)
+        cells = [
+            f"{medians[name]:8.3f} [{int(statistics.median(faults[name])):>6}]"
+            for name in IMPLEMENTATIONS
+        ]
+        print(f"{model_name:<12} {kind.__name__:<10} {count:>10} " + " ".join(cells)
               + f" {medians['default'] / medians['fused']:14.2f}", flush=True)
+        del optimizers, model
+        gc.collect()
 
 
 WORKERS_ON_GPUS = [
