@@ -560,6 +560,55 @@ def again_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     return out
 
 
+BUFFER_RUNS = 6  # ``buffers_scenario``'s runs: the third's gradients kept, the sixth zeroed
+
+
+def buffers_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
+    """Runs whose buckets leave during backward (from the second: the first plans them),
+    each packed into the flat buffers of the run before while ``.grad`` let them go
+    (``BucketPlan.buffer``): every run's ``.grad`` and where each lies. ``.grad`` is set to
+    None before each run but two: the third run's gradients are kept (a reference, as code
+    that keeps the last step's gradients has) through the later runs, and before the sixth
+    ``zero_grad(set_to_none=False)`` zeroes them in place. Worker ``w``'s replicas all step
+    on input ``k`` times ``w + 1``."""
+    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
+
+    devices, parameter_device = placed(placement, local)
+    with on_gpus(placement):
+        strategy = MultiWorkerCentralStorageStrategy(
+            devices, parameter_device=parameter_device, timeout=30, bucket_cap_mb=BUCKET
+        )
+        with strategy.scope():
+            net = mlp()
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        params = list(net.parameters())
+        scale = strategy.worker_index + 1
+        out: dict[str, Any] = {
+            "initial": {k: v.cpu() for k, v in net.state_dict().items()}, "grads": [],
+            "pointers": [],
+        }
+
+        def step(x: torch.Tensor) -> None:
+            net(x.to(next(net.parameters()).device) * scale).sum().backward()
+
+        kept: list[torch.Tensor] = []
+        for k in range(BUFFER_RUNS):
+            optimizer.zero_grad(set_to_none=k != 5)
+            strategy.run(step, args=(buffer_input(k),))
+            out["grads"].append([p.grad.clone() for p in params])
+            out["pointers"].append([p.grad.data_ptr() for p in params])
+            if k == 2:
+                kept = [p.grad for p in params]
+                out["kept then"] = [g.clone() for g in kept]
+        out["kept after"] = [g.clone() for g in kept]
+    return out
+
+
+def buffer_input(k: int) -> torch.Tensor:
+    """``buffers_scenario``'s input of run ``k``."""
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(20 + k))
+
+
 def faulty_training(timeout: float, peer: str) -> Iterator[None]:
     """Train a small model for 5 steps, yielding after each; worker 1 dies (``peer`` "dead")
     or hangs ("hung") in the middle of its third step."""
@@ -1219,6 +1268,8 @@ def main() -> None:
         results = copied_early_scenario(sys.argv[3], pinned)
     elif scenario == "again":
         results = again_scenario(int(sys.argv[3]), *sys.argv[4:5])
+    elif scenario == "buffers":
+        results = buffers_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

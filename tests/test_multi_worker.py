@@ -517,6 +517,45 @@ def _assert_again_grads(results: list[dict[str, Any]], local: int) -> None:
                 assert torch.equal(got, first)
 
 
+@pytest.mark.parametrize(
+    "local, placement", [(1, None), (2, None), (0, "two-gpus-params-on-host")]
+)
+def test_buckets_pack_into_the_buffers_of_the_step_before(
+    tmp_path: Path, local: int, placement: str | None
+) -> None:
+    """Each run's buckets are packed into the flat buffers the run before packed into, once
+    nothing holds those any more (``.grad`` set to None): the sums in ``.grad`` lie where
+    they lay. Gradients kept from an earlier run are never written (the run packs into new
+    buffers), and ``.grad`` zeroed in place receives the sums. Every run's gradients are one
+    device's sums, the same bits on every worker."""
+    if placement is not None:
+        skip_without_gpus(placement)
+    results = launch(
+        tmp_path, 2, "buffers", str(tmp_path), str(local), *([placement] if placement else [])
+    )
+    replicas = local or len(helper.GPU_PLACEMENTS[str(placement)][0])
+    for k in range(helper.BUFFER_RUNS):
+        oracle = helper.mlp()
+        oracle.load_state_dict(results[0]["initial"])
+        for scale in (1, 2):
+            oracle(helper.buffer_input(k) * scale).sum().backward()
+        expected = [replicas * p.grad for p in oracle.parameters()]
+        for result in results:
+            for got, want, first in zip(
+                result["grads"][k], expected, results[0]["grads"][k], strict=True
+            ):
+                torch.testing.assert_close(got, want)
+                assert torch.equal(got, first)
+    for rank, result in enumerate(results):
+        pointers = result["pointers"]
+        assert pointers[2] == pointers[1], rank  # run 1's buffers, let go
+        assert not set(pointers[3]) & set(pointers[2]), rank  # run 2's are kept: new ones
+        assert pointers[4] == pointers[3], rank
+        assert pointers[5] == pointers[4], rank  # zeroed in place: the sums added to them
+        for then, after in zip(result["kept then"], result["kept after"], strict=True):
+            assert torch.equal(then, after), rank
+
+
 @pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
 def test_runs_of_several_backward_passes_on_gpus_sum_like_one_device(
     tmp_path: Path, placement: str

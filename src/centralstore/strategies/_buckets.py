@@ -15,7 +15,9 @@ fold's own arithmetic) starts its all-reduce while backward goes on. The sync po
 the buckets left over from the local fold, and checks that what left early is what the fold
 produced (the same gradient tensors, unmoved); when a worker's check fails (a second
 backward, a gradient that arrived outside ``run``), every worker exchanges again from the
-fold. Buckets travel in a process group of their own, so that the other collectives a run
+fold. A bucket in host memory is packed into the buffer it was packed into at the step
+before, while nothing else uses it (``BucketPlan.buffer``), as DDP keeps its buckets.
+Buckets travel in a process group of their own, so that the other collectives a run
 makes (``all_reduce`` in a replica, ``merge_call``) never interleave with them differently
 on different workers: on every worker an early exchange starts every bucket of the plan, in
 plan order.
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast, final
 import torch
 
 from .._autograd import no_grad
-from ..variables.buckets import standing
+from ..variables.buckets import standing, use_count
 from ._flat import pack, unflatten
 
 if TYPE_CHECKING:
@@ -100,9 +102,9 @@ class BucketPlan:
     keep failing their check."""
 
     __slots__ = (
-        "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records", "bucket_shapes", "buckets",
-        "devices", "dtypes", "numels", "passes", "records", "shapes", "sparse", "strikes",
-        "trainable_flags", "trainable_records", "usable",
+        "_buffers", "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records",
+        "bucket_shapes", "buckets", "devices", "dtypes", "numels", "passes", "records", "shapes",
+        "sparse", "strikes", "trainable_flags", "trainable_records", "usable",
     )
 
     STRIKES = 2  # early exchanges in a row that failed their check before the plan gives up
@@ -145,6 +147,33 @@ class BucketPlan:
         self.usable = True
         self.strikes = 0
         self.passes = 1
+        # per bucket, the flat buffer in host memory it was last packed into, its views by
+        # variable, and its storage's use count while only the plan uses it (``buffer``)
+        self._buffers: list[tuple[torch.Tensor, list[torch.Tensor], int] | None] = (
+            [None] * len(self.buckets)
+        )
+
+    def buffer(self, b: int) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Bucket ``b``'s flat buffer to pack its gradients into, and its views shaped as its
+        variables': the one of the step before while nothing outside the plan uses its
+        memory any more (``zero_grad()`` let go of the sums the sync point lent to
+        ``.grad``), else a new one, kept for the next step. None for a bucket on a GPU,
+        whose caching allocator keeps freed memory already. (A new buffer at every step
+        cost a large model's step its gradients' pages faulted in again: glibc gives a large
+        block back to the system when it is freed, and maps it afresh.)"""
+        bucket = self.buckets[b]
+        device = self.devices[bucket[0]]
+        if device.type != "cpu":
+            return None
+        kept = self._buffers[b]
+        if kept is not None and use_count(kept[0]) == kept[2]:
+            return kept[0], kept[1]
+        numel = sum(self.numels[j] for j in bucket)
+        with torch.inference_mode(False):  # (packed again by later runs, in any mode)
+            flat = torch.empty(numel, dtype=self.dtypes[bucket[0]], device=device)
+        views = unflatten(flat, self.shapes[b])
+        self._buffers[b] = (flat, views, use_count(flat))
+        return flat, views
 
     def fits(self, records: list[Central], trainable_flags: list[bool]) -> bool:
         """Whether the plan is that of this layout (identity comparison, at C speed)."""
@@ -290,7 +319,7 @@ class EarlyExchange:
                     self._missing[b] = -1
                     return
                 self._sources.append(sources)
-                self._launch(local_sum(sources.grads))  # in replica order, as the fold
+                self._launch(local_sum(sources.grads, plan.buffer(b)))  # replica order, as the fold
                 self.early = b = b + 1
         except Exception as error:
             self.error = error
@@ -340,7 +369,7 @@ class EarlyExchange:
             self._blocked = None
             self._copied.append(found)
             self._last = helper.submit(
-                self._sum_copies, found, [event for some in events for event in some]
+                self._sum_copies, b, found, [event for some in events for event in some]
             )
             self.early = b + 1
 
@@ -369,8 +398,8 @@ class EarlyExchange:
             found.copies.append([copies])
         return found
 
-    def _sum_copies(self, found: _Copied, events: list[Any]) -> None:
-        """(On the helper thread.) Once the copies have finished, the bucket's local sum in
+    def _sum_copies(self, b: int, found: _Copied, events: list[Any]) -> None:
+        """(On the helper thread.) Once the copies have finished, bucket ``b``'s local sum in
         host memory starts its all-reduce: added in the fold's order, replica by replica and
         each replica's passes in turn. Nothing starts after a bucket that failed, so that
         every worker's buckets stay in order."""
@@ -379,9 +408,10 @@ class EarlyExchange:
         try:
             for event in events:
                 event.synchronize()
-            self._launch(local_sum([
-                list(map(_peek, round_)) for rounds in found.copies for round_ in rounds
-            ]))
+            self._launch(local_sum(
+                [list(map(_peek, round_)) for rounds in found.copies for round_ in rounds],
+                self._plan.buffer(b),
+            ))
         except Exception as error:
             self.error = error
 
@@ -502,13 +532,16 @@ class EarlyExchange:
         """Start the buckets not yet started, from the fold's gradients ``fresh`` (zeros
         where there is none, and everywhere for None: a layout that left the plan)."""
         plan = self._plan
-        for bucket in plan.buckets[len(self.started):]:
+        for b in range(len(self.started), len(plan.buckets)):
+            bucket = plan.buckets[b]
+            grads = [None if fresh is None else fresh[j] for j in bucket]
+            into = plan.buffer(b)
+            if into is not None:
+                self._launch(_packed(into, grads))
+                continue
             parts = [
-                flat_gradient(
-                    None if fresh is None else fresh[j], plan.numels[j], plan.dtypes[j],
-                    plan.devices[j],
-                )
-                for j in bucket
+                flat_gradient(grad, plan.numels[j], plan.dtypes[j], plan.devices[j])
+                for j, grad in zip(bucket, grads, strict=True)
             ]
             self._launch(torch.cat(parts))
 
@@ -535,16 +568,41 @@ class EarlyExchange:
         return out
 
 
-def local_sum(rounds: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+def local_sum(
+    rounds: Sequence[list[torch.Tensor]],
+    into: tuple[torch.Tensor, list[torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """A bucket's gradients, one list per round (each local replica's, or each of its
-    passes), added up into a new flat buffer round after round: the fold's order, so the
-    same bits."""
+    passes), added up round after round, the fold's order, so the same bits: into the flat
+    buffer ``into`` (with its views, ``BucketPlan.buffer``) or else a new one."""
     with no_grad():
-        flat = pack(rounds[0])
-        if len(rounds) > 1:
+        if into is None:
+            flat = pack(rounds[0])
+            if len(rounds) == 1:
+                return flat
             views = unflatten(flat, rounds[0])
-            for grads in rounds[1:]:
-                torch._foreach_add_(views, grads)
+        else:
+            flat, views = into
+            torch._foreach_copy_(views, rounds[0])
+        for grads in rounds[1:]:
+            torch._foreach_add_(views, grads)
+    return flat
+
+
+def _packed(
+    into: tuple[torch.Tensor, list[torch.Tensor]], grads: Sequence[torch.Tensor | None]
+) -> torch.Tensor:
+    """The flat buffer of ``into`` holding ``grads`` (dense; zeros where there is none)."""
+    flat, views = into
+    with no_grad():
+        if all(map(is_not, grads, repeat(None))) and not any(map(_is_sparse, grads)):
+            torch._foreach_copy_(views, cast("list[torch.Tensor]", grads))
+            return flat
+        for view, grad in zip(views, grads, strict=True):
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad.to_dense() if grad.is_sparse else grad)
     return flat
 
 

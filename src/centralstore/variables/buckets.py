@@ -151,17 +151,17 @@ class Bucket:
             host[p.offset:p.offset + p.numel].view(shape)
             for p, shape in zip(self.pieces, self._shapes, strict=True)
         ]
-        return host, views, _use_count(host)
+        return host, views, use_count(host)
 
     def _unlent(self) -> None:
         """At the start of a fill: the buffer of the fill before, if nothing outside the
         bucket uses it any more; else one that nothing uses, or a new one; else (with
         ``LENT_BUFFERS`` in use) the spare."""
-        if self.lends and _use_count(self.host) == self._uses:
+        if self.lends and use_count(self.host) == self._uses:
             return
         self.lends = True
         for buffer in self._buffers:
-            if _use_count(buffer[0]) == buffer[2]:
+            if use_count(buffer[0]) == buffer[2]:
                 self.host, self.views, self._uses = buffer
                 return
         if len(self._buffers) < LENT_BUFFERS:
@@ -450,7 +450,7 @@ def lend(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return list(map(torch.Tensor.detach, grads))
 
 
-def _use_count(tensor: torch.Tensor) -> int:
+def use_count(tensor: torch.Tensor) -> int:
     """How many tensors (and storage objects) use the memory of ``tensor``: torch's count of
     references to its storage, which its views share."""
     return int(torch._C._storage_Use_Count(tensor.untyped_storage()._cdata))
