@@ -8,7 +8,10 @@ Four tables:
               gradients as they are; DDP sends their entries only) and on a CNN of twenty
               convolutions with batch norm (global batch 32 of 16 x 16 images, SGD; its running
               statistics are combined across the workers by their aggregation, where DDP broadcasts
-              worker 0's before each forward): W = 2 workers of R = 1 and of R = 2 local replicas
+              worker 0's before each forward); with ``--models wide``, not by default, on an
+              MLP 784-4096-4096-10 (global batch 64, SGD), whose 80 MB of gradients a step are
+              past glibc's thresholds (a buffer made afresh at every step has its pages faulted
+              in): W = 2 workers of R = 1 and of R = 2 local replicas
               (DDP always runs one model per process on the worker's half of the batch), and a
               second DDP model in the same processes ("DDP again": its ratio to DDP states the run's
               noise); at R = 2 also DDP making the two replicas' passes over their slices one after
@@ -48,7 +51,7 @@ Four tables:
               ratio says nothing of a GPU's).
 
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
-                                           [--models mlp transformer recommender bn]
+                                           [--models mlp transformer recommender bn wide]
                                            [--accumulation-replicas 1]
     python benchmarks/bench_multiworker.py --gpu [--fake-gpus] [--steps 10] [--rounds 7]
 
@@ -203,13 +206,22 @@ def _inputs(shape: tuple[int, ...], batch: int) -> torch.Tensor:
     return torch.randn(batch, *shape)
 
 
+def _wide_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 10))
+
+
 # name -> (model, global batch, one example's shape, optimizer)
 _DDP_MODELS: dict[str, tuple[Any, int, tuple[int, ...], Any]] = {
     "mlp": (_mlp, BATCH, (784,), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
     "transformer": (Transformer, 32, (16, 64), lambda p: torch.optim.Adam(p, lr=1e-3)),
     "recommender": (_Recommender, 512, (2,), lambda p: torch.optim.SGD(p, lr=0.1)),
     "bn": (_batch_norm_cnn, 32, (3, 16, 16), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
+    "wide": (
+        _wide_mlp, 64, (784,), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)
+    ),
 }
+DEFAULT_MODELS = ["mlp", "transformer", "recommender", "bn"]  # "wide" on request: 80 MB
 
 
 def _in_turns(
@@ -417,11 +429,6 @@ def _worker_allreduce(sizes_mb: list[float], reps: int) -> dict[str, float]:
     return rows
 
 
-def _wide_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                         nn.Linear(4096, 10))
-
-
 _GPU_MODELS = {"mlp": _mlp, "wide mlp": _wide_mlp}
 
 
@@ -494,7 +501,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
-    parser.add_argument("--models", nargs="+", choices=list(_DDP_MODELS), default=list(_DDP_MODELS),
+    parser.add_argument("--models", nargs="+", choices=list(_DDP_MODELS), default=DEFAULT_MODELS,
                         help="the models of the table against DDP")
     parser.add_argument("--accumulation-replicas", type=int, default=1,
                         help="local replicas of this strategy in the accumulation table (DDP "
