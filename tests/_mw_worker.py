@@ -567,10 +567,11 @@ def buffers_scenario(local: int, placement: str | None = None) -> dict[str, Any]
     """Runs whose buckets leave during backward (from the second: the first plans them),
     each packed into the flat buffers of the run before while ``.grad`` let them go
     (``BucketPlan.buffer``): every run's ``.grad`` and where each lies. ``.grad`` is set to
-    None before each run but two: the third run's gradients are kept (a reference, as code
-    that keeps the last step's gradients has) through the later runs, and before the sixth
-    ``zero_grad(set_to_none=False)`` zeroes them in place. Worker ``w``'s replicas all step
-    on input ``k`` times ``w + 1``."""
+    None before every run but the sixth, before which ``zero_grad(set_to_none=False)``
+    zeroes it in place; the third run's gradients are kept (a reference, as code that keeps
+    the last step's gradients has) through the later runs. Worker ``w``'s replicas all step
+    on input ``k`` times ``w + 1``; no optimizer step, so every run's sums are of the
+    initial weights."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     devices, parameter_device = placed(placement, local)

@@ -517,7 +517,7 @@ def _assert_again_grads(results: list[dict[str, Any]], local: int) -> None:
                 assert torch.equal(got, first)
 
 
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # (local 0: the placement's replicas)
     "local, placement", [(1, None), (2, None), (0, "two-gpus-params-on-host")]
 )
 def test_buckets_pack_into_the_buffers_of_the_step_before(
