@@ -572,13 +572,8 @@ def buffers_scenario(local: int, placement: str | None = None) -> dict[str, Any]
     the last step's gradients has) through the later runs. Worker ``w``'s replicas all step
     on input ``k`` times ``w + 1``; no optimizer step, so every run's sums are of the
     initial weights."""
-    from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
-
-    devices, parameter_device = placed(placement, local)
     with on_gpus(placement):
-        strategy = MultiWorkerCentralStorageStrategy(
-            devices, parameter_device=parameter_device, timeout=30, bucket_cap_mb=BUCKET
-        )
+        strategy = worker_strategy(*placed(placement, local), bucket_cap_mb=BUCKET)
         with strategy.scope():
             net = mlp()
             optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -1064,13 +1059,14 @@ def placed(placement: str | None, local: int = 1) -> tuple[list[str], str | None
 
 
 def worker_strategy(
-    devices: list[str], parameter_device: str | None = None
+    devices: list[str], parameter_device: str | None = None, bucket_cap_mb: float = 25.0
 ) -> MultiWorkerCentralStorageStrategy:
-    """This worker's strategy over ``devices``, its variables on ``parameter_device``."""
+    """This worker's strategy over ``devices``, its variables on ``parameter_device``, its
+    gradient buckets of ``bucket_cap_mb`` (``BUCKET``: several for the small models)."""
     from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
     return MultiWorkerCentralStorageStrategy(
-        devices, parameter_device=parameter_device, timeout=60
+        devices, parameter_device=parameter_device, timeout=60, bucket_cap_mb=bucket_cap_mb
     )
 
 
