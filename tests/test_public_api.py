@@ -37,6 +37,7 @@ PUBLIC = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "keep_host_memory",
     "scale_regularization_loss",
     "set_aggregation",
 ]

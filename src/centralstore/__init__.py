@@ -6,6 +6,7 @@ devices and folds the replicas' gradients back onto the central variables.
 
 from ._aggregation import VariableAggregation as VariableAggregation
 from ._aggregation import VariableSynchronization as VariableSynchronization
+from ._host_memory import keep_host_memory as keep_host_memory
 from ._losses import compute_average_loss as compute_average_loss
 from ._losses import scale_regularization_loss as scale_regularization_loss
 from ._reduce import ReduceOp as ReduceOp
@@ -64,6 +65,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "keep_host_memory",
     "scale_regularization_loss",
     "set_aggregation",
 ]
