@@ -69,7 +69,8 @@ sys.path.insert(0, {benchmarks!r})
 import torch
 torch.set_num_threads(1)
 import bench_models
-bench_models.fix_mmap_threshold()  # glibc's heap as bench_models.py times it
+import centralstore
+centralstore.keep_host_memory()  # glibc's heap as bench_models.py times it
 control = ctypes.CDLL({library!r})
 step = bench_models.make_step({model!r}, {config!r}, 4, False)
 for _ in range({warm}):

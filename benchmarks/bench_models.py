@@ -86,7 +86,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from bench_train import (
-    fix_mmap_threshold,
     median_of_all,
     quartiles,
     round_ratios,
@@ -376,7 +375,7 @@ def main() -> None:
     torch.set_num_threads(options.threads)
     global _clock
     _clock = CLOCKS[options.clock]
-    fixed = fix_mmap_threshold()
+    fixed = cs.keep_host_memory()
     turns = "step by step" if options.block == 1 else f"in blocks of {options.block}"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"{options.steps} steps x {options.rounds} rounds, turns {turns}, "

@@ -99,7 +99,7 @@ against every pass's gradients copied as they come, the later ones alone, and ad
 host by the fold (``each``): the sync point, the optimizer's step, and the whole step.
 
 Every ``--phases`` timing runs with glibc's mmap threshold fixed, as bench_models.py's
-(``bench_train.fix_mmap_threshold``). On the fake GPUs device memory is the host's heap: with
+(``cs.keep_host_memory()``). On the fake GPUs device memory is the host's heap: with
 the threshold dynamic, each step's freed gradients went back to the system and the next
 step faulted them in again, which a GPU's caching allocator never does (the EmbeddingBag's
 R = 2 step read 64 ms that way, 32 ms fixed).
@@ -133,7 +133,6 @@ from typing import Any, NamedTuple
 
 import torch
 from bench_models import MODELS, make_step
-from bench_train import fix_mmap_threshold
 from torch import nn
 
 import centralstore as cs
@@ -899,7 +898,7 @@ def main() -> None:
                      "already): leave out --views or --workers")
     # glibc's heap as bench_models.py times it; on the fake GPUs it stands for a GPU's
     # caching allocator, which does not hand freed gradients back to be faulted in again
-    fixed = options.phases and fix_mmap_threshold()
+    fixed = options.phases and cs.keep_host_memory()
     if options.worker:
         torch.set_num_threads(1)
         result = (

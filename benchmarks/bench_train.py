@@ -26,7 +26,8 @@ size sampled every millisecond during 5 training steps, above what the process h
 building the model and its optimizer (large tensors are mapped and unmapped as they live and
 die, so the RSS follows the live tensors).
 
-The timings run with glibc's mmap threshold fixed (``--default-malloc`` leaves it dynamic).
+The timings run with glibc's mmap threshold fixed, by ``cs.keep_host_memory()``
+(``--default-malloc`` leaves it dynamic).
 By default glibc serves a large block from a fresh ``mmap``, page faults included, until a
 block that large has been freed, and then from its heap; so which configurations ran before
 decided whether the CNN's 25 MB activations cost page faults: its plain step took 68 ms
@@ -39,7 +40,6 @@ configuration the same allocator.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import gc
 import os
@@ -306,16 +306,6 @@ def measure_peak(step: Callable[[], None], steps: int) -> float:
     return peak[0] - baseline
 
 
-def fix_mmap_threshold(limit: int = 256 * 2**20) -> bool:
-    """Serve blocks under ``limit`` bytes from the heap and keep freed memory there, with no
-    dynamic adjustment (glibc's ``mallopt``); False where the C library has no ``mallopt``."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is None:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, limit)) and bool(mallopt(m_trim_threshold, 2 * limit))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -325,7 +315,7 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="leave glibc's mmap threshold dynamic (see above)")
     options = parser.parse_args()
-    fixed = not options.default_malloc and fix_mmap_threshold()
+    fixed = not options.default_malloc and cs.keep_host_memory()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
           f"batch {BATCH} (transformers: 32), {options.steps} steps x {options.rounds} rounds, "
           f"medians, mmap threshold {'fixed' if fixed else 'dynamic'}\n")
