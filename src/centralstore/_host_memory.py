@@ -6,10 +6,11 @@ when it is freed, and gives back the free memory at the top of its heap once mor
 trim threshold lies there; it moves both thresholds as the program runs, the first up to 32
 MiB. A training step makes and frees the same large tensors at every step (gradients, an
 optimizer's temporaries), so each step may fault the same pages in again, a few
-microseconds per 4 KiB page: half of Adam's update over 45.7 million parameters, and, where
-two replicas hold their gradients apart on the CPU, a sixth to a quarter of a mid-sized
-model's step (benchmarks/README.md, ``bench_host_memory.py``). A GPU's caching allocator
-keeps its blocks; this does the same for glibc's heap, for the whole process.
+microseconds per 4 KiB page. On the project's machine (benchmarks/README.md,
+``bench_host_memory.py``) that was three fifths of Adam's update over 45.7 million
+parameters, a third of the step of two replicas on the CPU over 5.8 million (they hold the
+first one's gradients apart), and a quarter of plain PyTorch's. A GPU's caching allocator
+keeps its blocks; ``keep_host_memory`` does the same for glibc's heap, for the whole process.
 """
 
 from __future__ import annotations
