@@ -55,14 +55,18 @@ such a machine can tell:
    page faults each step took; the models above and ``large``, Adam over a GPT-2 small's
    embedding and three of its feed-forward matrices (45.7 million parameters), whose
    tensors are past glibc's largest dynamic mmap threshold. This needs no GPU:
-   ``--host-update`` prints only this table, on any machine (the allocator's settings come
-   from the environment, ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``).
+   ``--host-update`` prints only this table, on any machine.
+
+glibc's heap is as the process starts (or as ``MALLOC_MMAP_THRESHOLD_`` and
+``MALLOC_TRIM_THRESHOLD_`` set it); ``--keep-host-memory`` calls ``cs.keep_host_memory()``
+first, so that steps 2 to 4 run with freed host memory kept (each table's header says which).
 
 A configuration that raises is reported in its row, and the others still run. Exit status: 0
 when every test passed and every configuration ran (or without a CUDA device, where there is
 nothing to check), else 1.
 
     python benchmarks/gpu_check.py [--rounds 7] [--steps 20] [--skip-tests] [--host-update]
+        [--keep-host-memory]
 """
 
 from __future__ import annotations
@@ -472,7 +476,7 @@ def benchmark(rounds: int, steps: int) -> bool:
         "way with the variables on the CPU, else 0"
     )
     print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
-          f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes")
+          f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes; {_HEAP[0]}")
     print(f"H2D and D2H per step: {source}\n")
     print(f"{'model':<12} {'config':<30} {'ms/step':>8} {'/plain':>7} {'update':>7} "
           f"{'peak MB':>8} {'H2D MB':>8} {'D2H MB':>8}")
@@ -502,6 +506,7 @@ def benchmark(rounds: int, steps: int) -> bool:
 
 
 HOST_UPDATE_ROUNDS = 30
+_HEAP = ["glibc's heap as the process starts"]  # what --keep-host-memory made of it
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 
 
@@ -533,8 +538,8 @@ def host_update() -> None:
     threshold afresh and returns them when they are freed, so each step faults their pages
     in again (see the README's answer on GPUs)."""
     print(f"\nthe update on the host, ms per optimizer.step(), medians of {HOST_UPDATE_ROUNDS}; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads; page "
-          "faults per step in brackets")
+          f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
+          f"{_HEAP[0]}; page faults per step in brackets")
     print(f"{'model':<12} {'optimizer':<10} {'parameters':>10} "
           + " ".join(f"{name:>17}" for name in IMPLEMENTATIONS) + f" {'default/fused':>14}")
     for model_name, (make_model, kind) in HOST_MODELS.items():
@@ -608,7 +613,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-update", action="store_true",
                         help="only the table of the optimizers' update on the host (no GPU "
                              "needed)")
+    parser.add_argument("--keep-host-memory", action="store_true",
+                        help="call cs.keep_host_memory() first: glibc keeps freed host memory")
     options = parser.parse_args(argv)
+    if options.keep_host_memory:
+        _HEAP[0] = (
+            "host memory kept (cs.keep_host_memory())" if cs.keep_host_memory()
+            else "no mallopt here: glibc's heap as it comes"
+        )
     if options.host_update:
         host_update()
         return 0
