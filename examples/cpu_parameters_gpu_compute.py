@@ -7,7 +7,10 @@ placement TensorFlow's CentralStorageStrategy picks by default with several GPUs
 
 The optimizer's update then runs on the host, once a step, over every weight: its fused
 kernel (``fused=True``) updates each tensor in one pass instead of one pass per operation,
-several times faster for Adam on the CPU (docs/performance.md).
+several times faster for Adam on the CPU (docs/performance.md). An optimizer without one
+makes temporaries as large as its tensors at every step: call ``cs.keep_host_memory()``
+first, and glibc keeps the memory they leave for the next step instead of faulting it in
+again (README).
 
 On a machine without GPUs the same program computes on two logical CPU devices (``cpu:0``,
 ``cpu:1``: two names for the host CPU) and says so; the code does not change.
