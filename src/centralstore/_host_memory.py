@@ -24,7 +24,7 @@ _MAX_BLOCK_MB = _INT_MAX >> 20
 
 
 def _mallopt() -> Callable[[int, int], int] | None:
-    """The C library's ``mallopt``, or None where it has none (not glibc)."""
+    """The C library's ``mallopt``, or None where it has none (macOS, Windows)."""
     try:
         function = ctypes.CDLL(None).mallopt
     except (AttributeError, OSError, TypeError):  # no such symbol; no process library
@@ -45,8 +45,8 @@ def keep_host_memory(max_block_mb: int = 1024) -> bool:
     update with the variables on the CPU (Adam's default, without ``fused=True``, makes
     temporaries as large as its tensors), and replicas on logical CPU devices, whose
     gradients the run holds apart. Returns whether the C library took the settings: False
-    where it has no ``mallopt`` (macOS, Windows, musl); with another allocator preloaded
-    (jemalloc, tcmalloc) glibc's settings change nothing.
+    where it has no such settings (macOS and Windows have no ``mallopt``, musl's ignores
+    them); with another allocator preloaded (jemalloc, tcmalloc) glibc's change nothing.
 
     >>> import centralstore as cs
     >>> cs.keep_host_memory()  # doctest: +SKIP
