@@ -7,8 +7,10 @@ step. Which blocks it keeps depends on everything the process did before, so eac
 configuration here runs in a process of its own, twice: with the heap as glibc leaves it
 (``default``) and after ``cs.keep_host_memory()`` (``kept``); the processes take turns, in an
 order reversed every round. Each makes WARMUP untimed steps, then ``--steps`` timed ones:
-the median ms per step, and the median of the page faults each step took. The table gives
-the medians over ``--rounds`` rounds.
+the median ms per step of the process's CPU time, user and system (a page fault is the
+system's part; ``--clock wall`` for wall-clock time, which on a shared machine also
+measures the neighbours), and the median of the page faults each step took. The table
+gives the medians over ``--rounds`` rounds.
 
 Configurations, AdamW's default update (no ``fused``), a global batch of 64, one intra-op
 thread (``--threads``):
@@ -109,7 +111,12 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def child(model_name: str, config: str, heap: str, steps: int, threads: int) -> None:
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def child(
+    model_name: str, config: str, heap: str, steps: int, threads: int, clock: str
+) -> None:
     """One process: print the median ms and page faults of ``steps`` steps, as JSON."""
     torch.set_num_threads(threads)
     if heap == "kept" and not cs.keep_host_memory():
@@ -118,10 +125,11 @@ def child(model_name: str, config: str, heap: str, steps: int, threads: int) -> 
     for _ in range(WARMUP):
         step()
     times, faults = [], []
+    now = CLOCKS[clock]
     for _ in range(steps):
-        before, start = _faults(), time.perf_counter()
+        before, start = _faults(), now()
         step()
-        times.append((time.perf_counter() - start) * 1e3)
+        times.append((now() - start) * 1e3)
         faults.append(_faults() - before)
     print(json.dumps({"ms": statistics.median(times), "faults": statistics.median(faults)}))
 
@@ -131,7 +139,8 @@ def _measure(
 ) -> dict[str, float]:
     done = subprocess.run(
         [sys.executable, __file__, "--child", model_name, config, heap,
-         "--steps", str(options.steps), "--threads", str(options.threads)],
+         "--steps", str(options.steps), "--threads", str(options.threads),
+         "--clock", options.clock],
         capture_output=True, text=True, check=True,
     )
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
@@ -144,13 +153,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "CONFIG", "HEAP"),
                         help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
         model_name, config, heap = options.child
-        child(model_name, config, heap, options.steps, options.threads)
+        child(model_name, config, heap, options.steps, options.threads, options.clock)
         return
     runs = [
         (model_name, config, heap)
@@ -170,7 +180,8 @@ def main() -> None:
     }
     print(f"torch {torch.__version__}, {options.threads} intra-op thread(s), a process per "
           f"configuration and heap, {options.steps} steps after {WARMUP}, medians of "
-          f"{options.rounds} rounds; page faults per step in brackets\n")
+          f"{options.clock} time over {options.rounds} rounds; page faults per step in "
+          "brackets\n")
     print(f"{'model':<8} {'config':<7} {'default ms':>20} {'kept ms':>18} {'kept / default':>15}")
     for model_name, config, heap in runs:
         if heap != "default":
