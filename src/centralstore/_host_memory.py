@@ -8,9 +8,10 @@ MiB. A training step makes and frees the same large tensors at every step (gradi
 optimizer's temporaries), so each step may fault the same pages in again, a few
 microseconds per 4 KiB page. On the project's machine (benchmarks/README.md,
 ``bench_host_memory.py``) that was three fifths of Adam's update over 45.7 million
-parameters, a third of the step of two replicas on the CPU over 5.8 million (they hold the
-first one's gradients apart), and a quarter of plain PyTorch's. A GPU's caching allocator
-keeps its blocks; ``keep_host_memory`` does the same for glibc's heap, for the whole process.
+parameters, a fifth to a third of the step of two replicas on the CPU over 5.8 million
+(they hold the first one's gradients apart), and a sixth to a quarter of plain PyTorch's.
+A GPU's caching allocator keeps its blocks; ``keep_host_memory`` does the same for glibc's
+heap, for the whole process.
 """
 
 from __future__ import annotations
