@@ -59,7 +59,8 @@ such a machine can tell:
 
 glibc's heap is as the process starts (or as ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set it); ``--keep-host-memory`` calls ``cs.keep_host_memory()``
-first, so that steps 2 to 4 run with freed host memory kept (each table's header says which).
+first, so that steps 2 and 4 run with freed host memory kept (step 3's worker processes keep
+glibc's as they start; each table's header says which).
 
 A configuration that raises is reported in its row, and the others still run. Exit status: 0
 when every test passed and every configuration ran (or without a CUDA device, where there is
@@ -465,8 +466,9 @@ def time_configs(model_name: str, chosen: list[Config], rounds: int, steps: int
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def benchmark(rounds: int, steps: int) -> bool:
-    """Print the table; False if a configuration raised."""
+def benchmark(rounds: int, steps: int, heap: str) -> bool:
+    """Print the table (``heap``: how glibc's heap stands, for its header); False if a
+    configuration raised."""
     num_gpus = torch.cuda.device_count()
     candidates = configs(num_gpus)
     exact_bytes = profiler_counts_bytes()
@@ -476,7 +478,7 @@ def benchmark(rounds: int, steps: int) -> bool:
         "way with the variables on the CPU, else 0"
     )
     print(f"{torch.cuda.get_device_name(0)} x {num_gpus}, torch {torch.__version__}, "
-          f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes; {_HEAP[0]}")
+          f"{steps} steps x {rounds} rounds, medians; MB = 2**20 bytes; {heap}")
     print(f"H2D and D2H per step: {source}\n")
     print(f"{'model':<12} {'config':<30} {'ms/step':>8} {'/plain':>7} {'update':>7} "
           f"{'peak MB':>8} {'H2D MB':>8} {'D2H MB':>8}")
@@ -506,7 +508,7 @@ def benchmark(rounds: int, steps: int) -> bool:
 
 
 HOST_UPDATE_ROUNDS = 30
-_HEAP = ["glibc's heap as the process starts"]  # what --keep-host-memory made of it
+_AS_IT_COMES = "glibc's heap as the process starts"
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 
 
@@ -530,7 +532,7 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def host_update() -> None:
+def host_update(heap: str = _AS_IT_COMES) -> None:
     """Print the median ms of one optimizer step on the host per model and implementation
     (``IMPLEMENTATIONS``), each over fixed gradients, the order alternating between rounds;
     and the median of the page faults each step took: an update that makes temporaries as
@@ -539,7 +541,7 @@ def host_update() -> None:
     in again (see the README's answer on GPUs)."""
     print(f"\nthe update on the host, ms per optimizer.step(), medians of {HOST_UPDATE_ROUNDS}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, "
-          f"{_HEAP[0]}; page faults per step in brackets")
+          f"{heap}; page faults per step in brackets")
     print(f"{'model':<12} {'optimizer':<10} {'parameters':>10} "
           + " ".join(f"{name:>17}" for name in IMPLEMENTATIONS) + f" {'default/fused':>14}")
     for model_name, (make_model, kind) in HOST_MODELS.items():
@@ -616,13 +618,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-host-memory", action="store_true",
                         help="call cs.keep_host_memory() first: glibc keeps freed host memory")
     options = parser.parse_args(argv)
+    heap = _AS_IT_COMES
     if options.keep_host_memory:
-        _HEAP[0] = (
+        heap = (
             "host memory kept (cs.keep_host_memory())" if cs.keep_host_memory()
-            else "no mallopt here: glibc's heap as it comes"
+            else "no mallopt here: " + _AS_IT_COMES
         )
     if options.host_update:
-        host_update()
+        host_update(heap)
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check (--host-update runs without one)")
@@ -632,9 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_tests(),
         run_tests(WORKER_TESTS, WORKER_TESTS_TIMEOUT_S, {"CENTRALSTORE_REAL_GPUS": "1"}),
     ])
-    all_ran = benchmark(options.rounds, options.steps)
+    all_ran = benchmark(options.rounds, options.steps, heap)
     all_ran = workers_on_gpus() and all_ran
-    host_update()
+    host_update(heap)
     return 0 if paths_passed and tests_passed and all_ran else 1
 
 
