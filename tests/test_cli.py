@@ -134,6 +134,27 @@ def test_devices_lists_the_devices_and_the_default_placement(tmp_path: Path) -> 
     assert f"parameter device: {default.parameter_device}" in result.stdout
 
 
+@pytest.mark.fake_gpus(2)
+def test_devices_says_where_the_update_runs_when_the_parameters_are_on_the_host(
+    fake_gpus: object,
+) -> None:
+    """With several GPUs the default puts the variables on the CPU, whose optimizer update
+    runs on the host: the report says how to keep that update fast; with one GPU it holds
+    the variables, and there is nothing to say."""
+    report = cli.devices_report()
+    assert "parameter device: cpu:0" in report
+    assert "fused=True, or call cs.keep_host_memory() first" in report
+
+
+@pytest.mark.fake_gpus(1)
+def test_devices_gives_no_host_advice_when_one_gpu_holds_the_variables(
+    fake_gpus: object,
+) -> None:
+    report = cli.devices_report()
+    assert "parameter device: cuda:0" in report
+    assert "keep_host_memory" not in report
+
+
 def test_version(tmp_path: Path) -> None:
     """Through the installed console script when there is one, else ``python -m``."""
     script = Path(sys.executable).with_name("centralstore")

@@ -260,4 +260,9 @@ def devices_report() -> str:
     ]
     if torch.cuda.device_count() == 0:
         lines.append("  (centralstore demo uses cpu:0,cpu:1 instead, to show two replicas in sync)")
+    elif default.parameter_device.startswith("cpu"):
+        lines += [
+            "  the optimizer updates the variables on the host, once a step: build it with",
+            "  fused=True, or call cs.keep_host_memory() first (README: How do I use GPUs?)",
+        ]
     return "\n".join(lines)
