@@ -141,8 +141,10 @@ def _measure(
         [sys.executable, __file__, "--child", model_name, config, heap,
          "--steps", str(options.steps), "--threads", str(options.threads),
          "--clock", options.clock],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=False,
     )
+    if done.returncode:  # (no mallopt here, or a configuration that failed: its own words)
+        raise SystemExit(f"{model_name} {config} ({heap}): " + done.stderr.strip())
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
