@@ -66,9 +66,9 @@ def _step(model_name: str, config: str) -> Callable[[], None]:
     """One training step of ``config`` (or, for ``update``, one optimizer step)."""
     torch.manual_seed(0)
     if model_name == "update":
-        from gpu_check import _Large
+        from gpu_check import Large
 
-        large = _Large()
+        large = Large()
         for parameter in large.parameters():
             parameter.grad = torch.randn_like(parameter) * 1e-3
         return torch.optim.Adam(large.parameters(), lr=1e-3).step

@@ -512,7 +512,7 @@ _AS_IT_COMES = "glibc's heap as the process starts"
 IMPLEMENTATIONS = ("default", "foreach", "fused")
 
 
-class _Large(nn.Module):
+class Large(nn.Module):
     """The parameters of a GPT-2 small's embedding and of three of its feed-forward matrices
     (45.7 million): tensors past glibc's largest dynamic mmap threshold (32 MiB)."""
 
@@ -524,7 +524,7 @@ class _Large(nn.Module):
 
 HOST_MODELS: dict[str, tuple[Callable[[], nn.Module], type]] = {
     **{name: (bench_train.MODELS[name][0], bench_train.MODELS[name][3]) for name in MODEL_NAMES},
-    "large": (_Large, torch.optim.Adam),
+    "large": (Large, torch.optim.Adam),
 }
 
 
