@@ -22,15 +22,16 @@ leaves what views would. Two kinds qualify (``BufferGroups``):
   behind their version counters, so every run copies them, each copy into a row of one
   tensor (of one dtype, reused from run to run: ``StatisticsMemory``), and the sync point
   compares the replicas' rows with the one from before the run in one operation, and
-  tests the result in another (element by element, then, unless every element changed,
-  statistic by statistic: a training step can leave a value as it was, the running mean
-  of a channel of zeros). Stacking the copies and reducing the comparison took two more,
-  each 10 to 15 us right after a step. If every replica's kernel changed every statistic
-  (training), they become the mean of the replicas' values in replica order, on their
-  rows (``(w0 + w1 + ...) / R``, the arithmetic of views); any other pattern (a replica
-  that did not change one, a write that moved a counter) goes statistic by statistic:
-  those every replica changed are averaged, the others' writes go to the writers' views,
-  whose fold is the general one.
+  tests the result in another (element by element; then, unless every element changed
+  or none did, statistic by statistic: a training step can leave a value as it was, the
+  running mean of a channel of zeros, and evaluation leaves them all). Stacking the
+  copies and reducing the comparison took two more, each 10 to 15 us right after a step.
+  If every replica's kernel changed every statistic (training), they become the mean of
+  the replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``, the
+  arithmetic of views); if none changed one (evaluation), they stay; any other pattern (a
+  replica that did not change one, a write that moved a counter) goes statistic by
+  statistic: those every replica changed are averaged, the others' writes go to the
+  writers' views, whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
@@ -254,9 +255,10 @@ class Rows:
     mean, and views of each row shaped like each statistic (``pieces``), so that copying the
     statistics in is one ``cat``, putting them back one ``_foreach_copy_``, and comparing
     every replica's with those from before the run one operation (into ``differs``, whose
-    elements are all True, like ``every``'s, when every replica changed every element)."""
+    elements are all True, like ``every``'s, when every replica changed every element, and
+    all False, like ``none``'s, when none changed one)."""
 
-    __slots__ = ("differs", "every", "pieces", "replicas", "rows")
+    __slots__ = ("differs", "every", "none", "pieces", "replicas", "rows")
 
     def __init__(
         self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int], replicas: int
@@ -268,6 +270,7 @@ class Rows:
             self.replicas = data[1:-1]
             self.differs = torch.empty((replicas, size), dtype=torch.bool, device=device)
             self.every = torch.ones((replicas, size), dtype=torch.bool, device=device)
+            self.none = torch.zeros((replicas, size), dtype=torch.bool, device=device)
             self.pieces = [
                 [piece.view(shape) for piece, shape in zip(row.split(sizes), shapes, strict=True)]
                 for row in self.rows
@@ -354,13 +357,14 @@ class SharedStatistics:
         averaged: list[int] | range = []
         if not self._moved and torch.equal(differs, rows.every):  # training: all changed
             averaged = self._mean_of_all()
-        else:  # statistic by statistic (a value that a training step left as it was counts)
+        elif self._moved or not torch.equal(differs, rows.none):  # (none changed: evaluation)
+            # statistic by statistic (a value that a training step left as it was counts)
             size = len(self.tensors)
             changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
             found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
             if not self._moved and all(map(all, found)):
                 averaged = self._mean_of_all()
-            elif self._moved or any(map(any, found)):  # (none changed: evaluation)
+            else:
                 averaged = self._fold(rows.pieces[1:-1], found)
         before = rows.pieces[0]  # (rows lent again only after this sync point)
         self._memory.take_back(rows)
