@@ -29,6 +29,13 @@ and, for GPT-2 tiny, gradient accumulation: 4 micro-batches per optimizer step, 
 ``apart x4`` (the same passes kept apart two by two); ``cs R=2 x4 one run`` accumulates the
 same micro-batches inside one run (each replica loops over its four, ``docs/porting.md``), so
 that the run's fixed cost and its sum of the replicas come once per step.
+Evaluation (``eval``, a group per model): each configuration's model in ``eval()`` mode, a
+step a forward under ``torch.no_grad()`` and its loss, no backward and no optimizer: plain /
+plain again / halves as above, and ``cs R=1`` / ``cs R=2`` running the forward in
+``strategy.run`` and adding the replicas' losses with ``strategy.reduce`` (plain's halves add
+theirs too), as a validation loop does. A forward alone is a short step, so the run's fixed
+cost weighs more than in training; the issue's targets are for training steps, so these
+rows carry none.
 ``halves / whole`` is what smaller batches cost by themselves: the part of the demo's gap to
 one device that is not centralstore. ``apart / halves`` is what keeping each replica's
 gradients to itself costs by itself: the sums run after backward, on memory gone cold,
@@ -66,11 +73,11 @@ meets (on the development machine the two read the same verdicts, benchmarks/REA
 
     python benchmarks/bench_models.py [--rounds 10] [--steps 10] [--sizes 4]
         [--compiled-sizes 4] [--models gpt2 bert vit cnn bn] [--compiled-models gpt2]
-        [--threads 1] [--clock cpu] [--block 1]
+        [--no-accumulation] [--no-evaluation] [--threads 1] [--clock cpu] [--block 1]
 
-The defaults time 7 groups of configurations (five models eager, GPT-2 compiled, GPT-2
-accumulating); ``--sizes 2 8 --compiled-models gpt2 bert vit`` covers more, at several times
-the runtime (each compilation takes tens of seconds).
+The defaults time 12 groups of configurations (five models eager, GPT-2 compiled, GPT-2
+accumulating, five models evaluating); ``--sizes 2 8 --compiled-models gpt2 bert vit``
+covers more, at several times the runtime (each compilation takes tens of seconds).
 """
 
 from __future__ import annotations
@@ -180,6 +187,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = 
 CONFIGS = ("plain", "plain again", "cs R=1", "whole", "halves", "apart", "cs R=2")
 COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's
 ACCUMULATED = ("halves x4", "apart x4", "cs R=2 x4", "cs R=2 x4 one run")
+EVALUATED = ("plain", "plain again", "cs R=1", "halves", "cs R=2")
 
 
 def _compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torch.Tensor]:
@@ -202,8 +210,13 @@ def _set_grads(params: list[nn.Parameter], grads: list[Any]) -> None:
         param.grad = grad
 
 
-def make_step(model_name: str, config: str, per_replica: int, compile_: bool) -> Callable[[], None]:
-    """One optimizer step of ``config`` on ``model_name``, ready to time."""
+def make_step(
+    model_name: str, config: str, per_replica: int, compile_: bool, evaluate: bool = False
+) -> Callable[[], None]:
+    """One optimizer step of ``config`` on ``model_name``, ready to time (``evaluate``: one
+    evaluation step instead, ``make_evaluation_step``)."""
+    if evaluate:
+        return make_evaluation_step(model_name, config, per_replica)
     build, inputs, per_example = MODELS[model_name]
     micro = MICRO_BATCHES if "x4" in config else 1
     replicas = 2 if config in ("whole", "halves", "apart", "cs R=2") or micro > 1 else 1
@@ -296,6 +309,46 @@ def make_step(model_name: str, config: str, per_replica: int, compile_: bool) ->
     return cs_step
 
 
+def make_evaluation_step(model_name: str, config: str, per_replica: int) -> Callable[[], None]:
+    """One evaluation step of ``config`` (``EVALUATED``) on ``model_name``: the loss of a
+    forward under ``no_grad`` of a model in ``eval()`` mode, the replicas' or the passes'
+    losses added up."""
+    build, inputs, per_example = MODELS[model_name]
+    replicas = 2 if config in ("halves", "cs R=2") else 1
+    torch.manual_seed(0)
+    global_batch = per_replica * replicas
+    x, y = inputs(global_batch)
+    slices = [
+        (x[i * per_replica:(i + 1) * per_replica], y[i * per_replica:(i + 1) * per_replica])
+        for i in range(replicas)
+    ]
+    if not config.startswith("cs"):
+        model = build().eval()
+
+        @torch.no_grad()
+        def plain_step() -> None:
+            total = per_example(model, *slices[0]).sum()
+            for xs, ys in slices[1:]:
+                total = total + per_example(model, xs, ys).sum()
+
+        return plain_step
+    strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        model = build().eval()
+    arguments = slices[0] if replicas == 1 else tuple(
+        cs.PerReplica([part[i] for part in slices]) for i in (0, 1)
+    )
+
+    @torch.no_grad()
+    def replica_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+        return per_example(model, xs, ys).sum()
+
+    def cs_step() -> None:
+        strategy.reduce("SUM", strategy.run(replica_loss, args=arguments), axis=None)
+
+    return cs_step
+
+
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 _clock = CLOCKS["cpu"]
 
@@ -309,13 +362,13 @@ def _time(step: Callable[[], None], steps: int) -> float:
 
 def measure(
     model_name: str, configs: tuple[str, ...], per_replica: int, compile_: bool,
-    rounds: int, steps: int, block: int = 1,
+    rounds: int, steps: int, block: int = 1, evaluate: bool = False,
 ) -> dict[str, tuple[float, float, list[list[float]]]]:
     """config -> (steady median ms per step, the first 50 steps' median over it, each
     round's step times)."""
 
     def make(config: str) -> Callable[[], None]:
-        return make_step(model_name, config, per_replica, compile_)
+        return make_step(model_name, config, per_replica, compile_, evaluate)
 
     made = {config: make(config) for config in configs}
     early: dict[str, list[float]] = {config: [] for config in configs}
@@ -365,6 +418,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--compiled-models", nargs="*", choices=list(MODELS), default=["gpt2"])
     parser.add_argument("--no-accumulation", action="store_true")
+    parser.add_argument("--no-evaluation", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     parser.add_argument("--block", type=int, default=1,
@@ -393,16 +447,21 @@ def main() -> None:
                 groups.append((model_name, "compiled", size, COMPILED))
     if "gpt2" in options.models and not options.no_accumulation:
         groups.append(("gpt2", "eager", 4, ACCUMULATED))
+    if not options.no_evaluation:
+        groups += [(model_name, "eval", size, EVALUATED)
+                   for model_name in options.models for size in options.sizes]
     for model_name, mode, size, configs in groups:
         results = measure(
             model_name, configs, size, mode == "compiled", options.rounds, options.steps,
-            options.block,
+            options.block, evaluate=mode == "eval",
         )
         for config in configs:
             ms, tail, times = results[config]
             against, target = RATIOS.get(config, (None, None))
             if against not in results:  # the compiled groups have no eager floor's row
                 against, target = None, None
+            if mode == "eval":  # the targets are the training steps'
+                target = None
             shown = _against(times, results[against][2]) if against else f"{'':23}"
             relative = f"{tail / results[against][1]:10.3f}" if against else f"{'':10}"
             goal = f"<={target:.2f}" if target else ""
