@@ -376,6 +376,11 @@ class Strategy(abc.ABC):
         if isinstance(value, PerReplica) and len(value) == self._placement.local_replicas:
             # the common case, without the pytree walk
             return self._workers.reduce(op, [value.values], axis, _result_device())[0]
+        if (
+            type(value) is torch.Tensor and axis is None and not self._plain_is_local
+            and (op is ReduceOp.MEAN or self._placement.num_replicas == 1)
+        ):  # what run returns with one replica: the value itself, as ``reduce_plain`` gives
+            return value
         self._check_components(value, "reduce's value")
         leaves, spec = _tree.flatten(value)
         where, parts = self._distributed_leaves(leaves)
