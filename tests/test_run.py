@@ -152,6 +152,37 @@ def test_none_from_one_replica_and_a_value_from_another_is_a_structure_mismatch(
     assert strategy.run(lambda: None) is None
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_evaluation_outside_run_uses_the_variables_themselves(replicas: int) -> None:
+    """The README's advice for evaluation where the variables live on the device that
+    computes: outside ``run`` the model's parameters and buffers are plain ones, so one
+    pass over the whole batch gives what the replicas' passes give, and neither changes
+    them."""
+    strategy = strategy_of(replicas)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+        ).eval()
+    model[1].running_mean.fill_(0.5)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    x = torch.randn(4 * replicas, 3)
+
+    @torch.no_grad()
+    def loss(xs: torch.Tensor) -> torch.Tensor:
+        return model(xs).pow(2).sum()
+
+    inside = strategy.reduce(
+        "SUM", strategy.run(loss, args=(cs.PerReplica(list(x.chunk(replicas))),)), axis=None
+    )
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert all(type(b) is torch.Tensor for b in model.buffers())
+    outside = loss(x)
+    torch.testing.assert_close(outside, inside)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_experimental_run_v2_is_run() -> None:
     assert cs.CentralStorageStrategy.experimental_run_v2 is cs.CentralStorageStrategy.run
     strategy = strategy_of(2)
