@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from paths import each_path, run_on, strategy_on
 from replicas import context, local, replica_id, strategy_of
 
 import centralstore as cs
@@ -152,13 +153,14 @@ def test_none_from_one_replica_and_a_value_from_another_is_a_structure_mismatch(
     assert strategy.run(lambda: None) is None
 
 
+@each_path
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_evaluation_outside_run_uses_the_variables_themselves(replicas: int) -> None:
+def test_evaluation_outside_run_uses_the_variables_themselves(path: str, replicas: int) -> None:
     """The README's advice for evaluation where the variables live on the device that
     computes: outside ``run`` the model's parameters and buffers are plain ones, so one
     pass over the whole batch gives what the replicas' passes give, and neither changes
     them."""
-    strategy = strategy_of(replicas)
+    strategy = strategy_on(path, replicas)
     torch.manual_seed(0)
     with strategy.scope():
         model = torch.nn.Sequential(
@@ -173,7 +175,8 @@ def test_evaluation_outside_run_uses_the_variables_themselves(replicas: int) -> 
         return model(xs).pow(2).sum()
 
     inside = strategy.reduce(
-        "SUM", strategy.run(loss, args=(cs.PerReplica(list(x.chunk(replicas))),)), axis=None
+        "SUM", run_on(path, strategy, loss, args=(cs.PerReplica(list(x.chunk(replicas))),)),
+        axis=None,
     )
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
     assert all(type(b) is torch.Tensor for b in model.buffers())
