@@ -12,6 +12,8 @@ function called plainly in the same process:
                                 its component and a dict of it, which run regroups into
                                 PerReplica leaves of the same structure
   reduce(SUM, PerReplica)       R tensors of 4 floats summed; plain: the same additions
+  reduce(MEAN, tensor)          a plain tensor, as run returns it with one replica: itself,
+                                at any R; plain: the tensor
   run with one all_reduce       the threaded path: replica 0 meets a rendezvous, so the other
                                 replicas run on replica threads; plain: the same all_reduce
                                 in the default replica context (outside any strategy)
@@ -131,6 +133,9 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
         ),
         "reduce(SUM, PerReplica)": (
             lambda: strategy.reduce(cs.ReduceOp.SUM, value), plain_sum, 1,
+        ),
+        "reduce(MEAN, tensor)": (
+            lambda: strategy.reduce(cs.ReduceOp.MEAN, tensor), lambda: tensor, 1,
         ),
         # Thread hand-offs cost tens of microseconds: fewer calls per batch keep rounds short.
         "run with one all_reduce": (lambda: strategy.run(one_all_reduce), one_all_reduce, 20),
