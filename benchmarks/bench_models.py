@@ -417,8 +417,10 @@ def main() -> None:
                         help="examples per replica, compiled")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--compiled-models", nargs="*", choices=list(MODELS), default=["gpt2"])
-    parser.add_argument("--no-accumulation", action="store_true")
-    parser.add_argument("--no-evaluation", action="store_true")
+    parser.add_argument("--no-accumulation", action="store_true",
+                        help="skip GPT-2's four accumulated micro-batches")
+    parser.add_argument("--no-evaluation", action="store_true",
+                        help="skip the evaluation groups (forwards under no_grad, eval mode)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     parser.add_argument("--block", type=int, default=1,
