@@ -236,7 +236,7 @@ WORKER_FUNCTIONS = [
     ("centralstore.strategies._writes:CarriedWrites", "combine", "writes combined"),
     # buffers the worker's replicas write in place (``direct_buffers.py``): their values
     # from before the run copied, and their writes combined locally (inside writes noted)
-    ("centralstore.variables.direct_buffers:SharedStatistics", "__init__", "statistics before"),
+    ("centralstore.variables.direct_buffers:SharedFloats", "__init__", "floats before"),
     ("centralstore.variables.direct_buffers:SharedIntegers", "__init__", "integers before"),
     ("centralstore.variables.direct:DirectReplicas", "commit_buffers", "buffers committed"),
     # the views' gradient hooks, each bucket's packing and start included

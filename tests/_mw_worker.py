@@ -899,14 +899,25 @@ def parity_rows(strategy: cs.Strategy, device: str = "cpu:0") -> dict[str, Any]:
     return out
 
 
-STATISTICS_WRITES = ["none", "skip", "add", "fail", "eval", "merge", "dead"]
+STATISTICS_WRITES = ["none", "skip", "add", "fail", "eval", "merge", "dead", "data"]
+
+
+class Shifted(nn.Module):
+    """A small floating buffer that is not a running statistic (replicas share it too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.linspace(-0.5, 0.5, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.shift
 
 
 def normalized() -> nn.Sequential:
-    """Batch norm of both kinds, and a cumulative average (``num_batches_tracked``)."""
+    """Batch norm of both kinds, a cumulative average (``num_batches_tracked``), and a shift."""
     return nn.Sequential(
         nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2),
-        nn.BatchNorm1d(2, momentum=None),
+        nn.BatchNorm1d(2, momentum=None), Shifted(),
     )
 
 
@@ -914,10 +925,11 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
     """Three steps of ``normalized`` on ``strategy``'s W x R replicas (the global batch the
     same on every worker), with ``write`` besides (``tests/variables/test_direct.py``'s
     patterns: ``skip``: the last replica makes no forward; ``add``: each adds to a
-    statistic in place; ``fail``: the last one raises in the second step; ``eval``: the
-    second step evaluates; ``merge``: a ``merge_call`` between two forwards; ``dead``: a
-    channel that training leaves at its running mean). Returns the final state and how
-    many buffers some local replica saw through a view of its own."""
+    statistic and to the shift in place; ``fail``: the last one raises in the second step;
+    ``eval``: the second step evaluates; ``merge``: a ``merge_call`` between two forwards;
+    ``dead``: a channel that training leaves at its running mean; ``data``: each scales
+    the shift through ``.data``, behind its counter). Returns the final state and how many
+    buffers some local replica saw through a view of its own."""
     replicas = strategy.num_replicas_in_sync
     torch.manual_seed(0)  # all drawn on the host: a GPU draws otherwise
     initial = normalized().state_dict()
@@ -942,6 +954,9 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
             model(xs).pow(2).mean().backward()
         if write == "add":
             model[1].running_mean.add_(replica + 0.1)
+            model[6].shift.add_(replica + 0.1)
+        if write == "data":
+            model[6].shift.data.mul_(replica + 1.5)
         if write == "fail" and second and replica == replicas - 1:
             raise RuntimeError("the last replica fails")
         if write == "merge":

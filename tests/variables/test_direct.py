@@ -201,11 +201,13 @@ def modes_of(strategy: cs.Strategy) -> list[str]:
     return modes
 
 
-def test_parameters_integer_buffers_and_statistics_take_no_views_and_other_buffers_do() -> None:
+def test_parameters_and_buffers_replicas_can_share_take_no_views_and_other_buffers_do() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
         model = Counting()
         norm = nn.BatchNorm1d(2)  # running statistics and num_batches_tracked
+        tabled = nn.Module()
+        tabled.register_buffer("table", torch.ones(4, 3))  # a floating buffer runs only read
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
         double = nn.BatchNorm1d(2, dtype=torch.float64)  # a second dtype: not one tensor
@@ -213,10 +215,34 @@ def test_parameters_integer_buffers_and_statistics_take_no_views_and_other_buffe
     del double
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
-        masked = nn.Module()
-        masked.register_buffer("mask", torch.ones(3))  # a floating buffer of another kind
+        large = nn.Module()  # beside the table, more elements than a run copies
+        large.register_buffer("mask", torch.ones(direct_buffers.SMALL_FLOATS - 11))
     assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
-    del model, norm, masked
+    seen = strategy._store.replicas[0].views
+    assert id(large.mask) in seen and id(tabled.table) not in seen
+    del large
+    assert modes_of(strategy) == ["DirectRun", "DirectRun"]
+    with strategy.scope():
+        summed = nn.Module()
+        summed.register_buffer("total", torch.zeros(3))
+        cs.set_aggregation(summed.total, "SUM")  # an aggregation set
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
+    del model, norm, tabled, summed
+
+
+def test_a_floating_buffer_given_another_shape_keeps_views_until_the_plan_is_made_again() -> (
+    None
+):
+    strategy = strategy_of(2)
+    with strategy.scope():
+        tabled = nn.Module()
+        tabled.register_buffer("table", torch.ones(4, 3))
+        tabled.weight = nn.Parameter(torch.ones(3))
+    assert modes_of(strategy) == ["DirectRun", "DirectRun"]
+    tabled.table.data = torch.zeros(2, 3)
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
+    strategy.run(lambda: tabled.table.add_(1.0))
+    assert torch.equal(tabled.table, torch.ones(2, 3))
 
 
 def test_integer_buffers_nothing_writes_are_not_copied_again_by_later_runs() -> None:
@@ -305,15 +331,17 @@ def test_a_failed_run_leaves_an_integer_buffer_as_before_it(path: str) -> None:
 
 
 class Masked(nn.Module):
-    """A floating buffer that is not a running statistic: it keeps its views, so that a
-    run of replicas computing where the variables live is a ``ReplicasRun``."""
+    """A floating buffer too large for replicas to share (``SMALL_FLOATS``): it keeps its
+    views, so that a run of replicas computing where the variables live is a
+    ``ReplicasRun``."""
 
     def __init__(self, size: int) -> None:
         super().__init__()
-        self.register_buffer("mask", torch.ones(size))
+        self.size = size
+        self.register_buffer("mask", torch.ones(direct_buffers.SMALL_FLOATS + 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.mask
+        return x * self.mask[: self.size]
 
 
 def normalized(strategy: cs.Strategy, masked: bool = False) -> nn.Sequential:
@@ -425,6 +453,78 @@ def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> 
     want = train("views")
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+class Tabled(nn.Module):
+    """Floating buffers that are not running statistics, small enough for replicas to share:
+    a table (a matrix) and a scale (a scalar)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("table", torch.linspace(0.0, 1.0, 6).view(2, 3))
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + self.table[0]) * self.scale
+
+
+def tables_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor]:
+    """Three steps of ``Tabled``; ``write``: what the replicas do to its buffers besides
+    reading them (``none``; ``add``: each adds to the table in place, a change; ``fill``:
+    each fills the scale; ``data``: each scales the table through ``.data``, behind its
+    counter; ``skip``: as ``data``, but the last replica makes no forward and writes
+    nothing; ``one``: only replica 0 adds; ``fail``: as ``add``, and the last replica raises
+    in the second step; ``merge``: as ``add``, then a ``merge_call``, then ``add`` again)."""
+    strategy = strategy_on(path, replicas)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Tabled()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2 * replicas, 3)
+
+    def step(xs: torch.Tensor, second: bool) -> None:
+        replica = replica_id()
+        if write == "skip" and replica == replicas - 1:
+            return
+        model(xs).pow(2).mean().backward()
+        if write in ("add", "fail", "merge") or (write == "one" and replica == 0):
+            model.table.add_(replica + 0.1)
+        elif write == "fill":
+            model.scale.fill_(replica + 0.25)
+        elif write in ("data", "skip"):
+            model.table.data.mul_(replica + 1.5)
+        if write == "fail" and second and replica == replicas - 1:
+            raise RuntimeError("the last replica fails")
+        if write == "merge":
+            context().merge_call(lambda strategy: None)
+            model.table.add_(replica + 0.2)
+
+    for second in (False, True, False):
+        optimizer.zero_grad()
+        try:
+            run_on(path, strategy, step, args=(cs.PerReplica(list(x.chunk(replicas))), second))
+        except RuntimeError:
+            assert write == "fail"
+        optimizer.step()
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+@each_path
+@pytest.mark.parametrize("replicas", [2, 3])
+@pytest.mark.parametrize(
+    "write", ["none", "add", "fill", "data", "skip", "one", "fail", "merge"]
+)
+def test_floating_buffers_shared_directly_fold_like_views_bit_for_bit(
+    path: str, replicas: int, write: str,
+) -> None:
+    got = tables_after(path, replicas, write)
+    want = tables_after("views", replicas, write)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    if write == "none":
+        assert torch.equal(got["table"], torch.linspace(0.0, 1.0, 6).view(2, 3))
 
 
 class Operations(TorchDispatchMode):

@@ -16,9 +16,9 @@ or the GPU that holds them) also use directly the parameters that no replica may
 replica's gradients at a time: no views, slots or folding for them, and a ``torch.compile``d
 model sees the same parameters in every replica. Where every replica computes where the
 variables live (``DirectRun``, and a worker's replicas, which see views of the parameters),
-they share the integer buffers and batch norm's running statistics too, each finding them
-as before the run (``direct_buffers.py``). Other buffers and variables whose writes
-aggregate keep their views.
+they share the integer buffers, batch norm's running statistics and small floating buffers
+too, each finding them as before the run (``direct_buffers.py``). Other buffers and
+variables whose writes aggregate keep their views.
 """
 
 from __future__ import annotations

@@ -17,30 +17,36 @@ leaves what views would. Two kinds qualify (``BufferGroups``):
   every run writes, is copied once a run, for the next replica, not twice). The sync point
   gives each written buffer its first writer's value, as views do. (A write through
   ``.data`` moves no counter: it applies at once, as on one device.)
-* **running statistics** of normalization layers (floating ``running_mean`` /
-  ``running_var`` of batch and instance norm, aggregation MEAN): their kernel writes them
-  behind their version counters, so every run copies them, each copy into a row of one
-  tensor (of one dtype, reused from run to run: ``StatisticsMemory``), and the sync point
-  compares the replicas' rows with the one from before the run in one operation, and
-  tests the result in another (element by element; then, unless every element changed
-  or none did, statistic by statistic: a training step can leave a value as it was, the
-  running mean of a channel of zeros, and evaluation leaves them all). Stacking the
-  copies and reducing the comparison took two more, each 10 to 15 us right after a step.
-  If every replica's kernel changed every statistic (training), they become the mean of
-  the replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``, the
-  arithmetic of views); if none changed one (evaluation), they stay; any other pattern (a
-  replica that did not change one, a write that moved a counter) goes statistic by
-  statistic: those every replica changed are averaged, the others' writes go to the
-  writers' views, whose fold is the general one.
+* **floats** averaged over replicas (aggregation MEAN, their default), in groups of one
+  dtype (``FloatGroup``): the running statistics of normalization layers (``running_mean``
+  / ``running_var`` of batch and instance norm), which their kernel writes behind their
+  version counters, and, apart, small floating buffers that runs usually only read (a
+  positional table, a rotary embedding's frequencies, an input's mean and deviation; at
+  most ``SMALL_FLOATS`` elements in all), which a write through ``.data`` changes behind
+  the counters too. So every run copies them, each copy into a row of one tensor (reused
+  from run to run: ``FloatMemory``), and the sync point compares the replicas' rows with
+  the one from before the run in one operation, and tests the result in another (element
+  by element; then, unless every element changed or none did, buffer by buffer: a
+  training step can leave a value as it was, the running mean of a channel of zeros, and
+  evaluation leaves them all; a group only read is first tested in one operation, whose
+  True ends the sync point's work). Stacking the copies and reducing the comparison took two
+  more, each 10 to 15 us right after a step. If every replica changed every statistic
+  (training; a group only read is not tested for this), they become the mean of the
+  replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``, the
+  arithmetic of views); if none changed one (evaluation, a table only read), they stay;
+  any other pattern (a replica that did not change one, a write that moved a counter)
+  goes buffer by buffer: those every replica changed are averaged, the others' writes go
+  to the writers' views, whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
 replica that runs on after a rendezvous finds its own again. The last replica's stay in the
 buffers until the sync point. Across workers, the sync point commits the buffers first and
 combines the written ones with the other workers' writes, from their values from before
-the run (``Written``), as it combines the writes views fold. Other floating buffers (a
-float mask, which views copy only when it changes) and buffers whose aggregation was set
-keep their views.
+the run (``Written``), as it combines the writes views fold. Other buffers keep their views:
+those whose aggregation was set, complex ones, floats of a second dtype, and floating
+buffers past ``SMALL_FLOATS``, whose copies at every run cost more than views, which copy a
+buffer only when it changes and compare it with the replicas' copies once a run.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ from .records import Central
 from .views import ReplicaViews
 
 _STATISTICS = frozenset({"running_mean", "running_var"})
+# the most elements of the floating buffers that runs usually only read which replicas
+# share: a run copies them four times and compares them once, where views cost 50 to 150 us
+# more in Python at R = 2 but compare each replica's copy once; at 16,384 floats the two
+# cost about the same on a CPU
+SMALL_FLOATS = 1 << 14
 
 
 def _is_statistic(record: Central, tensor: torch.Tensor) -> bool:
@@ -90,12 +101,14 @@ def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 _dtype = attrgetter("dtype")
+_layout = attrgetter("shape", "dtype")
 
 
 class Written(NamedTuple):
     """A shared buffer that a sync point left holding its replicas' combined write: how many
-    replicas wrote it, whether one assigned it (a statistic's kernel write counts as an
-    assignment, as views note it; an integer's write, of unknown kind, as a change: both
+    replicas wrote it, whether one assigned it (a float's write behind its counter, a
+    statistic's by its kernel, counts as an assignment, as views note it; an integer's
+    write, of unknown kind, as a change: both
     combine by value, MEAN and ONLY_FIRST_REPLICA, whatever the kind), and its value from
     before the run. A sync point across workers combines these with the other workers'
     (``_writes.py``), as it combines the writes that views fold."""
@@ -114,17 +127,55 @@ def _note(
     written[replica] = moved if known is None else list(map(bool.__or__, known, moved))
 
 
-class BufferGroups:
-    """The buffers of a plan that replicas use directly: ``integers`` and ``statistics``
-    (records), and the integers' values from before the runs while they stay."""
+class FloatGroup:
+    """Floating buffers of one dtype that replicas share and whose writes average
+    (``SharedFloats``): their records, weak references and ``FloatMemory``, and whether runs
+    usually change them (``changing``: running statistics, which every training run writes)
+    or only read them (a positional table, rotary frequencies)."""
 
-    __slots__ = (
-        "_before", "_stamps", "integer_refs", "integers", "memory", "statistic_refs", "statistics",
-    )
+    __slots__ = ("changing", "memory", "records", "refs")
+
+    def __init__(self, records: list[Central], changing: bool) -> None:
+        self.records = records
+        self.refs = [record.ref for record in records]
+        self.memory = FloatMemory([cast(torch.Tensor, record.ref()) for record in records])
+        self.changing = changing
+
+
+def _of_one_dtype(records: list[Central]) -> list[Central]:
+    """The records of the first one's dtype, so that they fit one tensor (the others keep
+    their views)."""
+    if not records:
+        return records
+    dtype = _dtype(records[0].ref())
+    return [record for record in records if _dtype(record.ref()) is dtype]
+
+
+def _small(records: list[Central]) -> list[Central]:
+    """Of floating buffers that runs only read, as many as fit ``SMALL_FLOATS`` elements, in
+    order: every run copies them, which costs less than views' comparisons only while they
+    are small."""
+    kept: list[Central] = []
+    total = 0
+    for record in records:
+        size = cast(torch.Tensor, record.ref()).numel()
+        if total + size <= SMALL_FLOATS:
+            kept.append(record)
+            total += size
+    return kept
+
+
+class BufferGroups:
+    """The buffers of a plan that replicas use directly: ``integers`` (records), the
+    ``floats`` (running statistics, and small floating buffers that runs only read, each a
+    ``FloatGroup``), and the integers' values from before the runs while they stay."""
+
+    __slots__ = ("_before", "_stamps", "floats", "integer_refs", "integers")
 
     def __init__(self, records: list[Central], storage: torch.device) -> None:
         self.integers: list[Central] = []
-        self.statistics: list[Central] = []
+        statistics: list[Central] = []
+        others: list[Central] = []
         for record in records:
             tensor = record.ref()
             if (
@@ -136,22 +187,28 @@ class BufferGroups:
                 if record.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
                     self.integers.append(record)
             elif _is_statistic(record, tensor):
-                self.statistics.append(record)
-        if self.statistics:  # of one dtype, so that they fit one tensor (the others: views)
-            dtype = cast(torch.Tensor, self.statistics[0].ref()).dtype
-            self.statistics = [r for r in self.statistics if _dtype(r.ref()) is dtype]
-        self.memory = StatisticsMemory(
-            [cast(torch.Tensor, record.ref()) for record in self.statistics]
-        ) if self.statistics else None
+                statistics.append(record)
+            elif (
+                record.aggregation is VariableAggregation.MEAN and tensor.numel()
+                and not tensor.requires_grad
+            ):
+                others.append(record)
+        # apart, so that a table only read keeps training's statistics on their first test
+        self.floats = [
+            FloatGroup(group, changing)
+            for group, changing in (
+                (_of_one_dtype(statistics), True), (_small(_of_one_dtype(others)), False)
+            )
+            if group
+        ]
         self.integer_refs = [record.ref for record in self.integers]
-        self.statistic_refs = [record.ref for record in self.statistics]
         # the integers' values before the run, and when they were copied
         self._before: list[torch.Tensor] = []
         self._stamps: tuple[list[int], list[int]] | None = None
 
     @property
     def records(self) -> list[Central]:
-        return self.integers + self.statistics
+        return self.integers + [record for group in self.floats for record in group.records]
 
     def integers_before(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The integers' values before the run: copied again only if one moved."""
@@ -250,15 +307,19 @@ class SharedIntegers:
 
 
 class Rows:
-    """Memory for the copies of a plan's statistics in one run of ``replicas``: one tensor
-    whose ``rows`` are the values from before the run, then each replica's, then their
-    mean, and views of each row shaped like each statistic (``pieces``), so that copying the
-    statistics in is one ``cat``, putting them back one ``_foreach_copy_``, and comparing
-    every replica's with those from before the run one operation (into ``differs``, whose
-    elements are all True, like ``every``'s, when every replica changed every element, and
-    all False, like ``none``'s, when none changed one)."""
+    """Memory for the copies of a ``FloatGroup``'s buffers in one run of ``replicas``: one
+    tensor whose ``rows`` are the values from before the run, then each replica's, then
+    their mean, and views of each row shaped like each buffer (``pieces``), so that copying
+    the buffers in is one operation (``fill``), putting them back one ``_foreach_copy_``,
+    and comparing every replica's with those from before the run one operation: a test
+    against ``before`` (the row from before the run, as many times as there are replicas)
+    for a group only read, or a comparison into ``differs``, whose elements are all True,
+    like ``every``'s, when every replica changed every element, and all False, like
+    ``none``'s, when none changed one."""
 
-    __slots__ = ("differs", "every", "none", "pieces", "replicas", "rows")
+    __slots__ = (
+        "before", "differs", "every", "none", "pieces", "replicas", "rows", "vectors",
+    )
 
     def __init__(
         self, like: torch.Tensor, shapes: list[torch.Size], sizes: list[int], replicas: int
@@ -268,6 +329,7 @@ class Rows:
             data = torch.empty((replicas + 2, size), dtype=like.dtype, device=device)
             self.rows = list(data)
             self.replicas = data[1:-1]
+            self.before = self.rows[0].expand_as(self.replicas)
             self.differs = torch.empty((replicas, size), dtype=torch.bool, device=device)
             self.every = torch.ones((replicas, size), dtype=torch.bool, device=device)
             self.none = torch.zeros((replicas, size), dtype=torch.bool, device=device)
@@ -275,19 +337,29 @@ class Rows:
                 [piece.view(shape) for piece, shape in zip(row.split(sizes), shapes, strict=True)]
                 for row in self.rows
             ]
+        self.vectors = all(len(shape) == 1 for shape in shapes)
+
+    def fill(self, row: int, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` into row ``row``: vectors (running statistics) in one ``cat``, one
+        kernel where a copy each costs more; tensors of other shapes a copy each."""
+        if self.vectors:
+            torch.cat(tensors, out=self.rows[row])
+        else:
+            torch._foreach_copy_(self.pieces[row], tensors)
 
 
-class StatisticsMemory:
-    """The ``Rows`` of a plan's statistics (all of one dtype), reused from run to run (each
-    is lent to one run at a time: a run inside ``merge_call`` takes others), and the index
-    of each element's statistic, for comparisons statistic by statistic."""
+class FloatMemory:
+    """The ``Rows`` of a ``FloatGroup`` (all of one dtype), reused from run to run (each is
+    lent to one run at a time: a run inside ``merge_call`` takes others), and the index of
+    each element's buffer, for comparisons buffer by buffer."""
 
-    __slots__ = ("_like", "_shapes", "_sizes", "_spare", "segments")
+    __slots__ = ("_like", "_shapes", "_sizes", "_spare", "layouts", "segments")
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self._like = torch.empty((), dtype=tensors[0].dtype, device=tensors[0].device)
         self._shapes = [tensor.shape for tensor in tensors]
         self._sizes = [tensor.numel() for tensor in tensors]
+        self.layouts = list(map(_layout, tensors))
         self._spare: dict[int, list[Rows]] = {}  # number of replicas -> rows
         self.segments = torch.repeat_interleave(
             torch.arange(len(tensors), device=self._like.device),
@@ -298,27 +370,32 @@ class StatisticsMemory:
         """Rows for a run of ``replicas``, ``values`` in its row of values from before."""
         spare = self._spare.get(replicas)
         rows = spare.pop() if spare else Rows(self._like, self._shapes, self._sizes, replicas)
-        torch.cat(values, out=rows.rows[0])  # (vectors: one kernel, where a copy each costs more)
+        rows.fill(0, values)
         return rows
+
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` still have the shapes and dtype of the memory's pieces (a
+        ``.data =`` can give a buffer others)."""
+        return list(map(_layout, tensors)) == self.layouts
 
     def take_back(self, rows: Rows) -> None:
         self._spare.setdefault(len(rows.replicas), []).append(rows)
 
 
-class SharedStatistics:
-    """The running statistics of one run (see the module's docstring)."""
+class SharedFloats:
+    """The floating buffers of one ``FloatGroup`` in one run (see the module's docstring)."""
 
-    __slots__ = ("_kept", "_memory", "_moved", "_records", "_replicas", "_rows", "_versions",
-                 "tensors")
+    __slots__ = ("_group", "_kept", "_memory", "_moved", "_records", "_replicas", "_rows",
+                 "_versions", "tensors")
 
     def __init__(
-        self, records: list[Central], tensors: list[torch.Tensor], memory: StatisticsMemory,
-        replicas: list[ReplicaViews],
+        self, group: FloatGroup, tensors: list[torch.Tensor], replicas: list[ReplicaViews]
     ) -> None:
         self.tensors = tensors
-        self._records = records
+        self._group = group
+        self._records = group.records
         self._replicas = replicas
-        self._memory = memory
+        self._memory = memory = group.memory
         self._rows = memory.lend(len(replicas), tensors)
         self._versions = list(map(_version, tensors))
         self._kept: set[int] = set()  # the replicas whose values are in their rows
@@ -333,7 +410,7 @@ class SharedStatistics:
             _note(self._moved, replica, versions, self._versions)
         if last:
             return
-        torch.cat(self.tensors, out=self._rows.rows[replica + 1])
+        self._rows.fill(replica + 1, self.tensors)
         self._kept.add(replica)
         torch._foreach_copy_(self.tensors, self._rows.pieces[0])
         self._versions = list(map(_version, self.tensors))
@@ -346,26 +423,18 @@ class SharedStatistics:
             self._versions = list(map(_version, self.tensors))
 
     def commit(self) -> dict[int, Written]:
-        """Fold the replicas' values: a statistic every replica changed by its kernel is
-        their mean, in replica order; any other write goes to the writers' views
-        (``folding.apply_writes`` folds them next). Returns the statistics left holding a
-        mean, by record key."""
+        """Fold the replicas' values: a buffer every replica changed behind its counter (a
+        statistic by its kernel) is their mean, in replica order; any other write goes to
+        the writers' views (``folding.apply_writes`` folds them next). Returns the buffers
+        left holding a mean, by record key."""
         rows, count = self._rows, len(self._replicas)
         if count - 1 not in self._kept:  # (every replica's are kept at a merge's sync point)
-            torch.cat(self.tensors, out=rows.rows[count])
-        differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
+            rows.fill(count, self.tensors)
         averaged: list[int] | range = []
-        if not self._moved and torch.equal(differs, rows.every):  # training: all changed
-            averaged = self._mean_of_all()
-        elif self._moved or not torch.equal(differs, rows.none):  # (none changed: evaluation)
-            # statistic by statistic (a value that a training step left as it was counts)
-            size = len(self.tensors)
-            changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
-            found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
-            if not self._moved and all(map(all, found)):
-                averaged = self._mean_of_all()
-            else:
-                averaged = self._fold(rows.pieces[1:-1], found)
+        if (  # a group only read: one test, of every replica's values against those before
+            self._group.changing or self._moved or not torch.equal(rows.replicas, rows.before)
+        ):
+            averaged = self._compare(rows, count)
         before = rows.pieces[0]  # (rows lent again only after this sync point)
         self._memory.take_back(rows)
         self._kept, self._moved = set(), {}
@@ -373,11 +442,31 @@ class SharedStatistics:
             self._records[index].key: Written(count, True, before[index]) for index in averaged
         }
 
+    def _compare(self, rows: Rows, count: int) -> list[int] | range:
+        """``commit``'s comparison of the replicas' values with those from before the run,
+        and their mean where every replica changed them; returns the buffers averaged."""
+        differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
+        averaged: list[int] | range = []
+        if (  # training's statistics: all changed (a group only read skips this test)
+            self._group.changing and not self._moved and torch.equal(differs, rows.every)
+        ):
+            averaged = self._mean_of_all()
+        elif self._moved or not torch.equal(differs, rows.none):  # (none changed: evaluation)
+            # buffer by buffer (a value that a training step left as it was counts)
+            size = len(self.tensors)
+            changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
+            found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
+            if not self._moved and all(map(all, found)):
+                averaged = self._mean_of_all()
+            else:
+                averaged = self._fold(rows.pieces[1:-1], found)
+        return averaged
+
     def _mean_of_all(self) -> range:
-        """Each statistic becomes the mean of the replicas' values, in replica order, on
-        their rows: what ``folding.apply_writes`` computes for averaged assignments. (One
-        replica's, a worker's only, are its values: in the statistics already, unless it
-        waits in a ``merge_call``.)"""
+        """Each buffer becomes the mean of the replicas' values, in replica order, on their
+        rows: what ``folding.apply_writes`` computes for averaged assignments. (One
+        replica's, a worker's only, are its values: in the buffers already, unless it waits
+        in a ``merge_call``.)"""
         if len(self._replicas) == 1:
             if self._kept:
                 torch._foreach_copy_(self.tensors, self._rows.pieces[1])
@@ -391,7 +480,7 @@ class SharedStatistics:
         return range(len(self.tensors))
 
     def _mean(self, targets: list[torch.Tensor], values: list[list[torch.Tensor]]) -> None:
-        """``_mean_of_all`` for some statistics only (``targets``), tensor by tensor."""
+        """``_mean_of_all`` for some buffers only (``targets``), tensor by tensor."""
         sums = torch._foreach_add(values[0], values[1])
         for more in values[2:]:
             torch._foreach_add_(sums, more)
@@ -399,9 +488,9 @@ class SharedStatistics:
         torch._foreach_copy_(targets, sums)
 
     def _fold(self, values: list[list[torch.Tensor]], found: list[list[int]]) -> list[int]:
-        """Some replica left a statistic unchanged or moved its counter: the statistics
-        every replica changed by kernel are averaged (returned), those some replica wrote
-        go to the writers' views, where ``folding.apply_writes`` folds them next."""
+        """Some replica left a buffer unchanged or moved its counter: the buffers every
+        replica changed behind their counters are averaged (returned), those some replica
+        wrote go to the writers' views, where ``folding.apply_writes`` folds them next."""
         size, count = len(self.tensors), len(values)
         moved = [self._moved.get(r, [False] * size) for r in range(count)]
         fast: list[int] = []
@@ -426,9 +515,10 @@ class SharedStatistics:
         self, index: int, writers: list[int], values: list[list[torch.Tensor]],
         moved: list[list[bool]],
     ) -> None:
-        """Statistic ``index``'s writes, each in its writer's view, which the sync point
-        folds as views' writes: one that moved the counter as a change, one by the kernel
-        as an assignment (``modules.record_unseen``'s rule)."""
+        """Buffer ``index``'s writes, each in its writer's view, which the sync point folds
+        as views' writes: one that moved the counter as a change, one behind it (a
+        kernel's, a write through ``.data``) as an assignment (``modules.record_unseen``'s
+        rule)."""
         record, tensor = self._records[index], self.tensors[index]
         with no_grad(), torch.inference_mode(False):
             tensor.copy_(self._rows.pieces[0][index])
@@ -438,12 +528,12 @@ class SharedStatistics:
                 view.tensor.copy_(values[replica][index])
                 view.assigned = not moved[replica][index]
 
-    def again(self) -> SharedStatistics:
-        """The same statistics, used afresh from a sync point on (a merge's)."""
-        return SharedStatistics(self._records, self.tensors, self._memory, self._replicas)
+    def again(self) -> SharedFloats:
+        """The same buffers, used afresh from a sync point on (a merge's)."""
+        return SharedFloats(self._group, self.tensors, self._replicas)
 
     def restore(self) -> None:
-        """The run failed: the statistics as before it."""
+        """The run failed: the buffers as before it."""
         torch._foreach_copy_(self.tensors, self._rows.pieces[0])
         self._memory.take_back(self._rows)
         self._kept, self._moved = set(), {}

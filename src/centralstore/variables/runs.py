@@ -15,15 +15,15 @@ The modes:
 * ``OwnRun``: one replica computing where every variable lives (R = 1 on the parameter
   device): it uses them directly and keeps only an ``Undo`` record.
 * ``DirectRun``: several replicas, each computing where every variable lives, on variables
-  that are parameters no replica may write, integer buffers and batch norm's running
-  statistics (logical CPU devices, usual models): every replica uses them directly
-  (``DirectReplicas``, ``direct_buffers.py``), without views.
+  that are parameters no replica may write, integer buffers, batch norm's running
+  statistics and small floating buffers (logical CPU devices, usual models): every replica
+  uses them directly (``DirectReplicas``, ``direct_buffers.py``), without views.
 * ``ReplicasRun``: several replicas otherwise, or one away from the variables. A replica that
   computes where the parameters live uses those no replica may write directly
   (``DirectReplicas``); where every local replica computes where the variables live (a
-  worker's, too), they share the integers and running statistics as well; every other
-  variable, and every variable of the other replicas, is seen through views, in the module
-  slots (``modules.py``) and through the variables' class (``views.py``).
+  worker's, too), they share those buffers as well; every other variable, and every
+  variable of the other replicas, is seen through views, in the module slots
+  (``modules.py``) and through the variables' class (``views.py``).
 
 Replicas run one at a time, so each mode's state is that of the replica holding the baton.
 """
@@ -42,7 +42,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from . import folding
 from .direct import Copier, DirectReplicas, SharedBuffers, Undo, shared_parameters
-from .direct_buffers import BufferGroups, SharedIntegers, SharedStatistics, Written
+from .direct_buffers import BufferGroups, SharedFloats, SharedIntegers, Written
 from .modules import (
     Filled,
     Replaced,
@@ -74,8 +74,9 @@ class Plan:
     use directly (``shared``, ``DirectReplicas``) and the other records (``others``).
     ``shared_refs`` and ``others_refs`` are the records' weak references, which every run
     follows in one pass in C. When every local replica computes where the variables live
-    (``on_storage``), ``buffers`` are the others that they may share as well (integers and
-    running statistics, ``direct_buffers.py``), and ``direct`` says whether those are all
+    (``on_storage``), ``buffers`` are the others that they may share as well (integers,
+    running statistics, small floats: ``direct_buffers.py``), and ``direct`` says whether
+    those are all
     the others (``DirectRun``); ``viewed_refs`` are the others without them. The slots that
     a replica computing where the variables live fills: ``direct_slots`` without the shared
     parameters and buffers, ``direct_slots_with_buffers`` without the shared parameters only
@@ -333,22 +334,20 @@ class DirectRun(Run):
 
 
 def _shared_buffers(store: Store, groups: BufferGroups) -> list[SharedBuffers] | None:
-    """The buffers of ``groups`` that a run's replicas share, or None when one has died or
-    is not a plain ``torch.Tensor`` (then they keep their views)."""
+    """The buffers of ``groups`` that a run's replicas share, or None when one has died, is
+    not a plain ``torch.Tensor``, or is a floating buffer of another shape or dtype than its
+    group's memory (then they keep their views)."""
     buffers: list[SharedBuffers] = []
     if groups.integer_refs:
         integers = _all_of(groups.integer_refs, torch.Tensor)
         if integers is None:
             return None
         buffers.append(SharedIntegers(groups, integers))
-    if groups.statistic_refs:
-        statistics = _all_of(groups.statistic_refs, torch.Tensor)
-        if statistics is None:
+    for group in groups.floats:
+        floats = _all_of(group.refs, torch.Tensor)
+        if floats is None or not group.memory.fits(floats):
             return None
-        buffers.append(SharedStatistics(
-            groups.statistics, statistics, groups.memory,  # type: ignore[arg-type]
-            store.replicas,
-        ))
+        buffers.append(SharedFloats(group, floats, store.replicas))
     return buffers
 
 
