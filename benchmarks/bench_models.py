@@ -3,6 +3,9 @@
 Models (no timm or torchvision here: PyPI's torchvision is a CUDA build that does not load
 beside the CPU torch, so the vision transformer is transformers' ``ViTConfig``):
   gpt2   GPT-2 tiny (transformers' GPT2Config: 2 layers, d = 64, 4 heads), sequences of 16
+  llama  Llama tiny (LlamaConfig: 2 layers, d = 64, 4 heads of which 2 for keys and values,
+         feed-forward 128), sequences of 16: its rotary embedding's frequencies are floating
+         buffers that are not running statistics
   bert   BERT tiny (BertConfig: 2 layers, d = 64, 4 heads, feed-forward 128), 10 classes
   vit    ViT tiny (ViTConfig: 32x32 images, patches of 8, 2 layers, d = 64), 10 classes
   cnn    the demo's CNN (``centralstore.demo.job.make_model``) on 8x8 digits
@@ -138,6 +141,15 @@ def _vit() -> nn.Module:
     ))
 
 
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQUENCE,
+    ))
+
+
 def _batch_norm_cnn() -> nn.Module:
     layers: list[nn.Module] = [nn.Conv2d(3, 8, 3, padding=1)]
     for _ in range(10):
@@ -179,6 +191,7 @@ def _classes(shape: tuple[int, ...], integer: bool = False) -> Callable[[int], A
 # name -> (build, inputs of n examples, per-example loss)
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = {
     "gpt2": (_gpt2, _tokens, _token_loss),
+    "llama": (_llama, _tokens, _token_loss),
     "bert": (_bert, _classes((SEQUENCE,), integer=True), _class_loss("input_ids")),
     "vit": (_vit, _classes((3, 32, 32)), _class_loss("pixel_values")),
     "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),

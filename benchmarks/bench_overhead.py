@@ -851,8 +851,8 @@ def _sync_points(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", choices=["cnn", "gpt2", "bert", "vit", "bn"],
-                        default=["cnn", "gpt2", "bert", "vit", "bn"])
+    parser.add_argument("--models", nargs="+", choices=list(MODELS),
+                        default=["cnn", "gpt2", "llama", "bert", "vit", "bn"])
     parser.add_argument("--workers", action="store_true")
     parser.add_argument("--where", default=None, help='e.g. "cnn cs R=2"')
     parser.add_argument("--fake-gpus", action="store_true",
