@@ -223,6 +223,11 @@ def test_parameters_and_buffers_replicas_can_share_take_no_views_and_other_buffe
     del large
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
+        strided = nn.Module()  # shared only contiguous, where no two elements share memory
+        strided.register_buffer("table", torch.ones(3, 4).t())
+    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
+    del strided
+    with strategy.scope():
         summed = nn.Module()
         summed.register_buffer("total", torch.zeros(3))
         cs.set_aggregation(summed.total, "SUM")  # an aggregation set

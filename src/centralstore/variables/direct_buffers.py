@@ -21,32 +21,33 @@ leaves what views would. Two kinds qualify (``BufferGroups``):
   dtype (``FloatGroup``): the running statistics of normalization layers (``running_mean``
   / ``running_var`` of batch and instance norm), which their kernel writes behind their
   version counters, and, apart, small floating buffers that runs usually only read (a
-  positional table, a rotary embedding's frequencies, an input's mean and deviation; at
-  most ``SMALL_FLOATS`` elements in all), which a write through ``.data`` changes behind
-  the counters too. So every run copies them, each copy into a row of one tensor (reused
-  from run to run: ``FloatMemory``), and the sync point compares the replicas' rows with
-  the one from before the run in one operation, and tests the result in another (element
-  by element; then, unless every element changed or none did, buffer by buffer: a
-  training step can leave a value as it was, the running mean of a channel of zeros, and
-  evaluation leaves them all; a group only read is first tested in one operation, whose
-  True ends the sync point's work). Stacking the copies and reducing the comparison took two
-  more, each 10 to 15 us right after a step. If every replica changed every statistic
-  (training; a group only read is not tested for this), they become the mean of the
-  replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``, the
-  arithmetic of views); if none changed one (evaluation, a table only read), they stay;
-  any other pattern (a replica that did not change one, a write that moved a counter)
-  goes buffer by buffer: those every replica changed are averaged, the others' writes go
-  to the writers' views, whose fold is the general one.
+  positional table, a rotary embedding's frequencies, an input's mean and deviation;
+  contiguous, at most ``SMALL_FLOATS`` elements in all), which a write through ``.data``
+  changes behind the counters too. So every run copies them, each copy into a row of one
+  tensor (reused from run to run: ``FloatMemory``), and the sync point compares the
+  replicas' rows with the one from before the run in one operation, and tests the result in
+  another (element by element; then, unless every element changed or none did, buffer by
+  buffer: a training step can leave a value as it was, the running mean of a channel of
+  zeros, and evaluation leaves them all; a group only read is first tested in one
+  operation, whose True ends the sync point's work). Stacking the copies and reducing the
+  comparison took two more, each 10 to 15 us right after a step. If every replica changed
+  every statistic (training; a group only read is not tested for this), they become the
+  mean of the replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``,
+  the arithmetic of views); if none changed one (evaluation, a table only read), they stay;
+  any other pattern (a replica that did not change one, a write that moved a counter) goes
+  buffer by buffer: those every replica changed are averaged, the others' writes go to the
+  writers' views, whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
 replica that runs on after a rendezvous finds its own again. The last replica's stay in the
 buffers until the sync point. Across workers, the sync point commits the buffers first and
-combines the written ones with the other workers' writes, from their values from before
-the run (``Written``), as it combines the writes views fold. Other buffers keep their views:
-those whose aggregation was set, complex ones, floats of a second dtype, and floating
-buffers past ``SMALL_FLOATS``, whose copies at every run cost more than views, which copy a
-buffer only when it changes and compare it with the replicas' copies once a run.
+combines the written ones with the other workers' writes, from their values from before the
+run (``Written``), as it combines the writes views fold. Other buffers keep their views:
+those whose aggregation was set, complex ones, floats of a second dtype, strided ones, and
+floating buffers past ``SMALL_FLOATS``, whose copies at every run cost more than views,
+which copy a buffer only when it changes and compare it with the replicas' copies once a
+run.
 """
 
 from __future__ import annotations
@@ -108,10 +109,10 @@ class Written(NamedTuple):
     """A shared buffer that a sync point left holding its replicas' combined write: how many
     replicas wrote it, whether one assigned it (a float's write behind its counter, a
     statistic's by its kernel, counts as an assignment, as views note it; an integer's
-    write, of unknown kind, as a change: both
-    combine by value, MEAN and ONLY_FIRST_REPLICA, whatever the kind), and its value from
-    before the run. A sync point across workers combines these with the other workers'
-    (``_writes.py``), as it combines the writes that views fold."""
+    write, of unknown kind, as a change: both combine by value, MEAN and
+    ONLY_FIRST_REPLICA, whatever the kind), and its value from before the run. A sync point
+    across workers combines these with the other workers' (``_writes.py``), as it combines
+    the writes that views fold."""
 
     writers: int
     assigned: bool
@@ -152,8 +153,8 @@ def _of_one_dtype(records: list[Central]) -> list[Central]:
 
 
 def _small(records: list[Central]) -> list[Central]:
-    """Of floating buffers that runs only read, as many as fit ``SMALL_FLOATS`` elements, in
-    order: every run copies them, which costs less than views' comparisons only while they
+    """Of floating buffers that runs usually only read, as many as fit ``SMALL_FLOATS``
+    elements, in order: every run copies them, which costs less than views only while they
     are small."""
     kept: list[Central] = []
     total = 0
@@ -167,8 +168,9 @@ def _small(records: list[Central]) -> list[Central]:
 
 class BufferGroups:
     """The buffers of a plan that replicas use directly: ``integers`` (records), the
-    ``floats`` (running statistics, and small floating buffers that runs only read, each a
-    ``FloatGroup``), and the integers' values from before the runs while they stay."""
+    ``floats`` (running statistics, and small floating buffers that runs usually only read,
+    each a ``FloatGroup``), and the integers' values from before the runs while they
+    stay."""
 
     __slots__ = ("_before", "_stamps", "floats", "integer_refs", "integers")
 
@@ -188,9 +190,9 @@ class BufferGroups:
                     self.integers.append(record)
             elif _is_statistic(record, tensor):
                 statistics.append(record)
-            elif (
+            elif (  # (contiguous: no two elements share memory, so any can be put back)
                 record.aggregation is VariableAggregation.MEAN and tensor.numel()
-                and not tensor.requires_grad
+                and tensor.is_contiguous() and not tensor.requires_grad
             ):
                 others.append(record)
         # apart, so that a table only read keeps training's statistics on their first test
