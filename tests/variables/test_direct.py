@@ -617,6 +617,35 @@ def test_an_evaluation_run_of_two_replicas_compares_batch_norm_statistics_once()
         assert torch.equal(value, before[name]), name
 
 
+@pytest.mark.parametrize("path", ["direct", "threads"])
+def test_spectral_norm_shares_its_vectors_and_trains_like_views_bit_for_bit(path: str) -> None:
+    """Spectral norm's power iteration writes its vectors ``_u`` and ``_v`` (small floating
+    buffers) in place at every training forward: the replicas share them, and every write
+    folds as views fold it."""
+
+    def train(path: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+        strategy = strategy_on(path)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(
+                nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)), nn.Tanh(),
+                nn.Linear(4, 2),
+            )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = cs.PerReplica(list(torch.randn(8, 3).chunk(2)))
+        for _ in range(3):
+            optimizer.zero_grad()
+            run_on(path, strategy, lambda xs: model(xs).pow(2).mean().backward(), args=(x,))
+            optimizer.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}, modes_of(strategy)
+
+    got, modes = train(path)
+    want, _ = train("views")
+    assert modes == ["DirectRun", "DirectRun"]
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_a_run_of_two_replicas_that_only_read_a_small_floating_buffer_adds_five_operations(
 ) -> None:
     """A table the replicas only read (a positional table) costs a run of two the copies of
