@@ -235,9 +235,7 @@ def test_parameters_and_buffers_replicas_can_share_take_no_views_and_other_buffe
     del model, norm, tabled, summed
 
 
-def test_a_floating_buffer_given_another_shape_keeps_views_until_the_plan_is_made_again() -> (
-    None
-):
+def test_a_floating_buffer_given_another_shape_by_data_is_seen_through_views() -> None:
     strategy = strategy_of(2)
     with strategy.scope():
         tabled = nn.Module()

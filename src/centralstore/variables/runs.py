@@ -34,6 +34,7 @@ import abc
 import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import repeat
 from operator import call
 from typing import Protocol, final
 
@@ -76,11 +77,10 @@ class Plan:
     follows in one pass in C. When every local replica computes where the variables live
     (``on_storage``), ``buffers`` are the others that they may share as well (integers,
     running statistics, small floats: ``direct_buffers.py``), and ``direct`` says whether
-    those are all
-    the others (``DirectRun``); ``viewed_refs`` are the others without them. The slots that
-    a replica computing where the variables live fills: ``direct_slots`` without the shared
-    parameters and buffers, ``direct_slots_with_buffers`` without the shared parameters only
-    (for a run whose buffers turned out not to be plain tensors)."""
+    those are all the others (``DirectRun``); ``viewed_refs`` are the others without them.
+    The slots that a replica computing where the variables live fills: ``direct_slots``
+    without the shared parameters and buffers, ``direct_slots_with_buffers`` without the
+    shared parameters only (for a run whose buffers turned out not to be plain tensors)."""
 
     __slots__ = (
         "buffers", "direct", "direct_slots", "direct_slots_with_buffers", "others",
@@ -343,11 +343,14 @@ def _shared_buffers(store: Store, groups: BufferGroups) -> list[SharedBuffers] |
         if integers is None:
             return None
         buffers.append(SharedIntegers(groups, integers))
-    for group in groups.floats:
-        floats = _all_of(group.refs, torch.Tensor)
-        if floats is None or not group.memory.fits(floats):
+    found = [_all_of(group.refs, torch.Tensor) for group in groups.floats]
+    floats: list[list[torch.Tensor]] = []
+    for group, tensors in zip(groups.floats, found, strict=True):
+        if tensors is None or not group.memory.fits(tensors):
             return None
-        buffers.append(SharedFloats(group, floats, store.replicas))
+        floats.append(tensors)
+    # (each lends rows of its memory, which it alone gives back: made once all fit)
+    buffers += map(SharedFloats, groups.floats, floats, repeat(store.replicas))
     return buffers
 
 
