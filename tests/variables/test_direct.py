@@ -210,10 +210,16 @@ def test_parameters_and_buffers_replicas_can_share_take_no_views_and_other_buffe
         tabled.register_buffer("table", torch.ones(4, 3))  # a floating buffer runs only read
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
     with strategy.scope():
-        double = nn.BatchNorm1d(2, dtype=torch.float64)  # a second dtype: not one tensor
-    assert modes_of(strategy) == ["ReplicasRun", "ReplicasRun"]
-    del double
+        double = nn.BatchNorm1d(2, dtype=torch.float64)  # a second dtype: rows of its own
+        halved = nn.Module()
+        halved.register_buffer("scale", torch.ones(2, dtype=torch.float16))
     assert modes_of(strategy) == ["DirectRun", "DirectRun"]
+    groups = strategy._store.plan().buffers
+    assert groups is not None
+    assert [(group.changing, len(group.records)) for group in groups.floats] == [
+        (True, 2), (True, 2), (False, 1), (False, 1),
+    ]
+    del double, halved
     with strategy.scope():
         large = nn.Module()  # beside the table, more elements than a run copies
         large.register_buffer("mask", torch.ones(direct_buffers.SMALL_FLOATS - 11))
@@ -460,13 +466,13 @@ def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> 
 
 class Tabled(nn.Module):
     """Floating buffers that are not running statistics, small enough for replicas to share:
-    a table (a matrix) and a scale (a scalar)."""
+    a table (a matrix) and a scale (a scalar, of its own dtype if ``scale_dtype`` differs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.linear = nn.Linear(3, 2)
         self.register_buffer("table", torch.linspace(0.0, 1.0, 6).view(2, 3))
-        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("scale", torch.tensor(0.5, dtype=scale_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x + self.table[0]) * self.scale
@@ -474,7 +480,8 @@ class Tabled(nn.Module):
 
 def tables_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor]:
     """Three steps of ``Tabled``; ``write``: what the replicas do to its buffers besides
-    reading them (``none``; ``add``: each adds to the table in place, a change; ``fill``:
+    reading them, the scale in float64, a group of its own (``none``; ``add``: each adds to
+    the table in place, a change; ``fill``:
     each fills the scale; ``data``: each scales the table through ``.data``, behind its
     counter; ``skip``: as ``data``, but the last replica makes no forward and writes
     nothing; ``one``: only replica 0 adds; ``fail``: as ``add``, and the last replica raises
@@ -482,7 +489,7 @@ def tables_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor
     strategy = strategy_on(path, replicas)
     torch.manual_seed(0)
     with strategy.scope():
-        model = Tabled()
+        model = Tabled(torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2 * replicas, 3)
 
@@ -613,6 +620,48 @@ def test_an_evaluation_run_of_two_replicas_compares_batch_norm_statistics_once()
     assert "aten.index_add_.default" not in extra, extra
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class Doubled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+@each_path
+@pytest.mark.parametrize("write", ["none", "skip", "eval"])
+def test_statistics_of_two_dtypes_fold_like_views_bit_for_bit(path: str, write: str) -> None:
+    """Batch norm in float32 and in float64: each dtype's statistics are rows of their own,
+    shared directly, and leave what views leave (``skip``: the last replica makes no
+    forward; ``eval``: the second step evaluates)."""
+
+    def train(path: str) -> dict[str, torch.Tensor]:
+        strategy = strategy_on(path)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(
+                nn.Linear(3, 2), nn.BatchNorm1d(2), Doubled(),
+                nn.BatchNorm1d(2, dtype=torch.float64),
+            )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = cs.PerReplica(list(torch.randn(8, 3).chunk(2)))
+
+        def step(xs: torch.Tensor) -> None:
+            if write == "skip" and replica_id() == 1:
+                return
+            model(xs).pow(2).mean().backward()
+
+        for second in (False, True, False):
+            model.train(not (write == "eval" and second))
+            optimizer.zero_grad()
+            run_on(path, strategy, step, args=(x,))
+            optimizer.step()
+        if path != "views":
+            assert modes_of(strategy) == ["DirectRun", "DirectRun"]
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    got, want = train(path), train("views")
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
 
 
 @pytest.mark.parametrize("path", ["direct", "threads"])

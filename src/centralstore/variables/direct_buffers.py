@@ -18,25 +18,25 @@ leaves what views would. Two kinds qualify (``BufferGroups``):
   gives each written buffer its first writer's value, as views do. (A write through
   ``.data`` moves no counter: it applies at once, as on one device.)
 * **floats** averaged over replicas (aggregation MEAN, their default), in groups of one
-  dtype (``FloatGroup``): the running statistics of normalization layers (``running_mean``
-  / ``running_var`` of batch and instance norm), which their kernel writes behind their
-  version counters, and, apart, small floating buffers that runs usually only read (a
-  positional table, a rotary embedding's frequencies, an input's mean and deviation;
-  contiguous, at most ``SMALL_FLOATS`` elements in all), which a write through ``.data``
-  changes behind the counters too. So every run copies them, each copy into a row of one
-  tensor (reused from run to run: ``FloatMemory``), and the sync point compares the
-  replicas' rows with the one from before the run in one operation, and tests the result in
-  another (element by element; then, unless every element changed or none did, buffer by
-  buffer: a training step can leave a value as it was, the running mean of a channel of
-  zeros, and evaluation leaves them all; a group only read is first tested in one
-  operation, whose True ends the sync point's work). Stacking the copies and reducing the
-  comparison took two more, each 10 to 15 us right after a step. If every replica changed
-  every statistic (training; a group only read is not tested for this), they become the
-  mean of the replicas' values in replica order, on their rows (``(w0 + w1 + ...) / R``,
-  the arithmetic of views); if none changed one (evaluation, a table only read), they stay;
-  any other pattern (a replica that did not change one, a write that moved a counter) goes
-  buffer by buffer: those every replica changed are averaged, the others' writes go to the
-  writers' views, whose fold is the general one.
+  dtype (``FloatGroup``, one tensor of rows each): the running statistics of normalization
+  layers (``running_mean`` / ``running_var`` of batch and instance norm), which their
+  kernel writes behind their version counters, and, apart, small floating buffers that runs
+  usually only read (a positional table, a rotary embedding's frequencies, an input's mean
+  and deviation; contiguous, at most ``SMALL_FLOATS`` elements in all), which a write
+  through ``.data`` changes behind the counters too. So every run copies them, each copy
+  into a row of one tensor (reused from run to run: ``FloatMemory``), and the sync point
+  compares the replicas' rows with the one from before the run in one operation, and tests
+  the result in another (element by element; then, unless every element changed or none
+  did, buffer by buffer: a training step can leave a value as it was, the running mean of a
+  channel of zeros, and evaluation leaves them all; a group only read is first tested in
+  one operation, whose True ends the sync point's work). Stacking the copies and reducing
+  the comparison took two more, each 10 to 15 us right after a step. If every replica
+  changed every statistic (training; a group only read is not tested for this), they become
+  the mean of the replicas' values in replica order, on their rows (``(w0 + w1 + ...) /
+  R``, the arithmetic of views); if none changed one (evaluation, a table only read), they
+  stay; any other pattern (a replica that did not change one, a write that moved a counter)
+  goes buffer by buffer: those every replica changed are averaged, the others' writes go to
+  the writers' views, whose fold is the general one.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
@@ -44,10 +44,9 @@ replica that runs on after a rendezvous finds its own again. The last replica's 
 buffers until the sync point. Across workers, the sync point commits the buffers first and
 combines the written ones with the other workers' writes, from their values from before the
 run (``Written``), as it combines the writes views fold. Other buffers keep their views:
-those whose aggregation was set, complex ones, floats of a second dtype, strided ones, and
-floating buffers past ``SMALL_FLOATS``, whose copies at every run cost more than views,
-which copy a buffer only when it changes and compare it with the replicas' copies once a
-run.
+those whose aggregation was set, complex ones, strided ones, and floating buffers past
+``SMALL_FLOATS``, whose copies at every run cost more than views, which copy a buffer only
+when it changes and compare it with the replicas' copies once a run.
 """
 
 from __future__ import annotations
@@ -143,13 +142,13 @@ class FloatGroup:
         self.changing = changing
 
 
-def _of_one_dtype(records: list[Central]) -> list[Central]:
-    """The records of the first one's dtype, so that they fit one tensor (the others keep
-    their views)."""
-    if not records:
-        return records
-    dtype = _dtype(records[0].ref())
-    return [record for record in records if _dtype(record.ref()) is dtype]
+def _by_dtype(records: list[Central]) -> list[list[Central]]:
+    """``records`` in groups of one dtype, in order of first appearance: each group's
+    copies fit one tensor."""
+    groups: dict[torch.dtype, list[Central]] = {}
+    for record in records:
+        groups.setdefault(_dtype(record.ref()), []).append(record)
+    return list(groups.values())
 
 
 def _small(records: list[Central]) -> list[Central]:
@@ -196,12 +195,8 @@ class BufferGroups:
             ):
                 others.append(record)
         # apart, so that a table only read keeps training's statistics on their first test
-        self.floats = [
-            FloatGroup(group, changing)
-            for group, changing in (
-                (_of_one_dtype(statistics), True), (_small(_of_one_dtype(others)), False)
-            )
-            if group
+        self.floats = [FloatGroup(group, True) for group in _by_dtype(statistics)] + [
+            FloatGroup(group, False) for group in _by_dtype(_small(others))
         ]
         self.integer_refs = [record.ref for record in self.integers]
         # the integers' values before the run, and when they were copied
