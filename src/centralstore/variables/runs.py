@@ -343,9 +343,11 @@ def _shared_buffers(store: Store, groups: BufferGroups) -> list[SharedBuffers] |
         if integers is None:
             return None
         buffers.append(SharedIntegers(groups, integers))
-    found = [_all_of(group.refs, torch.Tensor) for group in groups.floats]
+    if not groups.floats:
+        return buffers
     floats: list[list[torch.Tensor]] = []
-    for group, tensors in zip(groups.floats, found, strict=True):
+    for group in groups.floats:
+        tensors = _all_of(group.refs, torch.Tensor)
         if tensors is None or not group.memory.fits(tensors):
             return None
         floats.append(tensors)
