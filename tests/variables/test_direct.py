@@ -363,6 +363,32 @@ def normalized(strategy: cs.Strategy, masked: bool = False) -> nn.Sequential:
         )
 
 
+def three_steps(
+    path: str, strategy: cs.Strategy, model: nn.Module,
+    step: Callable[[torch.Tensor, bool], None], x: torch.Tensor, write: str = "none",
+) -> dict[str, torch.Tensor]:
+    """Three SGD steps of ``step`` on ``x``'s slices, one per replica, each told whether
+    it is the second step; that step evaluates if ``write`` is ``eval``, and a run may
+    raise only if it is ``fail``. Returns the model's state after them."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    slices = cs.PerReplica(list(x.chunk(strategy.num_replicas_in_sync)))
+    for second in (False, True, False):
+        model.train(not (write == "eval" and second))
+        optimizer.zero_grad()
+        try:
+            run_on(path, strategy, step, args=(slices, second))
+        except RuntimeError:
+            assert write == "fail"
+        optimizer.step()
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def statistics_after(
     path: str, replicas: int, write: str, masked: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -374,7 +400,6 @@ def statistics_after(
     with a floating buffer that keeps its views."""
     strategy = strategy_on(path, replicas)
     model = normalized(strategy, masked)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2 * replicas, 3, 4, 4)
 
     def step(xs: torch.Tensor, second: bool) -> None:
@@ -394,15 +419,7 @@ def statistics_after(
             context().merge_call(lambda strategy: None)
             model(xs * 2).pow(2).mean().backward()
 
-    for second in (False, True, False):
-        model.train(not (write == "eval" and second))
-        optimizer.zero_grad()
-        try:
-            run_on(path, strategy, step, args=(cs.PerReplica(list(x.chunk(replicas))), second))
-        except RuntimeError:
-            assert write == "fail"
-        optimizer.step()
-    return {name: value.clone() for name, value in model.state_dict().items()}
+    return three_steps(path, strategy, model, step, x, write)
 
 
 @each_path
@@ -411,11 +428,9 @@ def statistics_after(
 def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
     path: str, replicas: int, write: str,
 ) -> None:
-    got = statistics_after(path, replicas, write)
-    want = statistics_after("views", replicas, write)
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(
+        statistics_after(path, replicas, write), statistics_after("views", replicas, write)
+    )
 
 
 @pytest.mark.parametrize("path", ["direct", "threads"])
@@ -432,10 +447,10 @@ def test_statistics_shared_beside_buffers_with_views_fold_like_views_bit_for_bit
     seen = strategy._store.replicas[0].views
     assert modes == ["ReplicasRun", "ReplicasRun"]
     assert id(model[4].mask) in seen and id(model[1].running_mean) not in seen
-    got = statistics_after(path, 2, write, masked=True)
-    want = statistics_after("views", 2, write, masked=True)
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(
+        statistics_after(path, 2, write, masked=True),
+        statistics_after("views", 2, write, masked=True),
+    )
 
 
 @each_path
@@ -460,8 +475,7 @@ def test_statistics_shared_directly_after_a_run_in_inference_mode(path: str) -> 
     got = train(path)
     torch.manual_seed(1)
     want = train("views")
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(got, want)
 
 
 class Tabled(nn.Module):
@@ -479,18 +493,17 @@ class Tabled(nn.Module):
 
 
 def tables_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor]:
-    """Three steps of ``Tabled``; ``write``: what the replicas do to its buffers besides
-    reading them, the scale in float64, a group of its own (``none``; ``add``: each adds to
-    the table in place, a change; ``fill``:
-    each fills the scale; ``data``: each scales the table through ``.data``, behind its
-    counter; ``skip``: as ``data``, but the last replica makes no forward and writes
-    nothing; ``one``: only replica 0 adds; ``fail``: as ``add``, and the last replica raises
-    in the second step; ``merge``: as ``add``, then a ``merge_call``, then ``add`` again)."""
+    """Three steps of ``Tabled``, its scale in float64 (a group of its own); ``write``: what
+    the replicas do to its buffers besides reading them (``none``; ``add``: each adds to
+    the table in place, a change; ``fill``: each fills the scale; ``data``: each scales the
+    table through ``.data``, behind its counter; ``skip``: as ``data``, but the last replica
+    makes no forward and writes nothing; ``one``: only replica 0 adds; ``fail``: as
+    ``add``, and the last replica raises in the second step; ``merge``: as ``add``, then a
+    ``merge_call``, then ``add`` again)."""
     strategy = strategy_on(path, replicas)
     torch.manual_seed(0)
     with strategy.scope():
         model = Tabled(torch.float64)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2 * replicas, 3)
 
     def step(xs: torch.Tensor, second: bool) -> None:
@@ -510,14 +523,7 @@ def tables_after(path: str, replicas: int, write: str) -> dict[str, torch.Tensor
             context().merge_call(lambda strategy: None)
             model.table.add_(replica + 0.2)
 
-    for second in (False, True, False):
-        optimizer.zero_grad()
-        try:
-            run_on(path, strategy, step, args=(cs.PerReplica(list(x.chunk(replicas))), second))
-        except RuntimeError:
-            assert write == "fail"
-        optimizer.step()
-    return {name: value.clone() for name, value in model.state_dict().items()}
+    return three_steps(path, strategy, model, step, x, write)
 
 
 @each_path
@@ -529,10 +535,7 @@ def test_floating_buffers_shared_directly_fold_like_views_bit_for_bit(
     path: str, replicas: int, write: str,
 ) -> None:
     got = tables_after(path, replicas, write)
-    want = tables_after("views", replicas, write)
-    assert got.keys() == want.keys()
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(got, tables_after("views", replicas, write))
     if write == "none":
         assert torch.equal(got["table"], torch.linspace(0.0, 1.0, 6).view(2, 3))
 
@@ -642,26 +645,18 @@ def test_statistics_of_two_dtypes_fold_like_views_bit_for_bit(path: str, write: 
                 nn.Linear(3, 2), nn.BatchNorm1d(2), Doubled(),
                 nn.BatchNorm1d(2, dtype=torch.float64),
             )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        x = cs.PerReplica(list(torch.randn(8, 3).chunk(2)))
 
-        def step(xs: torch.Tensor) -> None:
+        def step(xs: torch.Tensor, second: bool) -> None:
             if write == "skip" and replica_id() == 1:
                 return
             model(xs).pow(2).mean().backward()
 
-        for second in (False, True, False):
-            model.train(not (write == "eval" and second))
-            optimizer.zero_grad()
-            run_on(path, strategy, step, args=(x,))
-            optimizer.step()
+        state = three_steps(path, strategy, model, step, torch.randn(8, 3), write)
         if path != "views":
             assert modes_of(strategy) == ["DirectRun", "DirectRun"]
-        return {k: v.clone() for k, v in model.state_dict().items()}
+        return state
 
-    got, want = train(path), train("views")
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(train(path), train("views"))
 
 
 @pytest.mark.parametrize("path", ["direct", "threads"])
@@ -678,19 +673,16 @@ def test_spectral_norm_shares_its_vectors_and_trains_like_views_bit_for_bit(path
                 nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)), nn.Tanh(),
                 nn.Linear(4, 2),
             )
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        x = cs.PerReplica(list(torch.randn(8, 3).chunk(2)))
-        for _ in range(3):
-            optimizer.zero_grad()
-            run_on(path, strategy, lambda xs: model(xs).pow(2).mean().backward(), args=(x,))
-            optimizer.step()
-        return {k: v.clone() for k, v in model.state_dict().items()}, modes_of(strategy)
+
+        def step(xs: torch.Tensor, second: bool) -> None:
+            model(xs).pow(2).mean().backward()
+
+        return three_steps(path, strategy, model, step, torch.randn(8, 3)), modes_of(strategy)
 
     got, modes = train(path)
     want, _ = train("views")
     assert modes == ["DirectRun", "DirectRun"]
-    for name, value in want.items():
-        assert torch.equal(got[name], value), name
+    assert_same_state(got, want)
 
 
 def test_a_run_of_two_replicas_that_only_read_a_small_floating_buffer_adds_five_operations(
