@@ -382,18 +382,15 @@ class FloatMemory:
 class SharedFloats:
     """The floating buffers of one ``FloatGroup`` in one run (see the module's docstring)."""
 
-    __slots__ = ("_group", "_kept", "_memory", "_moved", "_records", "_replicas", "_rows",
-                 "_versions", "tensors")
+    __slots__ = ("_group", "_kept", "_moved", "_replicas", "_rows", "_versions", "tensors")
 
     def __init__(
         self, group: FloatGroup, tensors: list[torch.Tensor], replicas: list[ReplicaViews]
     ) -> None:
         self.tensors = tensors
         self._group = group
-        self._records = group.records
         self._replicas = replicas
-        self._memory = memory = group.memory
-        self._rows = memory.lend(len(replicas), tensors)
+        self._rows = group.memory.lend(len(replicas), tensors)
         self._versions = list(map(_version, tensors))
         self._kept: set[int] = set()  # the replicas whose values are in their rows
         self._moved: dict[int, list[bool]] = {}  # replica -> its writes that moved a counter
@@ -433,11 +430,10 @@ class SharedFloats:
         ):
             averaged = self._compare(rows, count)
         before = rows.pieces[0]  # (rows lent again only after this sync point)
-        self._memory.take_back(rows)
+        self._group.memory.take_back(rows)
         self._kept, self._moved = set(), {}
-        return {
-            self._records[index].key: Written(count, True, before[index]) for index in averaged
-        }
+        records = self._group.records
+        return {records[index].key: Written(count, True, before[index]) for index in averaged}
 
     def _compare(self, rows: Rows, count: int) -> list[int] | range:
         """``commit``'s comparison of the replicas' values with those from before the run,
@@ -452,7 +448,7 @@ class SharedFloats:
             # buffer by buffer (a value that a training step left as it was counts)
             size = len(self.tensors)
             changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
-            found = changed.index_add_(1, self._memory.segments, differs.long()).tolist()
+            found = changed.index_add_(1, self._group.memory.segments, differs.long()).tolist()
             if not self._moved and all(map(all, found)):
                 averaged = self._mean_of_all()
             else:
@@ -516,7 +512,7 @@ class SharedFloats:
         as views' writes: one that moved the counter as a change, one behind it (a
         kernel's, a write through ``.data``) as an assignment (``modules.record_unseen``'s
         rule)."""
-        record, tensor = self._records[index], self.tensors[index]
+        record, tensor = self._group.records[index], self.tensors[index]
         with no_grad(), torch.inference_mode(False):
             tensor.copy_(self._rows.pieces[0][index])
             for replica in writers:
@@ -532,5 +528,5 @@ class SharedFloats:
     def restore(self) -> None:
         """The run failed: the buffers as before it."""
         torch._foreach_copy_(self.tensors, self._rows.pieces[0])
-        self._memory.take_back(self._rows)
+        self._group.memory.take_back(self._rows)
         self._kept, self._moved = set(), {}
