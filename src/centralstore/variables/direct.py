@@ -308,7 +308,7 @@ class SharedBuffers(Protocol):
 
     def take(self, replica: int, last: bool) -> None: ...
     def put_back(self, replica: int) -> None: ...
-    def commit(self) -> dict[int, Written]: ...
+    def commit(self, report: bool) -> dict[int, Written]: ...
     def restore(self) -> None: ...
     def again(self) -> SharedBuffers: ...
 
@@ -391,7 +391,7 @@ class DirectReplicas:
         Returns the parameters with post-accumulate-grad hooks that received gradients."""
         if not self._open:  # committed already at this sync point
             return []
-        self.commit_buffers()
+        self.commit_buffers(report=False)
         taken = [self._grads[r] for r in sorted(self._grads)]
         if self._held:
             sums = list(self._old)
@@ -405,16 +405,16 @@ class DirectReplicas:
         self._forget()
         return hooked
 
-    def commit_buffers(self) -> dict[int, Written]:
+    def commit_buffers(self, report: bool = True) -> dict[int, Written]:
         """The shared buffers' part of ``commit``, which a sync point across workers makes
         first: it combines their writes with the other workers' (by record key; only once
-        per sync point)."""
+        per sync point). ``report`` False: the writes are not returned (one process)."""
         if not self._buffers_open:
             return {}
         self._buffers_open = False
         written: dict[int, Written] = {}
         for shared in self.buffers:
-            written.update(shared.commit())
+            written.update(shared.commit(report))
         return written
 
     def _add_to_last(self, taken: list[list[torch.Tensor | None]]) -> None:

@@ -260,17 +260,20 @@ class SharedIntegers:
             torch._foreach_copy_(self.tensors, kept)
             self._versions = list(map(_version, self.tensors))
 
-    def commit(self) -> dict[int, Written]:
+    def commit(self, report: bool) -> dict[int, Written]:
         """Each written buffer takes its first writer's value (the last replica's is in
-        the buffer already). Returns the written ones, by record key."""
+        the buffer already). Returns the written ones, by record key, if ``report`` (a sync
+        point across workers combines them; else nothing reads them)."""
         if not self._written:
             return {}
-        records, before = self._groups.integers, self._before
-        counts = list(map(sum, zip(*self._written.values(), strict=True)))
-        written = {
-            records[i].key: Written(count, False, before[i])
-            for i, count in enumerate(counts) if count
-        }
+        written: dict[int, Written] = {}
+        if report:
+            records, before = self._groups.integers, self._before
+            counts = list(map(sum, zip(*self._written.values(), strict=True)))
+            written = {
+                records[i].key: Written(count, False, before[i])
+                for i, count in enumerate(counts) if count
+            }
         kept = self._kept.get(0)
         if kept is not None and all(self._written[0]):  # replica 0 wrote every one
             torch._foreach_copy_(self.tensors, kept)  # (so they hold its copies exactly)
@@ -416,11 +419,11 @@ class SharedFloats:
             torch._foreach_copy_(self.tensors, self._rows.pieces[replica + 1])
             self._versions = list(map(_version, self.tensors))
 
-    def commit(self) -> dict[int, Written]:
+    def commit(self, report: bool) -> dict[int, Written]:
         """Fold the replicas' values: a buffer every replica changed behind its counter (a
         statistic by its kernel) is their mean, in replica order; any other write goes to
         the writers' views (``folding.apply_writes`` folds them next). Returns the buffers
-        left holding a mean, by record key."""
+        left holding a mean, by record key, if ``report``."""
         rows, count = self._rows, len(self._replicas)
         if count - 1 not in self._kept:  # (every replica's are kept at a merge's sync point)
             rows.fill(count, self.tensors)
@@ -432,6 +435,8 @@ class SharedFloats:
         before = rows.pieces[0]  # (rows lent again only after this sync point)
         self._group.memory.take_back(rows)
         self._kept, self._moved = set(), {}
+        if not report or not averaged:
+            return {}
         records = self._group.records
         return {records[index].key: Written(count, True, before[index]) for index in averaged}
 
