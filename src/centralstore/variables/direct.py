@@ -79,14 +79,9 @@ class _Group:
     copy too, while no member's version counter moves: every write to an integer moves it
     (one through ``.data`` moves none: it applies at once, as on one device, and as the
     integers shared by several replicas do, ``direct_buffers.py``). Floating buffers are
-    copied at every run, batch norm's kernel writing its statistics behind the counters:
-    into the same memory each time (``_memory``), which only the undo record of the run in
-    progress reads. (A new tensor at every run cost ten batch-norm layers about 50 us right
-    after a step, 1% of a small network's: its allocation, and the free of the one before.)"""
+    copied at every run: batch norm's kernel writes its statistics behind the counters."""
 
-    __slots__ = (
-        "_kept", "_memory", "_stamps", "_versions", "indices", "sizes", "take", "views",
-    )
+    __slots__ = ("_kept", "_stamps", "_versions", "indices", "sizes", "take", "views")
 
     def __init__(self, indices: list[int], tensors: list[torch.Tensor], as_bytes: bool) -> None:
         self.indices = indices
@@ -96,7 +91,6 @@ class _Group:
         self._stamps: tuple[list[int], list[int]] = ([], [])
         self._kept: torch.Tensor | None = None  # the copy an integer group keeps
         self._versions: list[int] | None = None  # its members' counters when copied
-        self._memory: torch.Tensor | None = None  # where any other group's copies go
         if as_bytes:
             members = self.members(tensors)
             with no_grad(), torch.inference_mode(False):  # a rollback writes them in any mode
@@ -105,11 +99,6 @@ class _Group:
             self._stamps = _stamps(members)
             if all(map(_is_integral, members)):
                 self._versions = []  # an integer group, not copied yet
-            else:  # (written by runs in any mode: not an inference tensor)
-                with torch.inference_mode(False):
-                    self._memory = torch.empty(
-                        sum(self.sizes), dtype=torch.uint8, device=members[0].device
-                    )
 
     def members(self, tensors: list[torch.Tensor]) -> Sequence[torch.Tensor]:
         return [tensors[self.indices[0]]] if self.take is None else self.take(tensors)
@@ -130,8 +119,8 @@ class _Group:
         if self.views is None:
             members = self.members(tensors)
             return members, list(map(torch.Tensor.clone, members)), None
-        if self._memory is not None:
-            return self.views, torch.cat(self.views, out=self._memory), None
+        if self._versions is None:
+            return self.views, torch.cat(self.views), None
         versions = list(map(_version, self.views))
         if versions != self._versions or self._kept is None:  # written since its last copy
             self._kept, self._versions = torch.cat(self.views), versions
@@ -165,10 +154,8 @@ def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
 
 
 class Copies:
-    """One copy of some tensors (``Copier.copy``), which ``restore`` puts back in them: valid
-    until the Copier's next copy, which reuses its memory (the next run's undo record, made
-    once this run has committed or rolled back: a run inside ``merge_call`` begins after the
-    merge's sync point committed the run around it, which then copies afresh)."""
+    """One copy of some tensors, in fresh memory (``Copier.copy``), which ``restore`` puts
+    back in them."""
 
     __slots__ = ("_parts", "tensors")
 
@@ -199,14 +186,14 @@ class Copier:
 
     The state (running statistics, counters, masks) is copied in one kernel per device: the
     bytes of every plain dense contiguous tensor, read through views of it as bytes that
-    are made once, joined by one ``cat`` into memory kept with them. (Right after a step
-    each kernel costs about 13 us on the CPU, a launch on a GPU: ten batch-norm layers took
-    two when a ``cat`` joined the vectors of each dtype and a ``stack`` the scalars, and a
-    clone each would take 30.) Any other tensor is cloned. The views are made again when a
-    tensor no longer begins where its view does or changed its size in bytes; until then
-    they keep the memory they read alive, a copy's worth for a deleted model until the next
-    run. A device's tensors that are all integers keep their copy while no one writes them
-    (``_Group``): BERT's position ids and token types cost no kernel a run."""
+    are made once, joined by one ``cat``. (Right after a step each kernel costs about 13 us
+    on the CPU, a launch on a GPU: ten batch-norm layers took two when a ``cat`` joined the
+    vectors of each dtype and a ``stack`` the scalars, and a clone each would take 30.) Any
+    other tensor is cloned. The views are made again when a tensor no longer begins where
+    its view does or changed its size in bytes; until then they keep the memory they read
+    alive, a copy's worth for a deleted model until the next run. A device's tensors that
+    are all integers keep their copy while no one writes them (``_Group``): BERT's position
+    ids and token types cost no kernel a run."""
 
     __slots__ = ("_count", "_flags", "_groups", "_key", "_state")
 

@@ -93,12 +93,11 @@ _clone_all = getattr(torch, "_foreach_clone", None)
 
 
 def _copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``tensors``, in fresh memory that runs in any mode may write
-    (``BufferGroups.kept``): not inference tensors."""
-    with torch.inference_mode(False):
-        if _clone_all is not None:
-            return list(_clone_all(tensors))
-        return list(map(torch.Tensor.clone, tensors))
+    """Copies of ``tensors``, in fresh memory: a run inside ``merge_call`` keeps copies of
+    the same buffers."""
+    if _clone_all is not None:
+        return list(_clone_all(tensors))
+    return list(map(torch.Tensor.clone, tensors))
 
 
 _dtype = attrgetter("dtype")
@@ -169,10 +168,10 @@ def _small(records: list[Central]) -> list[Central]:
 class BufferGroups:
     """The buffers of a plan that replicas use directly: ``integers`` (records), the
     ``floats`` (running statistics, and small floating buffers that runs usually only read,
-    each a ``FloatGroup``), the integers' values from before the runs while they stay, and
-    memory for the copies of the integers that runs keep (``kept``)."""
+    each a ``FloatGroup``), and the integers' values from before the runs while they
+    stay."""
 
-    __slots__ = ("_before", "_spares", "_stamps", "floats", "integer_refs", "integers")
+    __slots__ = ("_before", "_stamps", "floats", "integer_refs", "integers")
 
     def __init__(self, records: list[Central], storage: torch.device) -> None:
         self.integers: list[Central] = []
@@ -203,7 +202,6 @@ class BufferGroups:
         # the integers' values before the run, and when they were copied
         self._before: list[torch.Tensor] = []
         self._stamps: tuple[list[int], list[int]] | None = None
-        self._spares: list[list[torch.Tensor]] = []  # copies no run holds any more
 
     @property
     def records(self) -> list[Central]:
@@ -217,36 +215,10 @@ class BufferGroups:
             self._stamps = stamps
         return self._before
 
-    def kept(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A copy of ``tensors`` (the integers) as they are now, which the run that asks
-        holds until it ``gives_back`` the copy or the sync point ``remember``s it: in the
-        memory of a copy given back, if one still has their shapes and dtypes, else in new
-        memory. (A new copy of ten counters at every run of a network of ten batch norms
-        cost about 110 us right after a step, 1.5% of it.)"""
-        spares = self._spares
-        while spares:
-            spare = spares.pop()
-            if list(map(_layout, spare)) == list(map(_layout, tensors)):
-                torch._foreach_copy_(spare, tensors)
-                return spare
-        return _copies(tensors)
-
-    def give_back(self, values: list[torch.Tensor]) -> None:
-        """A copy from ``kept`` that its run no longer reads."""
-        self._spares.append(values)
-
-    def remember(
-        self, tensors: list[torch.Tensor], values: list[torch.Tensor], reuse: bool
-    ) -> None:
-        """A sync point left ``tensors`` holding ``values``, a copy from ``kept`` no one
-        writes: the next run's values from before it, unless one moves first. (A counter
-        that every run writes, ``num_batches_tracked``, is then copied once a run, not
-        twice.) The values they replace become memory for later copies if ``reuse``: the
-        sync point did not hand them to another reader (``Written``), and no run reads them
-        any more (every run that began before this sync point has committed: a run inside
-        ``merge_call`` begins after the merge's sync point committed the run around it)."""
-        if reuse and self._before:
-            self._spares.append(self._before)
+    def remember(self, tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """A sync point left ``tensors`` holding ``values``, copies no one writes: the next
+        run's values from before it, unless one moves first. (A counter that every run
+        writes, ``num_batches_tracked``, is then copied once a run, not twice.)"""
         self._before = values
         self._stamps = _stamps(tensors)
 
@@ -277,7 +249,7 @@ class SharedIntegers:
             _note(self._written, replica, versions, self._versions)
         if last or replica not in self._written:  # (nothing of its own in the buffers)
             return
-        self._kept[replica] = self._groups.kept(self.tensors)
+        self._kept[replica] = _copies(self.tensors)
         torch._foreach_copy_(self.tensors, self._before)
         self._versions = list(map(_version, self.tensors))
 
@@ -287,7 +259,6 @@ class SharedIntegers:
         if kept is not None:
             torch._foreach_copy_(self.tensors, kept)
             self._versions = list(map(_version, self.tensors))
-            self._groups.give_back(kept)
 
     def commit(self, report: bool) -> dict[int, Written]:
         """Each written buffer takes its first writer's value (the last replica's is in
@@ -303,14 +274,12 @@ class SharedIntegers:
                 records[i].key: Written(count, False, before[i])
                 for i, count in enumerate(counts) if count
             }
-        kept = self._kept.pop(0, None)
+        kept = self._kept.get(0)
         if kept is not None and all(self._written[0]):  # replica 0 wrote every one
             torch._foreach_copy_(self.tensors, kept)  # (so they hold its copies exactly)
-            self._groups.remember(self.tensors, kept, reuse=not report)
-            self._forget()
+            self._groups.remember(self.tensors, kept)
+            self._written, self._kept = {}, {}
             return written
-        if kept is not None:
-            self._kept[0] = kept
         first: dict[int, int] = {}  # buffer -> its first writer
         for replica in sorted(self._written, reverse=True):
             for index in compress(range(len(self.tensors)), self._written[replica]):
@@ -323,14 +292,8 @@ class SharedIntegers:
                 sources.append(kept[index])
         if targets:
             torch._foreach_copy_(targets, sources)
-        self._forget()
-        return written
-
-    def _forget(self) -> None:
-        """The run's writes are committed or undone: the copies it kept are given back."""
-        for kept in self._kept.values():
-            self._groups.give_back(kept)
         self._written, self._kept = {}, {}
+        return written
 
     def again(self) -> SharedIntegers:
         """The same buffers, used afresh from a sync point on (a merge's)."""
@@ -340,7 +303,7 @@ class SharedIntegers:
         """The run failed: the buffers as before it."""
         if self._written or list(map(_version, self.tensors)) != self._versions:
             torch._foreach_copy_(self.tensors, self._before)
-        self._forget()
+        self._written, self._kept = {}, {}
 
 
 class Rows:
