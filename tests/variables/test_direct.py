@@ -297,6 +297,51 @@ def test_integer_buffers_every_run_writes_are_copied_once_a_run(
     assert before.data_ptr() != model.num_batches_tracked.data_ptr()
 
 
+def test_shared_buffers_list_their_writes_only_for_a_sync_point_that_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process's sync point does not ask the shared buffers for their writes (a sync
+    point across workers does, to combine them): asked, they list each statistic and
+    counter with its writers and its value from before the run, and fold the same."""
+    from centralstore.variables.direct import DirectReplicas
+
+    reports: list[tuple[bool, dict[int, Any]]] = []
+    commit_buffers = DirectReplicas.commit_buffers
+    forced: list[bool] = []
+
+    def spied(self: DirectReplicas, report: bool = True) -> dict[int, Any]:
+        report = report or bool(forced)
+        written = commit_buffers(self, report)
+        reports.append((report, written))
+        return written
+
+    monkeypatch.setattr(DirectReplicas, "commit_buffers", spied)
+    x = cs.PerReplica([torch.randn(3, 2), torch.randn(3, 2) + 1])
+    finals = []
+    for ask in (False, True):
+        torch.manual_seed(0)
+        strategy = strategy_of(2)
+        with strategy.scope():
+            model = nn.BatchNorm1d(2)
+        before = {name: value.clone() for name, value in model.named_buffers()}
+        forced[:] = [True] if ask else []
+        strategy.run(model, args=(x,))
+        report, written = reports[-1]
+        assert report is ask
+        if not ask:
+            assert written == {}
+        else:
+            keys = {id(buffer): name for name, buffer in model.named_buffers()}
+            assert sorted(keys[key] for key in written) == sorted(keys.values())
+            for key, entry in written.items():
+                assert entry.writers == 2
+                assert entry.assigned is (keys[key] != "num_batches_tracked")
+                assert torch.equal(entry.before, before[keys[key]])
+        finals.append([buffer.clone() for buffer in model.buffers()])
+    for alone, listed in zip(*finals, strict=True):
+        assert torch.equal(alone, listed)
+
+
 def writes_to_a_counter(path: str, fail: bool = False) -> tuple[list[int], list[int], int]:
     """Each replica adds 5 + its id to an integer buffer, reads it, meets the other in a
     rendezvous, reads it again, writes it again; ``fail``: the last replica raises at the end.
