@@ -98,6 +98,18 @@ the next pass adds to them, and the sum copied once (``hold``, ``GradientBuckets
 against every pass's gradients copied as they come, the later ones alone, and added on the
 host by the fold (``each``): the sync point, the optimizer's step, and the whole step.
 
+``--shares`` bounds what the buffers that replicas share in place cost (``direct_buffers.py``:
+batch norm's statistics and counters, small float tables): each model's R = 2 step of
+bench_models.py, as it is and with the integers' work, the floats' work or both switched
+off (a run's ``SharedIntegers`` / ``SharedFloats`` replaced by a stand-in that does nothing,
+so the buffers end wrong: a bound, not a mode), against ``apart`` (the halves keeping their
+gradients apart, the semantics' floor). As bench_models.py times: the process's CPU time,
+every configuration once a round in a drawn order, ``--share-rounds`` rounds (default
+150), medians; and ``--share-instances`` instances of each variant (default 3), built
+apart, whose ratios' median and range it prints, since an instance's own offset moves a
+ratio by a per cent or so (a single instance of each, in a fixed order, read a 1% gain
+that did not exist: benchmarks/README.md).
+
 Every ``--phases`` timing runs with glibc's mmap threshold fixed, as bench_models.py's
 (``cs.keep_host_memory()``). On the fake GPUs device memory is the host's heap: with
 the threshold dynamic, each step's freed gradients went back to the system and the next
@@ -111,6 +123,8 @@ R = 2 step read 64 ms that way, 32 ms fixed).
         [--worker-model transformer|bn]
     python benchmarks/bench_overhead.py --phases --fake-gpus [--phase-steps 20] [--accumulate]
         [--loop K]
+    python benchmarks/bench_overhead.py --shares [--models bn llama] [--share-rounds 150]
+        [--share-instances 3]
 """
 
 from __future__ import annotations
@@ -122,6 +136,7 @@ import importlib
 import itertools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -849,6 +864,87 @@ def _sync_points(
     ]
 
 
+class _Inert:
+    """``--shares``' stand-in for a run's shared buffers (``SharedIntegers``,
+    ``SharedFloats``): it keeps no values, restores nothing and folds nothing."""
+
+    def __init__(self, groups: Any, tensors: list[torch.Tensor], *rest: Any) -> None:
+        self.tensors = tensors
+
+    def take(self, replica: int, last: bool) -> None:
+        pass
+
+    def put_back(self, replica: int) -> None:
+        pass
+
+    def commit(self, report: bool) -> dict[int, Any]:
+        return {}
+
+    def restore(self) -> None:
+        pass
+
+    def again(self) -> _Inert:
+        return self
+
+
+# --shares' variants: the classes of ``variables/runs.py`` each replaces by ``_Inert``
+SHARE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "as it is": (),
+    "integers' work off": ("SharedIntegers",),
+    "floats' work off": ("SharedFloats",),
+    "both off": ("SharedIntegers", "SharedFloats"),
+}
+
+
+def shares(models: list[str], rounds: int, instances: int) -> None:
+    """The ``--shares`` table (see the module's docstring)."""
+    runs_module = importlib.import_module("centralstore.variables.runs")
+    clock = time.process_time
+
+    def timed(step: Callable[[], None], switched_off: tuple[str, ...]) -> float:
+        saved = [(name, getattr(runs_module, name)) for name in switched_off]
+        for name in switched_off:
+            setattr(runs_module, name, _Inert)
+        try:
+            start = clock()
+            step()
+            return clock() - start
+        finally:
+            for name, value in saved:
+                setattr(runs_module, name, value)
+
+    print(f"{'model':<6} {'cs R=2 / apart':<20} {'median':>7}  range of {instances} instances   "
+          f"(CPU time, medians of {rounds} rounds in drawn orders)")
+    for model_name in models:
+        configs: list[tuple[str, Callable[[], None]]] = [
+            ("apart", make_step(model_name, "apart", PER_REPLICA, False))
+        ]
+        for variant in SHARE_VARIANTS:
+            configs += [
+                (variant, make_step(model_name, "cs R=2", PER_REPLICA, False))
+                for _ in range(instances)
+            ]
+        for variant, step in configs:
+            for _ in range(10):
+                timed(step, SHARE_VARIANTS.get(variant, ()))
+        times: list[list[float]] = [[] for _ in configs]
+        order = list(range(len(configs)))
+        draw = random.Random(0)
+        for _ in range(rounds):
+            draw.shuffle(order)
+            for i in order:
+                variant, step = configs[i]
+                times[i].append(timed(step, SHARE_VARIANTS.get(variant, ())))
+        medians = [statistics.median(column) for column in times]
+        for variant in SHARE_VARIANTS:
+            ratios = sorted(
+                medians[i] / medians[0]
+                for i, (name, _) in enumerate(configs) if name == variant
+            )
+            print(f"{model_name:<6} {variant:<20} {statistics.median(ratios):>7.3f}  "
+                  f"{ratios[0]:.3f} to {ratios[-1]:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS),
@@ -877,6 +973,13 @@ def main() -> None:
     parser.add_argument("--loop", type=int, default=1,
                         help="with --phases --fake-gpus: micro-batches each replica loops "
                         "over inside one run, its gradients held on its GPU or copied each")
+    parser.add_argument("--shares", action="store_true",
+                        help="time each model's R = 2 step with the shared buffers' work "
+                        "switched off (a bound on what it costs) against apart")
+    parser.add_argument("--share-rounds", type=int, default=150,
+                        help="with --shares: rounds, each configuration once a round")
+    parser.add_argument("--share-instances", type=int, default=3,
+                        help="with --shares: instances of each variant, built apart")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.phase_steps is None:
@@ -893,6 +996,11 @@ def main() -> None:
         parser.error("--loop goes with --phases --fake-gpus: add both")
     if options.loop < 1:
         parser.error(f"--loop takes a number of micro-batches, 1 or more, not {options.loop}")
+    if options.shares and (options.phases or options.workers or options.fake_gpus):
+        parser.error("--shares times one process on logical CPU devices: leave out "
+                     "--phases, --workers and --fake-gpus")
+    if options.share_rounds < 1 or options.share_instances < 1:
+        parser.error("--share-rounds and --share-instances take a number, 1 or more")
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
@@ -919,6 +1027,9 @@ def main() -> None:
         return
     if options.rendezvous:
         rendezvous_counts()
+        return
+    if options.shares:
+        shares(options.models, options.share_rounds, options.share_instances)
         return
     if options.phases and options.workers:
         print_worker_phases(options.phase_steps, options.functions, options.worker_model)
