@@ -307,15 +307,17 @@ def test_shared_buffers_list_their_writes_only_for_a_sync_point_that_asks(
 
     reports: list[tuple[bool, dict[int, Any]]] = []
     commit_buffers = DirectReplicas.commit_buffers
-    forced: list[bool] = []
 
-    def spied(self: DirectReplicas, report: bool = True) -> dict[int, Any]:
-        report = report or bool(forced)
-        written = commit_buffers(self, report)
-        reports.append((report, written))
-        return written
+    def spy(ask: bool) -> None:
+        """The sync point's ``commit_buffers``, asking for the writes if ``ask``."""
 
-    monkeypatch.setattr(DirectReplicas, "commit_buffers", spied)
+        def spied(self: DirectReplicas, report: bool = True) -> dict[int, Any]:
+            written = commit_buffers(self, report or ask)
+            reports.append((report or ask, written))
+            return written
+
+        monkeypatch.setattr(DirectReplicas, "commit_buffers", spied)
+
     x = cs.PerReplica([torch.randn(3, 2), torch.randn(3, 2) + 1])
     finals = []
     for ask in (False, True):
@@ -324,7 +326,7 @@ def test_shared_buffers_list_their_writes_only_for_a_sync_point_that_asks(
         with strategy.scope():
             model = nn.BatchNorm1d(2)
         before = {name: value.clone() for name, value in model.named_buffers()}
-        forced[:] = [True] if ask else []
+        spy(ask)
         strategy.run(model, args=(x,))
         report, written = reports[-1]
         assert report is ask
