@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
@@ -498,3 +499,43 @@ def test_a_distributed_dataset_puts_each_replica_slice_on_its_gpu(
             assert torch.equal(torch.cat([part.cpu() for part in parts]), source[rows])
         steps += 1
     assert steps == 4
+
+
+def test_the_current_stream_is_torch_s_and_one_object_while_it_stays_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_devices.current_stream``, which finds the stream by its handle (each gradient a
+    GPU replica copies asks it): the stream torch says is current, on each device, inside
+    ``torch.cuda.stream`` and on another thread, as the same object while it stays current;
+    with more streams than it keeps, it starts again and still answers right."""
+    from centralstore import _devices
+
+    def agrees(device: torch.device) -> torch.cuda.Stream:
+        stream = _devices.current_stream(device)
+        torch_s = torch.cuda.current_stream(device.index)
+        assert (stream.device_index, stream.cuda_stream) == (device.index, torch_s.cuda_stream)
+        return stream
+
+    cuda0 = torch.device("cuda", 0)
+    first = agrees(cuda0)
+    assert agrees(cuda0) is first
+    if torch.cuda.device_count() > 1:  # every default stream's handle is 0: kept apart
+        assert agrees(torch.device("cuda", 1)) is not first
+    side = torch.cuda.Stream(cuda0)  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):  # type: ignore[arg-type]
+        inside = agrees(cuda0)
+        assert inside is not first and inside.cuda_stream == side.cuda_stream
+        assert agrees(cuda0) is inside
+        found: list[torch.cuda.Stream] = []
+        thread = threading.Thread(target=lambda: found.append(agrees(cuda0)))
+        thread.start()
+        thread.join()
+        assert found == [first]  # another thread's current stream is its own, the default
+    assert agrees(cuda0) is first
+    monkeypatch.setattr(_devices, "_MAX_STREAMS", 2)
+    others = [torch.cuda.Stream(cuda0) for _ in range(3)]  # type: ignore[no-untyped-call]
+    for stream in [*others, *others]:
+        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            assert agrees(cuda0).cuda_stream == stream.cuda_stream
+        assert len(_devices._streams) <= 2
+    assert agrees(cuda0).cuda_stream == first.cuda_stream

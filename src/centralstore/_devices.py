@@ -140,8 +140,27 @@ def default_parameter_device(compute_devices: Sequence[str]) -> str:
     return "cpu:0"
 
 
+# The streams ``current_stream`` has handed out, by device index and CUDA's own handle of the
+# stream (its ``cudaStream_t``, which is 0 for every device's default stream)
+_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+_MAX_STREAMS = 256
+
+
 def current_stream(device: torch.device) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)``, asked by index: torch's Python reads a
-    ``torch.device`` in about 15 lines more, paid at every gradient a GPU replica copies to
-    host memory. (``device.index`` None is the current device, as for ``torch.device``.)"""
-    return torch.cuda.current_stream(device.index)
+    """``torch.cuda.current_stream(device)``, the same stream object each time a stream is
+    current again: found by its handle, which torch reads in C, where torch's own function
+    runs some 10 lines of Python and builds a new ``Stream`` at every call, paid at every
+    gradient a GPU replica copies to host memory. (``device.index`` None is the current
+    device, as for ``torch.device``; the first call, through torch, initializes CUDA.)"""
+    index = device.index
+    if index is None or not _streams:
+        stream: torch.cuda.Stream = torch.cuda.current_stream(index)
+        _streams[stream.device_index, stream.cuda_stream] = stream
+        return stream
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    found = _streams.get(key)
+    if found is None:
+        if len(_streams) >= _MAX_STREAMS:  # streams made and dropped again and again
+            _streams.clear()
+        found = _streams[key] = torch.cuda.current_stream(index)
+    return found

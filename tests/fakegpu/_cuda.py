@@ -264,6 +264,10 @@ class Runtime:
         index = self.index(device)
         return self.current.streams.get(index) or self._defaults[index]
 
+    def raw_stream(self, index: int) -> int:
+        """``torch._C._cuda_getCurrentRawStream``: the handle of the current stream."""
+        return self.current_stream(index).cuda_stream
+
     def initialize(self) -> None:
         """CUDA's lazy initialization, which fills ``torch.cuda.default_generators`` (empty
         before it): at ``torch.cuda.init()`` and at the first work on a GPU, as on a real one."""

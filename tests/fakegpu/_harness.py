@@ -228,6 +228,7 @@ class FakeGPUs:
             rt.start()
             for name, value in rt.namespace().items():
                 patches.setattr(torch.cuda, name, value)
+            patches.setattr(torch._C, "_cuda_getCurrentRawStream", rt.raw_stream)
             patches.setattr(DeviceContext, "__torch_function__", _ops.device_context_torch_function)
             for name in _METHODS:
                 patches.setattr(torch.Tensor, name, _host_method(getattr(torch.Tensor, name)))
