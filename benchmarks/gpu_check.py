@@ -57,6 +57,10 @@ such a machine can tell:
    tensors are past glibc's largest dynamic mmap threshold. This needs no GPU:
    ``--host-update`` prints only this table, on any machine.
 
+5. It times the host's lookup of the current stream, which each gradient a GPU replica copies
+   to host memory makes: microseconds per call of ``torch.cuda.current_stream(0)`` and of
+   ``centralstore._devices.current_stream``, which finds the stream by its handle.
+
 glibc's heap is as the process starts (or as ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set it); ``--keep-host-memory`` calls ``cs.keep_host_memory()``
 first, so that steps 2 and 4 run with freed host memory kept (step 3's worker processes keep
@@ -602,6 +606,29 @@ def workers_on_gpus() -> bool:
     return done.returncode == 0
 
 
+def stream_lookup(calls: int = 20_000) -> None:
+    """Step 5: us per lookup of the current stream, torch's and centralstore's, in turns."""
+    from centralstore import _devices
+
+    device = torch.device("cuda", 0)
+    lookups = {
+        "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0),
+        "centralstore (by handle)": lambda: _devices.current_stream(device),
+    }
+    times: dict[str, list[float]] = {name: [] for name in lookups}
+    for turn in range(5):
+        for name in lookups if turn % 2 == 0 else reversed(lookups):
+            lookup = lookups[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                lookup()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    print("\nthe current stream's lookup, us per call (median of 5 turns of "
+          f"{calls:,} calls):")
+    for name, values in times.items():
+        print(f"  {name:<28} {statistics.median(values):.3f}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -638,6 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_ran = benchmark(options.rounds, options.steps, heap)
     all_ran = workers_on_gpus() and all_ran
     host_update(heap)
+    stream_lookup()
     return 0 if paths_passed and tests_passed and all_ran else 1
 
 
