@@ -33,8 +33,10 @@ variables on the CPU or on ``cuda:0``, and one replica on ``cuda:0`` with the va
 CPU or on its own GPU, on stacks of linear layers and of linear and batch-norm layers, and
 on a small stack whose replicas also add their loss to four metric variables (ON_READ); and
 the step's CUDA transfers (copies to, from and between devices) and stream and event calls
-(records, waits, synchronizations), which a real GPU pays for one by one. The fake devices'
-own Python is not counted; their tensors are a subclass, which a few of centralstore's
+(records, waits, synchronizations), which a real GPU pays for one by one; and its calls into
+``torch.cuda``'s Python (``current_stream``, ``Event``, ``wait_stream``, ``stream``, ...),
+each of which runs torch's Python on a real GPU and is not among the lines counted. The
+fake devices' own Python is not counted; their tensors are a subclass, which a few of centralstore's
 checks send to a general path (the one-replica undo record clones its buffers; buffer
 writes to variables on a GPU are combined variable by variable), so a real GPU may execute
 fewer.
@@ -699,6 +701,29 @@ def _training_step(
     return step, len(list(module.parameters())) + len(list(module.buffers())) + metrics
 
 
+def count_cuda_python(step: Callable[[], None]) -> int:
+    """The calls into ``torch.cuda``'s Python in one run of ``step``, as
+    the fake GPUs answer them: each stands for a call of torch's own Python on a real GPU (a
+    ``current_stream`` builds a ``Stream``, a ``wait_stream`` an ``Event``), which
+    ``count_package`` does not count. The current stream's raw handle, a C function in
+    torch, is not counted."""
+    fakes = os.path.join("fakegpu", "_cuda.py")
+    calls = 0
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal calls
+        caller = frame.f_back
+        if (
+            frame.f_code.co_filename.endswith(fakes) and frame.f_code.co_name != "raw_stream"
+            and caller is not None and "fakegpu" not in caller.f_code.co_filename
+        ):
+            calls += 1
+        return None
+
+    _traced(step, tracer)
+    return calls
+
+
 # The CUDA runtime calls of a step that the fake GPUs count and a real GPU pays for each
 # (its kernels are not comparable: the fake devices count every op on a fake tensor).
 _TRANSFERS = ("copy to device", "copy to host", "copy between devices")
@@ -724,7 +749,7 @@ def fake_gpu_counts() -> None:
         return build
 
     print(f"{'model':<36} {'placement':<44} {'variables':>9} {'lines':>7} {'per variable':>12} "
-          f"{'transfers':>9} {'events':>6}")
+          f"{'transfers':>9} {'events':>6} {'torch.cuda':>10}")
     top: collections.Counter[str] = collections.Counter()
     with fakegpu.devices(2) as gpus:
         for depth, norm, frozen, metrics in (
@@ -743,7 +768,7 @@ def fake_gpu_counts() -> None:
                 )
                 lines = count_package(step)
                 before = collections.Counter(gpus.calls)
-                step()
+                cuda_python = count_cuda_python(step)  # the step whose runtime calls count
                 calls = collections.Counter()
                 for (what, _), n in (collections.Counter(gpus.calls) - before).items():
                     calls[what] += n
@@ -754,7 +779,7 @@ def fake_gpu_counts() -> None:
                 events = sum(calls[kind] for kind in _EVENTS)
                 placement = f"R = {len(devices)} on {'+'.join(devices)}, variables on {storage}"
                 print(f"{name:<36} {placement:<44} {variables:>9} {total:>7} "
-                      f"{total / variables:>12.1f} {transfers:>9} {events:>6}")
+                      f"{total / variables:>12.1f} {transfers:>9} {events:>6} {cuda_python:>10}")
     print("\n20 x Linear(8, 8), two GPUs, variables on the CPU: functions by lines")
     for where, n in top.most_common(12):
         print(f"  {n:>6}  {where}")
