@@ -661,6 +661,43 @@ def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePla
             assert device == wanted
 
 
+def test_a_gradient_on_its_way_to_host_memory_calls_no_torch_cuda_python(
+    fake_gpu_placement: FakePlacement, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook that copies each gradient of a GPU replica to host memory finds the stream
+    that produced it by its raw handle (``_devices.current_stream``), not through
+    ``torch.cuda.current_stream``, whose Python builds a ``Stream`` at every call: a step of
+    twenty layers calls that function as often as a step of two."""
+    asked = 0
+    ask = torch.cuda.current_stream
+
+    def counted(device: Any = None) -> Any:
+        nonlocal asked
+        asked += 1
+        return ask(device)
+
+    def calls_in_one_step(layers: int) -> int:
+        nonlocal asked
+        strategy = strategy_for(fake_gpu_placement)
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+        xs = to_replicas(X, fake_gpu_placement.compute_devices)
+
+        def step() -> None:
+            strategy.run(lambda x: model(x).sum().backward(), args=(xs,))
+            model.zero_grad()
+
+        step()  # (the buckets' layout, and the streams' first lookups)
+        step()
+        asked = 0
+        step()
+        return asked
+
+    monkeypatch.setattr(torch.cuda, "current_stream", counted)
+    assert calls_in_one_step(20) == calls_in_one_step(2)
+
+
 def test_sparse_gradients_fold(fake_gpu_placement: FakePlacement) -> None:
     strategy = strategy_for(fake_gpu_placement)
     torch.manual_seed(0)
