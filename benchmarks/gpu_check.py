@@ -59,7 +59,7 @@ such a machine can tell:
 
 5. It times the host's lookup of the current stream, which each gradient a GPU replica copies
    to host memory makes: microseconds per call of ``torch.cuda.current_stream(0)`` and of
-   ``centralstore._devices.current_stream``, which finds the stream by its handle.
+   ``centralstore._devices.CurrentStreams``, which finds the stream by its raw handle.
 
 glibc's heap is as the process starts (or as ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set it); ``--keep-host-memory`` calls ``cs.keep_host_memory()``
@@ -123,7 +123,7 @@ DEFECTS = [
     ("every GPU drew the same random numbers", "test_each_gpu_replica_draws_different"),
     ("a TorchFunctionMode in every CUDA replica", "test_a_gpu_replica_pays_no_python"),
     ("a pinned block per gradient and step", "test_the_early_gradient_copy_pins_its"),
-    ("torch.cuda's Python at every gradient copied", "test_a_gradient_on_its_way_to_host"),
+    ("torch.cuda's Python at every gradient copied", "test_each_gradient_copied_to_host"),
 ]
 DEFECTS_TIMEOUT_S = 90
 WORKER_TESTS = [
@@ -612,9 +612,10 @@ def stream_lookup(calls: int = 20_000) -> None:
     from centralstore import _devices
 
     device = torch.device("cuda", 0)
+    streams = _devices.CurrentStreams()
     lookups = {
         "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0),
-        "centralstore (by handle)": lambda: _devices.current_stream(device),
+        "centralstore (by handle)": lambda: streams(device),
     }
     times: dict[str, list[float]] = {name: [] for name in lookups}
     for turn in range(5):

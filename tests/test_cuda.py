@@ -501,17 +501,20 @@ def test_a_distributed_dataset_puts_each_replica_slice_on_its_gpu(
     assert steps == 4
 
 
-def test_the_current_stream_is_torch_s_and_one_object_while_it_stays_current(
+def test_current_streams_answer_torch_s_current_stream_with_one_object_per_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``_devices.current_stream``, which finds the stream by its handle (each gradient a
-    GPU replica copies asks it): the stream torch says is current, on each device, inside
-    ``torch.cuda.stream`` and on another thread, as the same object while it stays current;
-    with more streams than it keeps, it starts again and still answers right."""
+    """``CurrentStreams``, which a GPU replica's gradient buckets ask at every gradient for the
+    stream that produced it: the stream torch says is current, on each device (every default
+    stream's handle is 0), inside ``torch.cuda.stream`` and on another thread, the same object
+    while it stays current; past the streams it keeps, it starts again and still answers
+    right."""
     from centralstore import _devices
 
+    streams = _devices.CurrentStreams()
+
     def agrees(device: torch.device) -> torch.cuda.Stream:
-        stream = _devices.current_stream(device)
+        stream = streams(device)
         torch_s = torch.cuda.current_stream(device.index)
         assert (stream.device_index, stream.cuda_stream) == (device.index, torch_s.cuda_stream)
         return stream
@@ -519,7 +522,7 @@ def test_the_current_stream_is_torch_s_and_one_object_while_it_stays_current(
     cuda0 = torch.device("cuda", 0)
     first = agrees(cuda0)
     assert agrees(cuda0) is first
-    if torch.cuda.device_count() > 1:  # every default stream's handle is 0: kept apart
+    if torch.cuda.device_count() > 1:
         assert agrees(torch.device("cuda", 1)) is not first
     side = torch.cuda.Stream(cuda0)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(side):  # type: ignore[arg-type]
@@ -530,12 +533,12 @@ def test_the_current_stream_is_torch_s_and_one_object_while_it_stays_current(
         thread = threading.Thread(target=lambda: found.append(agrees(cuda0)))
         thread.start()
         thread.join()
-        assert found == [first]  # another thread's current stream is its own, the default
+        assert found[0] is first  # another thread's current stream is its own, the default
     assert agrees(cuda0) is first
     monkeypatch.setattr(_devices, "_MAX_STREAMS", 2)
     others = [torch.cuda.Stream(cuda0) for _ in range(3)]  # type: ignore[no-untyped-call]
     for stream in [*others, *others]:
         with torch.cuda.stream(stream):  # type: ignore[arg-type]
             assert agrees(cuda0).cuda_stream == stream.cuda_stream
-        assert len(_devices._streams) <= 2
+        assert len(streams._known) <= 2
     assert agrees(cuda0).cuda_stream == first.cuda_stream

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import final
 
 import torch
 
@@ -140,27 +141,40 @@ def default_parameter_device(compute_devices: Sequence[str]) -> str:
     return "cpu:0"
 
 
-# The streams ``current_stream`` has handed out, by device index and CUDA's own handle of the
-# stream (its ``cudaStream_t``, which is 0 for every device's default stream)
-_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
-_MAX_STREAMS = 256
-
-
 def current_stream(device: torch.device) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)``, the same stream object each time a stream is
-    current again: found by its handle, which torch reads in C, where torch's own function
-    runs some 10 lines of Python and builds a new ``Stream`` at every call, paid at every
-    gradient a GPU replica copies to host memory. (``device.index`` None is the current
-    device, as for ``torch.device``; the first call, through torch, initializes CUDA.)"""
-    index = device.index
-    if index is None or not _streams:
+    """``torch.cuda.current_stream(device)``, asked by index: torch's Python reads a
+    ``torch.device`` in about 15 lines more. (``device.index`` None is the current device, as
+    for ``torch.device``.) A caller that asks at every gradient keeps a ``CurrentStreams``."""
+    return torch.cuda.current_stream(device.index)
+
+
+_MAX_STREAMS = 256  # the streams a ``CurrentStreams`` keeps before it starts again
+
+
+@final
+class CurrentStreams:
+    """The current stream of a device, as ``current_stream`` finds it, for a caller that asks
+    at every gradient (a GPU replica's gradient buckets): found by its raw handle, which torch
+    reads in C, among the streams this object has handed out before. torch's function runs
+    some 10 lines of Python and builds a new ``Stream`` at every call.
+
+    Keyed by device and handle (every device's default stream has the handle 0). The first
+    call goes through torch, which initializes CUDA if need be; so does a stream not seen
+    before, and a ``torch.device`` without an index."""
+
+    __slots__ = ("_known",)
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+    def __call__(self, device: torch.device) -> torch.cuda.Stream:
+        known, index = self._known, device.index
+        if index is not None and known:
+            found = known.get((index, torch._C._cuda_getCurrentRawStream(index)))
+            if found is not None:
+                return found
         stream: torch.cuda.Stream = torch.cuda.current_stream(index)
-        _streams[stream.device_index, stream.cuda_stream] = stream
+        if len(known) >= _MAX_STREAMS:  # streams made and dropped again and again
+            known.clear()
+        known[stream.device_index, stream.cuda_stream] = stream
         return stream
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    found = _streams.get(key)
-    if found is None:
-        if len(_streams) >= _MAX_STREAMS:  # streams made and dropped again and again
-            _streams.clear()
-        found = _streams[key] = torch.cuda.current_stream(index)
-    return found

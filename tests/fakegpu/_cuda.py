@@ -229,6 +229,7 @@ class Runtime:
         for _ in range(self.count):
             s = FakeStream(len(self._defaults))
             s.default = True
+            s.cuda_stream = 0  # as CUDA's: the null handle, on every device
             self._defaults.append(s)
 
     @staticmethod

@@ -80,7 +80,7 @@ from typing import Any, NamedTuple, cast, final
 import torch
 
 from .._autograd import grad_of, version_of
-from .._devices import current_stream
+from .._devices import CurrentStreams
 
 BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allocator serves
 # The buffers a bucket lends to ``.grad`` at most: with as many still in use, it fills a spare,
@@ -479,9 +479,9 @@ class GradientBuckets:
     """One replica's gradient buckets: their layout, built from a step's arrivals, and the
     step in progress (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_arrivals", "_buckets", "_copies", "_counts", "_deferred",
-                 "_filled", "_stale", "holding", "launched", "learns", "ordered", "passes",
-                 "synced")
+    __slots__ = ("__weakref__", "_arrivals", "_buckets", "_copies", "_counts", "_current",
+                 "_deferred", "_filled", "_stale", "holding", "launched", "learns", "ordered",
+                 "passes", "synced")
 
     def __init__(self) -> None:
         # by the key of the central variable: its slot, as the copy into it
@@ -491,6 +491,7 @@ class GradientBuckets:
         self._arrivals: list[tuple[int, torch.Size, torch.dtype]] = []
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
+        self._current = CurrentStreams()  # the stream that produced each gradient
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
         # called with each bucket whose copy a gradient's arrival (``copy``: inside backward,
@@ -511,7 +512,7 @@ class GradientBuckets:
         if self.synced:
             self._next_step()
         self._arrivals.append((key, grad.shape, grad.dtype))
-        stream = current_stream(grad.device)
+        stream = self._current(grad.device)
         copy = self._copies.get(key)
         if copy is None or copy.shape != grad.shape or copy.dtype != grad.dtype:
             self._stale = True
