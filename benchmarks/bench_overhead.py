@@ -36,10 +36,10 @@ the step's CUDA transfers (copies to, from and between devices) and stream and e
 (records, waits, synchronizations), which a real GPU pays for one by one; and its calls into
 ``torch.cuda``'s Python (``current_stream``, ``Event``, ``wait_stream``, ``stream``, ...),
 each of which runs torch's Python on a real GPU and is not among the lines counted. The
-fake devices' own Python is not counted; their tensors are a subclass, which a few of centralstore's
-checks send to a general path (the one-replica undo record clones its buffers; buffer
-writes to variables on a GPU are combined variable by variable), so a real GPU may execute
-fewer.
+fake devices' own Python is not counted; their tensors are a subclass, which a few of
+centralstore's checks send to a general path (the one-replica undo record clones its
+buffers; buffer writes to variables on a GPU are combined variable by variable), so a real
+GPU may execute fewer.
 
 ``--rendezvous`` counts, on every thread (the replica threads' too), the calls and lines of
 one ``run`` whose replicas meet once, in a ``merge_call`` of a function that does nothing or
