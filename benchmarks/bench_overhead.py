@@ -702,8 +702,8 @@ def _training_step(
 
 
 def count_cuda_python(step: Callable[[], None]) -> int:
-    """The calls into ``torch.cuda``'s Python in one run of ``step``, as
-    the fake GPUs answer them: each stands for a call of torch's own Python on a real GPU (a
+    """The calls into ``torch.cuda``'s Python in one run of ``step``, as the fake GPUs
+    answer them: each stands for a call of torch's own Python on a real GPU (a
     ``current_stream`` builds a ``Stream``, a ``wait_stream`` an ``Event``), which
     ``count_package`` does not count. The current stream's raw handle, a C function in
     torch, is not counted."""
