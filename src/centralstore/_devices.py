@@ -141,20 +141,14 @@ def default_parameter_device(compute_devices: Sequence[str]) -> str:
     return "cpu:0"
 
 
-def current_stream(device: torch.device) -> torch.cuda.Stream:
-    """``torch.cuda.current_stream(device)``, asked by index: torch's Python reads a
-    ``torch.device`` in about 15 lines more. (``device.index`` None is the current device, as
-    for ``torch.device``.) A caller that asks at every gradient keeps a ``CurrentStreams``."""
-    return torch.cuda.current_stream(device.index)
-
-
 _MAX_STREAMS = 256  # the streams a ``CurrentStreams`` keeps before it starts again
 
 
 @final
 class CurrentStreams:
-    """The current stream of a device, as ``current_stream`` finds it, for a caller that asks
-    at every gradient (a GPU replica's gradient buckets): found by its raw handle, which torch
+    """The current stream of a device, as ``torch.cuda.current_stream`` finds it, for a
+    caller that asks at every step or gradient (a replica's views and gradient buckets, a
+    strategy's replica threads, a GPU's input copier): found by its raw handle, which torch
     reads in C, among the streams this object has handed out before. torch's function runs
     some 10 lines of Python and builds a new ``Stream`` at every call.
 

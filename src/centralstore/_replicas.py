@@ -33,8 +33,6 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ._devices import current_stream
-
 # A replica body: runs replica ``i`` of ``state`` on the current thread.
 Body = Callable[["RunState", int], None]
 
@@ -69,13 +67,17 @@ class Environment:
     that replica threads are ordered with the caller's work) and the number of intra-op
     threads (replicas run one at a time, so each may use them all). Captured when every run
     begins, so the common case (CPU devices, no autocast) costs a few cheap queries;
-    ``gpus`` are the replicas' GPUs, each once."""
+    ``gpus`` are the replicas' GPUs, each once, whose current streams ``current`` finds (a
+    strategy passes its ``_devices.CurrentStreams``, which reads their handles in C)."""
 
     __slots__ = ("autocast", "grad_enabled", "inference", "streams", "threads")
 
-    def __init__(self, gpus: Sequence[torch.device] = ()) -> None:
+    def __init__(
+        self, gpus: Sequence[torch.device] = (),
+        current: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.current_stream,
+    ) -> None:
         self.threads = torch.get_num_threads()
-        self.streams = [current_stream(device) for device in gpus] if gpus else []
+        self.streams = [current(device) for device in gpus] if gpus else []
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [

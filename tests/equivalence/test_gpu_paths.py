@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -661,33 +663,45 @@ def test_a_gpu_replica_pays_no_python_per_torch_call(fake_gpu_placement: FakePla
             assert device == wanted
 
 
-def test_each_gradient_copied_to_host_memory_finds_its_stream_without_torch_s_python(
+def test_a_steady_step_finds_its_streams_without_torch_s_python(
     fake_gpu_placement: FakePlacement, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The hook that copies each gradient of a GPU replica to host memory finds the stream
-    that produced it by its raw handle (``_devices.CurrentStreams``), not through
-    ``torch.cuda.current_stream``, whose Python builds a ``Stream`` at every call: a step of
-    twenty layers calls that function as often as a step of two."""
-    if fake_gpu_placement.parameter_device != "cpu":
-        pytest.skip("with the variables on a GPU no gradient is copied to host memory")
+    """Every lookup of a GPU's current stream that a training step makes (each gradient
+    copied to host memory, the end of each backward, the copies of the variables and of the
+    input, the streams a replica thread takes on) goes through a ``_devices.CurrentStreams``,
+    which finds a stream it met before by its raw handle: once the first steps have met the
+    streams, centralstore's code in a step of two layers or of twenty, with or without a
+    rendezvous, never calls ``torch.cuda.current_stream``, whose Python builds a ``Stream``
+    at every call. (torch's own ``torch.cuda.stream`` context calls it on a real GPU.)"""
     asked = 0
     ask = torch.cuda.current_stream
+    package = os.path.dirname(cs.__file__)
 
     def counted(device: Any = None) -> Any:
         nonlocal asked
-        asked += 1
+        asked += sys._getframe(1).f_code.co_filename.startswith(package)
         return ask(device)
 
-    def calls_in_one_step(layers: int) -> int:
+    def calls_in_one_step(layers: int, rendezvous: bool) -> int:
         nonlocal asked
         strategy = strategy_for(fake_gpu_placement)
         torch.manual_seed(0)
         with strategy.scope():
             model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
-        xs = to_replicas(X, fake_gpu_placement.compute_devices)
+        batches = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=8
+        )
+        inputs = iter(strategy.experimental_distribute_dataset(batches))
+
+        def replica(x: torch.Tensor) -> None:
+            loss = model(x).sum()
+            if rendezvous:  # (the replicas go on on threads of their own)
+                loss = context().all_reduce("SUM", loss)
+            loss.backward()
 
         def step() -> None:
-            strategy.run(lambda x: model(x).sum().backward(), args=(xs,))
+            (xs,) = next(inputs)
+            strategy.run(replica, args=(xs,))
             model.zero_grad()
 
         step()  # (the buckets' layout, and the streams' first lookups)
@@ -697,7 +711,41 @@ def test_each_gradient_copied_to_host_memory_finds_its_stream_without_torch_s_py
         return asked
 
     monkeypatch.setattr(torch.cuda, "current_stream", counted)
-    assert calls_in_one_step(20) == calls_in_one_step(2)
+    for layers in (2, 20):
+        for rendezvous in (False, True):
+            assert calls_in_one_step(layers, rendezvous) == 0, (layers, rendezvous)
+
+
+def test_a_steady_step_makes_no_cuda_event(
+    fake_gpu_placement: FakePlacement, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The events a step records (after the copies of the variables to a replica's GPU, after
+    each bucket's copy to host memory) are made once and recorded again at every step: a
+    step whose input is on the replicas' GPUs already makes none."""
+    made = 0
+    make = torch.cuda.Event
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal made
+        made += 1
+        return make(*args, **kwargs)
+
+    strategy = strategy_for(fake_gpu_placement)
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    xs = to_replicas(X, fake_gpu_placement.compute_devices)
+
+    def step() -> None:
+        strategy.run(lambda x: model(x).sum().backward(), args=(xs,))
+        model.zero_grad()
+
+    monkeypatch.setattr(torch.cuda, "Event", counted)
+    step()
+    first = made
+    step()
+    step()
+    assert made == first
 
 
 def test_sparse_gradients_fold(fake_gpu_placement: FakePlacement) -> None:

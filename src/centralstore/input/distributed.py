@@ -25,7 +25,7 @@ from typing import Any, Protocol, final
 import torch
 
 from .. import _tree
-from .._devices import current_stream, storage_device
+from .._devices import CurrentStreams, storage_device
 from .._values import PerReplica
 from ._base import DatasetBase
 from .data_options import AutoShardPolicy
@@ -75,6 +75,7 @@ class _CudaCopy:
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._current = CurrentStreams()  # the streams current on the GPUs, by their handles
         self._copied: list[torch.Tensor] = []
         self._borrowed = False  # a step copies from pinned memory that its source owns
 
@@ -87,7 +88,7 @@ class _CudaCopy:
             else:
                 leaf = leaf.pin_memory()
         else:  # another GPU: copy after the work that produced the leaf, and keep it alive
-            self._stream.wait_stream(current_stream(leaf.device))
+            self._stream.wait_stream(self._current(leaf.device))
             leaf.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             copy = leaf.to(self._device, non_blocking=True)
@@ -102,7 +103,7 @@ class _CudaCopy:
         if self._borrowed:  # the source may refill its buffer for the next element: not
             self._borrowed = False  # before the copies have read it
             event.synchronize()
-        ready = _CudaReady(self._device, event, self._copied)
+        ready = _CudaReady(self._device, event, self._copied, self._current)
         self._copied = []
         return ready
 
@@ -110,15 +111,19 @@ class _CudaCopy:
 class _CudaReady:
     """Run by the consumer: order its current stream after the copies of one step."""
 
-    __slots__ = ("_device", "_event", "_tensors")
+    __slots__ = ("_current", "_device", "_event", "_tensors")
 
-    def __init__(self, device: torch.device, event: torch.cuda.Event, tensors: list[Any]):
+    def __init__(
+        self, device: torch.device, event: torch.cuda.Event, tensors: list[Any],
+        current: CurrentStreams,
+    ) -> None:
         self._device = device
         self._event = event
         self._tensors = tensors
+        self._current = current
 
     def __call__(self) -> None:
-        stream = current_stream(self._device)
+        stream = self._current(self._device)
         stream.wait_event(self._event)
         for tensor in self._tensors:
             tensor.record_stream(stream)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import _context, _integrations, _replicas, _tree
+from .._devices import CurrentStreams
 from .._placement import Placement
 from .._random import ReplicaRandomness, Streams
 from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
@@ -87,6 +88,7 @@ class Strategy(abc.ABC):
             for device in self._placement.storage_devices
         )
         self._distinct_gpus = tuple(dict.fromkeys(d for d in self._gpus if d is not None))
+        self._current_streams = CurrentStreams()  # theirs when a run begins (for threads)
         # the streams of runs of several replicas (one replica draws from the global ones)
         self._randomness = ReplicaRandomness(self._placement)
         self._store = VariableStore(self._placement, self._workers)
@@ -213,7 +215,7 @@ class Strategy(abc.ABC):
                         state.closed = True
                 else:  # one after another until a rendezvous, then each on a thread
                     streams = self._randomness.begin()
-                    environment = _replicas.Environment(self._distinct_gpus)  # for threads
+                    environment = _replicas.Environment(self._distinct_gpus, self._current_streams)
                     body = functools.partial(
                         self._run_replica, run, streams, fn, inputs, environment
                     )

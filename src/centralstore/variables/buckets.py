@@ -483,7 +483,9 @@ class GradientBuckets:
                  "_deferred", "_filled", "_stale", "holding", "launched", "learns", "ordered",
                  "passes", "synced")
 
-    def __init__(self) -> None:
+    def __init__(self, streams: CurrentStreams | None = None) -> None:
+        """``streams``: where the replica finds a device's current stream (its own if
+        None)."""
         # by the key of the central variable: its slot, as the copy into it
         self._copies: dict[int, InBucket] = {}
         self._buckets: list[Bucket] = []  # the layout's, in the order of its slots
@@ -491,7 +493,8 @@ class GradientBuckets:
         self._arrivals: list[tuple[int, torch.Size, torch.dtype]] = []
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
-        self._current = CurrentStreams()  # the stream that produced each gradient
+        # the stream that produced each gradient
+        self._current = CurrentStreams() if streams is None else streams
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
         # called with each bucket whose copy a gradient's arrival (``copy``: inside backward,
@@ -569,18 +572,18 @@ class GradientBuckets:
             del self.passes[key]  # (``_counts`` keeps what the step brought, for the next)
         return keys
 
-    def after_backward(self, stream: Any, side: Any) -> None:
+    def after_backward(self, device: torch.device, side: Any) -> None:
         """A backward that copied gradients has ended: the buckets still filling start
         their copies (a bucket whose pieces spanned two backwards would read, during the
-        next, gradients that backward adds to in place), and ``stream``, where the replica's
-        work goes on, waits for the copies on ``side``, so that no later write to a
-        gradient (the next backward's accumulation, code in the replica) meets its copy's
-        read."""
+        next, gradients that backward adds to in place), and the current stream of
+        ``device``, where the replica's work goes on, waits for the copies on ``side``, so
+        that no later write to a gradient (the next backward's accumulation, code in the
+        replica) meets its copy's read."""
         self.ordered = False
         for bucket in self.buckets:
             if bucket.state is BucketState.FILLING:
                 bucket._launch()
-        stream.wait_stream(side)
+        self._current(device).wait_stream(side)
 
     def _passes(self) -> dict[int, int]:
         """The gradients the step that ended received of each variable, where more than one:

@@ -31,7 +31,6 @@ from .._aggregation import (
     written_value,
 )
 from .._autograd import grad_of, hooks_of, no_grad, set_grads, some
-from .._devices import current_stream
 from .buckets import GradientBuckets, GradientCopy, lend, standing, take_all
 from .records import Central
 from .views import EXACT_CLASSES, ReplicaViews, View
@@ -72,7 +71,7 @@ def _after_backward(
     the replica's later work goes to.)"""
     buckets = buckets_ref()
     if buckets is not None:
-        buckets.after_backward(current_stream(device), side)
+        buckets.after_backward(device, side)
 
 
 def copy_held(replica: ReplicaViews) -> None:
@@ -88,7 +87,7 @@ def copy_held(replica: ReplicaViews) -> None:
                     side = _side_streams.get(grad.device) or _side_stream(grad.device)
                     view.pending.append(buckets.copy(key, grad, side))
                     # (a backward after ``run`` may add to it in place: after the copy)
-                    current_stream(grad.device).wait_stream(side)
+                    replica.streams(grad.device).wait_stream(side)
 
 
 _side_streams: dict[torch.device, Any] = {}

@@ -39,7 +39,7 @@ from torch._C import DisableTorchFunctionSubclass
 
 from .._aggregation import VariableAggregation
 from .._autograd import no_grad
-from .._devices import current_stream
+from .._devices import CurrentStreams
 from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
 
@@ -197,10 +197,12 @@ class ReplicaViews:
         self.views: dict[int, View] = {}
         self.touched: list[View] = []
         self.unseen: list[View] = []  # buffers a kernel may have written (modules.py)
-        self._copies: Any = None  # a CUDA event after the latest copy from host memory
+        self._copies: Any = None  # a CUDA event, recorded after each copy from host memory
+        self._unwaited = False  # whether copies were recorded since the host last waited
         self.epoch = 0
         self._receiver = receiver  # None: no gradient hooks (the sync point takes them)
-        self.gradient_buckets = GradientBuckets()  # where the hooks copy gradients to
+        self.streams = CurrentStreams()  # each device's current stream, found by its handle
+        self.gradient_buckets = GradientBuckets(self.streams)  # where hooks copy gradients to
 
     def forget(self, key: int) -> None:
         self.views.pop(key, None)
@@ -366,18 +368,19 @@ class ReplicaViews:
     def copied(self, central: torch.Tensor) -> None:
         """A copy from ``central`` to this replica's GPU was queued without waiting."""
         if self.device.type == "cuda" and central.device.type == "cpu":
-            if self._copies is None:
+            if self._copies is None:  # (made once: recording it again moves it on)
                 self._copies = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            self._copies.record(current_stream(self.device))
+            self._copies.record(self.streams(self.device))
+            self._unwaited = True
 
     def wait_for_copies(self) -> None:
         """Wait until the copies from host memory queued for this replica have read it: once
         the sync point returns, the host may change the variables (``optimizer.step()``,
         ``load_state_dict``). The copies were queued before the replica's work, so this
         seldom waits."""
-        if self._copies is not None:
+        if self._unwaited:
             self._copies.synchronize()
-            self._copies = None
+            self._unwaited = False
 
     def _make_leaf(self, view: View, tensor: torch.Tensor, requires_grad: bool) -> None:
         """Let ``tensor`` collect gradients for ``view``'s variable, handed to the receiver
