@@ -675,7 +675,8 @@ def _training_step(
             for _ in range(metrics)
         ]
     batches = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(8 * len(devices), 4)),
+        # eight steps an epoch: no step counted is an epoch's first, whose iterator is new
+        torch.utils.data.TensorDataset(torch.randn(32 * len(devices), 4)),
         batch_size=4 * len(devices),
     )
     source = strategy.experimental_distribute_dataset(batches)
