@@ -59,7 +59,9 @@ such a machine can tell:
 
 5. It times the host's lookup of the current stream, which each gradient a GPU replica copies
    to host memory makes: microseconds per call of ``torch.cuda.current_stream(0)`` and of
-   ``centralstore._devices.CurrentStreams``, which finds the stream by its raw handle.
+   ``centralstore._devices.CurrentStreams``, which finds the stream by its raw handle; and
+   the switch to a side stream that each bucket's copy to host memory and each input's copy
+   to a GPU makes: ``with torch.cuda.stream(side)`` against ``CurrentStreams.switch``.
 
 glibc's heap is as the process starts (or as ``MALLOC_MMAP_THRESHOLD_`` and
 ``MALLOC_TRIM_THRESHOLD_`` set it); ``--keep-host-memory`` calls ``cs.keep_host_memory()``
@@ -609,27 +611,43 @@ def workers_on_gpus() -> bool:
 
 
 def stream_lookup(calls: int = 20_000) -> None:
-    """Step 5: us per lookup of the current stream, torch's and centralstore's, in turns."""
+    """Step 5: us per lookup of the current stream, and per switch to a side stream, torch's
+    and centralstore's, in turns."""
     from centralstore import _devices
 
     device = torch.device("cuda", 0)
     streams = _devices.CurrentStreams()
-    lookups = {
-        "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0),
-        "centralstore (by handle)": lambda: streams(device),
-    }
-    times: dict[str, list[float]] = {name: [] for name in lookups}
-    for turn in range(5):
-        for name in lookups if turn % 2 == 0 else reversed(lookups):
-            lookup = lookups[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                lookup()
-            times[name].append((time.perf_counter() - start) / calls * 1e6)
-    print("\nthe current stream's lookup, us per call (median of 5 turns of "
-          f"{calls:,} calls):")
-    for name, values in times.items():
-        print(f"  {name:<28} {statistics.median(values):.3f}")
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def torch_s_switch() -> None:
+        with torch.cuda.stream(side):  # type: ignore[arg-type]
+            pass
+
+    def switch() -> None:
+        with streams.switch(side):
+            pass
+
+    for title, calls_of in (
+        ("the current stream's lookup", {
+            "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0),
+            "centralstore (by handle)": lambda: streams(device),
+        }),
+        ("a switch to a side stream and back", {
+            "torch.cuda.stream": torch_s_switch,
+            "CurrentStreams.switch": switch,
+        }),
+    ):
+        times: dict[str, list[float]] = {name: [] for name in calls_of}
+        for turn in range(5):
+            for name in calls_of if turn % 2 == 0 else reversed(calls_of):
+                call = calls_of[name]
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+        print(f"\n{title}, us per call (median of 5 turns of {calls:,} calls):")
+        for name, values in times.items():
+            print(f"  {name:<28} {statistics.median(values):.3f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -501,6 +501,39 @@ def test_a_distributed_dataset_puts_each_replica_slice_on_its_gpu(
     assert steps == 4
 
 
+def test_a_stream_switch_leaves_what_torch_s_stream_context_leaves() -> None:
+    """``CurrentStreams.switch``, the ``torch.cuda.stream`` of a bucket's copy and an input's:
+    inside, and after, the current device and each device's current stream are what torch's
+    context leaves, from every current device to a stream on every device, inside another
+    stream's context or not, and when the block raises."""
+    from centralstore import _devices
+
+    streams = _devices.CurrentStreams()
+    gpus = range(torch.cuda.device_count())
+
+    def state() -> tuple[int, tuple[int, ...]]:
+        return torch.cuda.current_device(), tuple(
+            torch.cuda.current_stream(i).cuda_stream for i in gpus
+        )
+
+    targets = [torch.cuda.Stream(i) for i in gpus]  # type: ignore[no-untyped-call]
+    outers = [torch.cuda.Stream(i) for i in gpus]  # type: ignore[no-untyped-call]
+    for current in gpus:
+        for target in targets:
+            for outer in (None, *outers):
+                with torch.cuda.device(current), torch.cuda.stream(outer):  # type: ignore[arg-type]
+                    before = state()
+                    with torch.cuda.stream(target):  # type: ignore[arg-type]
+                        torch_s = state()
+                    assert state() == before
+                    with streams.switch(target):
+                        assert state() == torch_s
+                    assert state() == before
+                    with pytest.raises(KeyError), streams.switch(target):
+                        raise KeyError("inside")
+                    assert state() == before
+
+
 def test_current_streams_answer_torch_s_current_stream_with_one_object_per_stream(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

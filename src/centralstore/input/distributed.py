@@ -90,7 +90,7 @@ class _CudaCopy:
         else:  # another GPU: copy after the work that produced the leaf, and keep it alive
             self._stream.wait_stream(self._current(leaf.device))
             leaf.record_stream(self._stream)
-        with torch.cuda.stream(self._stream):
+        with self._current.switch(self._stream):
             copy = leaf.to(self._device, non_blocking=True)
         self._copied.append(copy)
         return copy

@@ -119,15 +119,17 @@ class Bucket:
     which the sync point copies out instead of lending (``lends``). A loop that calls
     ``zero_grad()`` before its next backward fills one buffer at every step."""
 
-    __slots__ = ("_buffers", "_event", "_held", "_shapes", "_side", "_spare", "_streams",
-                 "_uses", "arrived", "dtype", "host", "keys", "lends", "pieces", "state",
-                 "unread", "views")
+    __slots__ = ("_buffers", "_current", "_event", "_held", "_shapes", "_side", "_spare",
+                 "_streams", "_uses", "arrived", "dtype", "host", "keys", "lends", "pieces",
+                 "state", "unread", "views")
 
     def __init__(
         self, dtype: torch.dtype, numel: int, pieces: list[Piece],
-        shapes: list[torch.Size], keys: list[int],
+        shapes: list[torch.Size], keys: list[int], current: CurrentStreams | None = None,
     ) -> None:
+        """``current``: its replica's ``CurrentStreams`` (one of its own if None)."""
         self.dtype = dtype
+        self._current = CurrentStreams() if current is None else current
         self.pieces = pieces
         self.keys = keys  # by piece: the variable whose gradient lands there
         self._shapes = shapes  # by piece: its gradient's shape
@@ -212,7 +214,7 @@ class Bucket:
         side = self._side
         for stream in self._streams.values():
             side.wait_stream(stream)
-        with torch.cuda.stream(side):
+        with self._current.switch(side):
             for first, last in self._runs():
                 runs = cast(list[torch.Tensor], self._held[first:last + 1])  # all arrived
                 flat = runs[0] if len(runs) == 1 else torch.cat(runs)
@@ -353,7 +355,7 @@ class Alone(GradientCopy):
 
     def __init__(self, owner: GradientBuckets, grad: torch.Tensor, stream: Any, side: Any) -> None:
         side.wait_stream(stream)
-        with torch.cuda.stream(side):
+        with owner._current.switch(side):
             self._host = torch.empty(grad.shape, dtype=grad.dtype, device="cpu", pin_memory=True)
             self._host.copy_(grad, non_blocking=True)
             self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -601,7 +603,7 @@ class GradientBuckets:
         if grad.is_contiguous():
             flat = grad.view(-1)
         else:  # a copy, made where the gradient was (the sync point's stream may differ)
-            with torch.cuda.stream(stream):
+            with self._current.switch(stream):
                 flat = grad.reshape(-1)
         copy.source, copy.version = grad, grad._version
         for bucket, piece in pieces:
@@ -611,7 +613,7 @@ class GradientBuckets:
 
     def _lay_out(self) -> None:
         """Slots for this step's arrivals."""
-        slots = lay_out(list(starmap(_Arrival, self._arrivals)), BUCKET_BYTES)
+        slots = lay_out(list(starmap(_Arrival, self._arrivals)), BUCKET_BYTES, self._current)
         self._copies = {key: InBucket(self, slot) for key, slot in slots.items()}
         self._buckets = list(
             {id(b): b for copy in self._copies.values() for b, _ in copy.slot.pieces}.values()
@@ -668,11 +670,14 @@ class GradientBuckets:
         self._deferred = []
 
 
-def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
+def lay_out(
+    arrivals: list[_Arrival], bucket_bytes: int, current: CurrentStreams | None = None
+) -> dict[int, Slot]:
     """Slots for the gradients of ``arrivals`` (the first of each key), in their order: per
     dtype, buckets of at most ``bucket_bytes`` that each gradient lands in whole. A bucket
     closes when the next gradient would cross its end; a gradient larger than a bucket has
-    one of its own; one without elements has no piece."""
+    one of its own; one without elements has no piece. ``current``: the replica's
+    ``CurrentStreams``, which the buckets share."""
     by_dtype: dict[torch.dtype, list[_Arrival]] = {}
     seen: set[int] = set()
     for arrival in arrivals:
@@ -708,7 +713,9 @@ def lay_out(arrivals: list[_Arrival], bucket_bytes: int) -> dict[int, Slot]:
             keys[b].append(arrival.key)
             sizes[b] += numel
             placed[arrival.key] = (b, piece)
-        buckets = list(map(functools.partial(Bucket, dtype), sizes, pieces, shapes, keys))
+        buckets = list(map(
+            functools.partial(Bucket, dtype, current=current), sizes, pieces, shapes, keys
+        ))
         for arrival in group:
             where = placed.get(arrival.key)
             slots[arrival.key] = Slot(
