@@ -80,14 +80,14 @@ class Strategy(abc.ABC):
         # Each replica's GPU index, or None, and the GPUs once each: read once here, since
         # ``torch.device.type`` costs half a microsecond per access. A CUDA replica runs with
         # its GPU current (``torch.cuda.device``, given the index: a ``torch.device`` costs
-        # torch some 12 lines of Python more), as plain PyTorch code on one GPU does:
+        # torch 15 lines of Python more), as plain PyTorch code on one GPU does:
         # ``device="cuda"`` means its GPU, and a factory without a device creates on the CPU.
         # (A ``torch.device`` context would place those too, but it is a
         # ``TorchFunctionMode``: Python for every torch call of the replica.)
         gpus = [d if d.type == "cuda" else None for d in self._placement.storage_devices]
         self._gpus = tuple(None if d is None else d.index for d in gpus)
         self._distinct_gpus = tuple(dict.fromkeys(d for d in gpus if d is not None))
-        self._current_streams = CurrentStreams()  # theirs when a run begins (for threads)
+        self._current_streams = CurrentStreams()  # the GPUs' when a run begins, for threads
         # the streams of runs of several replicas (one replica draws from the global ones)
         self._randomness = ReplicaRandomness(self._placement)
         self._store = VariableStore(self._placement, self._workers)

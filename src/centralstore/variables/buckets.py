@@ -495,7 +495,7 @@ class GradientBuckets:
         self._arrivals: list[tuple[int, torch.Size, torch.dtype]] = []
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
-        # the stream that produced each gradient
+        # each gradient's producer, the current stream the switches to a side stream restore
         self._current = CurrentStreams() if streams is None else streams
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
