@@ -33,6 +33,8 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from ._devices import CurrentStreams
+
 # A replica body: runs replica ``i`` of ``state`` on the current thread.
 Body = Callable[["RunState", int], None]
 
@@ -67,17 +69,17 @@ class Environment:
     that replica threads are ordered with the caller's work) and the number of intra-op
     threads (replicas run one at a time, so each may use them all). Captured when every run
     begins, so the common case (CPU devices, no autocast) costs a few cheap queries;
-    ``gpus`` are the replicas' GPUs, each once, whose current streams ``current`` finds (a
-    strategy passes its ``_devices.CurrentStreams``, which reads their handles in C)."""
+    ``gpus`` are the replicas' GPUs, each once, whose current streams ``current`` finds and
+    switches to (a strategy passes its own, which lives from run to run; without it, no GPU
+    stream is applied)."""
 
-    __slots__ = ("autocast", "grad_enabled", "inference", "streams", "threads")
+    __slots__ = ("_current", "autocast", "grad_enabled", "inference", "streams", "threads")
 
     def __init__(
-        self, gpus: Sequence[torch.device] = (),
-        current: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.current_stream,
+        self, gpus: Sequence[torch.device] = (), current: CurrentStreams | None = None
     ) -> None:
         self.threads = torch.get_num_threads()
-        self.streams = [current(device) for device in gpus] if gpus else []
+        self._current, self.streams = current, list(map(current, gpus)) if current else []
         self.grad_enabled = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [
@@ -104,8 +106,8 @@ class Environment:
             stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
             for kind, dtype in self.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
-            for stream in self.streams:
-                stack.enter_context(torch.cuda.stream(stream))
+            for stream in self.streams:  # (found by ``current``: never None here)
+                stack.enter_context(cast(CurrentStreams, self._current).switch(stream))
             yield
 
 
