@@ -672,7 +672,7 @@ def test_a_steady_step_finds_its_streams_without_torch_s_python(
     which finds a stream it met before by its raw handle: once the first steps have met the
     streams, centralstore's code in a step of two layers or of twenty, with or without a
     rendezvous, never calls ``torch.cuda.current_stream``, whose Python builds a ``Stream``
-    at every call. (torch's own ``torch.cuda.stream`` context calls it on a real GPU.)"""
+    at every call. (Calls from torch's own wrappers, on a real GPU, are not counted.)"""
     asked = 0
     ask = torch.cuda.current_stream
     package = os.path.dirname(cs.__file__)
