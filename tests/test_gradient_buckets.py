@@ -115,13 +115,14 @@ def small_buckets(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
 
 
 @pytest.mark.parametrize("layers", [25, 50], ids=["50-parameters", "100-parameters"])
-def test_the_early_copy_costs_five_cuda_calls_per_bucket_and_step(
+def test_the_early_copy_costs_five_cuda_calls_per_bucket_and_one_per_backward(
     fake_gpus: fakegpu.FakeGPUs, layers: int
 ) -> None:
     """One bucket (under 16 KiB of gradients): per replica and step, the side stream waits
     for backward, concatenates, copies, records the bucket's event, and the sync point
-    synchronizes it: 5 calls for 50 parameters as for 100 (the copy of each gradient alone
-    made 5 per parameter, and pinned a block for each)."""
+    synchronizes it; at the end of backward an event is recorded on it for the replica's
+    stream to wait for: 6 calls for 50 parameters as for 100 (the copy of each gradient
+    alone made 5 per parameter, and pinned a block for each)."""
     steps = _on_gpus(lambda: _stack(layers))
     counts = []
     for step in range(4):
@@ -133,7 +134,7 @@ def test_the_early_copy_costs_five_cuda_calls_per_bucket_and_step(
             _pinned_allocations(fake_gpus) - pins,
         ))
     # the first step pins the one bucket of each replica, the others pin nothing
-    assert counts == [([5, 5], 2)] + [([5, 5], 0)] * 3
+    assert counts == [([6, 6], 2)] + [([6, 6], 0)] * 3
 
 
 def test_the_calls_follow_the_buckets_not_the_parameters(
@@ -469,7 +470,8 @@ def test_a_loop_of_backwards_in_a_run_copies_each_gradient_once_from_the_second_
             steps.optimizer.zero_grad()
     parameters = len(list(gpu.model.parameters()))
     assert allocations == [2 + 2 * 2 * parameters] + [0] * 3  # the buckets, two alone each
-    assert calls[1:] == [[5, 5]] * 3  # one bucket each, as one backward's
+    # one bucket each, as one backward's, and an event at the end of the backward that copies
+    assert calls[1:] == [[6, 6]] * 3
 
 
 def test_a_loop_whose_passes_change_trains_bit_for_bit_like_the_cpu_twin(
@@ -491,8 +493,10 @@ def test_a_loop_whose_passes_change_trains_bit_for_bit_like_the_cpu_twin(
         _assert_same(gpu, cpu)
         layouts.add(_layout_of(gpu))
     assert len(layouts) == 1
-    # steps 1 to 4 and 6 expect as many passes as they make, or fewer: one bucket's copy
-    assert [calls[i] for i in (1, 2, 3, 4, 6)] == [[5, 5]] * 5
+    # steps 1 to 4 and 6 expect as many passes as they make, or fewer: one bucket's copy,
+    # and an event for the end of the backward whose pass copies (none where the replica's
+    # return copies the sums held, steps 2 and 4)
+    assert [calls[i] for i in (1, 2, 3, 4, 6)] == [[6, 6], [5, 5], [6, 6], [5, 5], [6, 6]]
     assert min(calls[5]) > 5  # three passes where one was expected: two go alone
     passes = gpu.strategy._store.replicas[1].gradient_buckets.passes
     assert sorted(passes.values()) == [3] * len(list(gpu.model.parameters()))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import final
+from typing import Any, final
 
 import torch
 
@@ -204,3 +204,14 @@ class StreamSwitch:
         torch.cuda.set_stream(self._previous)
         if self._device != self._stream.device_index:
             torch.cuda.set_device(self._device)
+
+
+def wait_through(waiter: torch.cuda.Stream, stream: torch.cuda.Stream, event: Any) -> None:
+    """``waiter.wait_stream(stream)`` through ``event``, recorded on ``stream`` again: the
+    waiter's wait holds what ``stream`` had queued when it was made, whatever the event is
+    recorded at later. torch's ``wait_stream`` makes a new event at every call (20 lines of
+    torch 2.13's Python, and CUDA's creation and destruction of an event); this runs 7.
+    ``event`` (a ``torch.cuda.Event``) serves one thread at a time, on ``stream``'s
+    device."""
+    event.record(stream)
+    waiter.wait_event(event)

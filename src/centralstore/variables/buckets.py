@@ -80,7 +80,7 @@ from typing import Any, NamedTuple, cast, final
 import torch
 
 from .._autograd import grad_of, version_of
-from .._devices import CurrentStreams
+from .._devices import CurrentStreams, wait_through
 
 BUCKET_BYTES = 1 << 24  # 16 MiB: DDP's 25 MB, to the power of two the host allocator serves
 # The buffers a bucket lends to ``.grad`` at most: with as many still in use, it fills a spare,
@@ -119,9 +119,9 @@ class Bucket:
     which the sync point copies out instead of lending (``lends``). A loop that calls
     ``zero_grad()`` before its next backward fills one buffer at every step."""
 
-    __slots__ = ("_buffers", "_current", "_event", "_held", "_shapes", "_side", "_spare",
-                 "_streams", "_uses", "arrived", "dtype", "host", "keys", "lends", "pieces",
-                 "state", "unread", "views")
+    __slots__ = ("_buffers", "_current", "_event", "_held", "_produced", "_shapes", "_side",
+                 "_spare", "_streams", "_uses", "arrived", "dtype", "host", "keys", "lends",
+                 "pieces", "state", "unread", "views")
 
     def __init__(
         self, dtype: torch.dtype, numel: int, pieces: list[Piece],
@@ -140,7 +140,8 @@ class Bucket:
         # the streams that produced them, by handle (a stream's ``==`` is Python in torch)
         self._streams: dict[int, Any] = {}
         self._side: Any = None
-        self._event: Any = None
+        self._event: Any = None  # a CUDA event, recorded on the side stream after the copy
+        self._produced: Any = None  # one recorded on the streams whose gradients it copies
         # the buffers it may lend: (buffer, its views by piece, its storage's use count when
         # nothing else uses it); the one being filled is ``host``, ``views``
         self._buffers = [self._pinned(torch.empty(numel, dtype=dtype, pin_memory=True))]
@@ -212,8 +213,10 @@ class Bucket:
         """Copy the arrived runs into the pinned buffer on the side stream, then record the
         event the sync point waits for."""
         side = self._side
+        if self._produced is None:
+            self._produced = torch.cuda.Event()  # type: ignore[no-untyped-call]
         for stream in self._streams.values():
-            side.wait_stream(stream)
+            wait_through(side, stream, self._produced)
         with self._current.switch(side):
             for first, last in self._runs():
                 runs = cast(list[torch.Tensor], self._held[first:last + 1])  # all arrived
@@ -481,9 +484,9 @@ class GradientBuckets:
     """One replica's gradient buckets: their layout, built from a step's arrivals, and the
     step in progress (see the module docstring)."""
 
-    __slots__ = ("__weakref__", "_arrivals", "_buckets", "_copies", "_counts", "_current",
-                 "_deferred", "_filled", "_stale", "holding", "launched", "learns", "ordered",
-                 "passes", "synced")
+    __slots__ = ("__weakref__", "_arrivals", "_buckets", "_copied", "_copies", "_counts",
+                 "_current", "_deferred", "_filled", "_stale", "holding", "launched", "learns",
+                 "ordered", "passes", "synced")
 
     def __init__(self, streams: CurrentStreams | None = None) -> None:
         """``streams``: where the replica finds a device's current stream (its own if
@@ -497,6 +500,7 @@ class GradientBuckets:
         self._filled = 0  # slots that received their gradient this step
         # each gradient's producer, the current stream the switches to a side stream restore
         self._current = CurrentStreams() if streams is None else streams
+        self._copied: Any = None  # a CUDA event, recorded on the side stream after a backward
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
         # called with each bucket whose copy a gradient's arrival (``copy``: inside backward,
@@ -585,7 +589,9 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.state is BucketState.FILLING:
                 bucket._launch()
-        self._current(device).wait_stream(side)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        wait_through(self._current(device), side, self._copied)
 
     def _passes(self) -> dict[int, int]:
         """The gradients the step that ended received of each variable, where more than one:
