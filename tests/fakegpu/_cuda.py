@@ -83,12 +83,11 @@ class FakeStream:
         event.wait(self)
 
     def wait_stream(self, stream: FakeStream) -> None:
-        rt = runtime()
-        if rt.skipped("Stream.wait_stream"):
+        """As torch's: an event recorded on ``stream`` now, which this stream waits for (so
+        the calls counted are CUDA's two, an ``Event.record`` and a ``Stream.wait_event``)."""
+        if runtime().skipped("Stream.wait_stream"):
             return
-        rt.tally("Stream.wait_stream", self)
-        rt.order.launch(self)
-        rt.order.join(self, stream)
+        self.wait_event(stream.record_event())
 
     def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = FakeEvent() if event is None else event

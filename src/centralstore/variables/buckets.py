@@ -589,6 +589,10 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.state is BucketState.FILLING:
                 bucket._launch()
+        self.after_copies(device, side)
+
+    def after_copies(self, device: torch.device, side: Any) -> None:
+        """The current stream of ``device`` waits for the copies queued on ``side`` so far."""
         if self._copied is None:
             self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         wait_through(self._current(device), side, self._copied)

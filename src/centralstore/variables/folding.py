@@ -78,6 +78,7 @@ def copy_held(replica: ReplicaViews) -> None:
     """``replica`` returned: the gradients it held on its GPU for a pass that did not come
     (fewer than at the step before) start their copies, while the other replicas compute."""
     buckets = replica.gradient_buckets
+    side = None
     for key in buckets.release():
         view = replica.views.get(key)
         if view is not None:
@@ -86,8 +87,8 @@ def copy_held(replica: ReplicaViews) -> None:
                 if grad is not None and not grad.is_sparse:
                     side = _side_streams.get(grad.device) or _side_stream(grad.device)
                     view.pending.append(buckets.copy(key, grad, side))
-                    # (a backward after ``run`` may add to it in place: after the copy)
-                    replica.streams(grad.device).wait_stream(side)
+    if side is not None:  # (a backward after ``run`` may add to them in place: after the copies)
+        buckets.after_copies(replica.device, side)
 
 
 _side_streams: dict[torch.device, Any] = {}
