@@ -125,7 +125,7 @@ DEFECTS = [
     ("every GPU drew the same random numbers", "test_each_gpu_replica_draws_different"),
     ("a TorchFunctionMode in every CUDA replica", "test_a_gpu_replica_pays_no_python"),
     ("a pinned block per gradient and step", "test_the_early_gradient_copy_pins_its"),
-    ("torch.cuda's Python at every gradient copied", "test_a_steady_step_finds_its_streams"),
+    ("torch.cuda's heavier wrappers in every step", "test_a_steady_step_finds_its_streams"),
     ("a CUDA event made at every step", "test_a_steady_step_makes_no_cuda_event"),
 ]
 DEFECTS_TIMEOUT_S = 90

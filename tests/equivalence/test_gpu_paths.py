@@ -669,18 +669,23 @@ def test_a_steady_step_finds_its_streams_without_torch_s_python(
     """Every lookup of a GPU's current stream that a training step makes (each gradient
     copied to host memory, the end of each backward, the copies of the variables and of the
     input, the streams a replica thread takes on) goes through a ``_devices.CurrentStreams``,
-    which finds a stream it met before by its raw handle: once the first steps have met the
+    which finds a stream it met before by its raw handle, and so do its switches to a side
+    stream and its waits of one stream for another: once the first steps have met the
     streams, centralstore's code in a step of two layers or of twenty, with or without a
-    rendezvous, never calls ``torch.cuda.current_stream``, whose Python builds a ``Stream``
-    at every call. (Calls from torch's own wrappers, on a real GPU, are not counted.)"""
+    rendezvous, never calls ``torch.cuda.current_stream`` (whose Python builds a ``Stream``
+    at every call), ``torch.cuda.stream`` (which parses the current device twice) or
+    ``Stream.wait_stream`` (which makes an event). (Calls from torch's own wrappers, on a
+    real GPU, are not counted.)"""
     asked = 0
-    ask = torch.cuda.current_stream
     package = os.path.dirname(cs.__file__)
 
-    def counted(device: Any = None) -> Any:
-        nonlocal asked
-        asked += sys._getframe(1).f_code.co_filename.startswith(package)
-        return ask(device)
+    def counted(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal asked
+            asked += sys._getframe(1).f_code.co_filename.startswith(package)
+            return original(*args, **kwargs)
+
+        return call
 
     def calls_in_one_step(layers: int, rendezvous: bool) -> int:
         nonlocal asked
@@ -710,7 +715,10 @@ def test_a_steady_step_finds_its_streams_without_torch_s_python(
         step()
         return asked
 
-    monkeypatch.setattr(torch.cuda, "current_stream", counted)
+    for owner, name in (
+        (torch.cuda, "current_stream"), (torch.cuda, "stream"), (torch.cuda.Stream, "wait_stream")
+    ):
+        monkeypatch.setattr(owner, name, counted(getattr(owner, name)))
     for layers in (2, 20):
         for rendezvous in (False, True):
             assert calls_in_one_step(layers, rendezvous) == 0, (layers, rendezvous)
