@@ -488,9 +488,9 @@ class GradientBuckets:
                  "_current", "_deferred", "_filled", "_stale", "holding", "launched", "learns",
                  "ordered", "passes", "synced")
 
-    def __init__(self, streams: CurrentStreams | None = None) -> None:
-        """``streams``: where the replica finds a device's current stream (its own if
-        None)."""
+    def __init__(self, current: CurrentStreams | None = None) -> None:
+        """``current``: the replica's ``CurrentStreams``, which its buckets share (one of
+        their own if None)."""
         # by the key of the central variable: its slot, as the copy into it
         self._copies: dict[int, InBucket] = {}
         self._buckets: list[Bucket] = []  # the layout's, in the order of its slots
@@ -499,7 +499,7 @@ class GradientBuckets:
         self._deferred: list[Deferred] = []  # this step's gradients without a slot
         self._filled = 0  # slots that received their gradient this step
         # each gradient's producer, the current stream the switches to a side stream restore
-        self._current = CurrentStreams() if streams is None else streams
+        self._current = CurrentStreams() if current is None else current
         self._copied: Any = None  # a CUDA event, recorded on the side stream after a backward
         self._stale = False  # this step does not fit the layout
         self.synced = True  # a sync point took gradients since the latest arrival
