@@ -9,11 +9,14 @@ With ``CENTRALSTORE_FAKE_GPUS=N`` in the environment, the tests marked ``cuda``
 imported (so that their ``skipif`` marks see them), and each such test runs inside
 ``fakegpu.devices(N)``, checked at teardown as ``fake_gpus`` is. Other tests pay nothing.
 
-Every test ends with ``torch.compile``'s caches emptied (``_dynamo_forgets``).
+Every test ends with ``torch.compile``'s caches emptied (``_dynamo_forgets``). What the
+imports and the collection made is frozen out of the garbage collector's reach
+(``pytest_collection_finish``).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Generator, Iterator
 
@@ -35,6 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "fake_gpus(count=2): the number of fake CUDA devices the fake_gpus fixture gives",
     )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every full collection (a test's own, a fake GPU's check, Python's automatic ones)
+    walks only what the tests made: torch's, transformers' and the test modules' objects,
+    which live to the end anyway, are frozen once collected. Unfrozen, each walked about
+    380,000 objects, 0.2 s."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)
