@@ -217,6 +217,13 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
     large = strategy.experimental_distribute_values_from_function(  # past the agreement's slot
         lambda c: torch.full((40,), float(c.replica_id_in_sync_group + 1))
     )
+    # complex values travel as their real and imaginary parts
+    large_complex = strategy.experimental_distribute_values_from_function(
+        lambda c: torch.full((40,), complex(c.replica_id_in_sync_group + 1, 2))
+    )
+    ragged_complex = strategy.experimental_distribute_values_from_function(
+        lambda c: torch.arange(float(c.replica_id_in_sync_group + 1)) * (2 - 1j)
+    )
     if len(strategy.extended.worker_devices) == 1:
         full, ragged = full.values[0], ragged.values[0]  # as run returns them with R_local = 1
     made: dict[str, int] = {}  # the collectives each call made (none in one process)
@@ -268,6 +275,10 @@ def api(strategy: cs.Strategy) -> dict[str, Any]:
         },
         "collectives": made,
         "gather": counted("gather", lambda: strategy.gather(ragged, axis=0)),
+        "complex": [
+            strategy.reduce("SUM", large_complex, axis=None),
+            strategy.gather(ragged_complex, axis=0),
+        ],
         "all_reduce": [
             local(strategy.run(lambda op=op: ctx().all_reduce(
                 op, float(ctx().replica_id_in_sync_group + 1)

@@ -181,6 +181,9 @@ def check_api(results: list[dict[str, Any]], workers: int, local: int) -> None:
             "scalar MEAN": 1 + 1,
         }, got["collectives"]
         torch.testing.assert_close(got["gather"], expected["gather"])
+        for t_got, t_expected in zip(got["complex"], expected["complex"], strict=True):
+            assert t_got.is_complex()
+            torch.testing.assert_close(t_got, t_expected)
         for op_got, op_expected in zip(got["all_reduce"], expected["all_reduce"], strict=True):
             assert [float(t) for t in op_got] == [float(t) for t in op_expected[mine]]
         for t_got, t_expected in zip(got["all_gather"], expected["all_gather"][mine], strict=True):
