@@ -9,6 +9,8 @@ resolves through the variable's class, which dynamo does not trace.
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,8 +114,18 @@ def test_a_compiled_function_reading_a_central_variable_directly_cannot_be_fullg
     with strategy.scope():
         scale = cs.Variable(2.0)
     scaled = torch.compile(lambda x: x * scale, fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"compiler\.disable"):
+    with pytest.raises(torch._dynamo.exc.Unsupported) as raised:
         strategy.run(scaled, args=(torch.ones(2),))
+    assert "compiled with fullgraph=True reached a central variable" in raised.value.__notes__[1]
+
+
+def test_importing_centralstore_leaves_torch_compile_unloaded() -> None:
+    """torch.compile's machinery (torch._dynamo, about a second) loads at the first
+    compilation, not with centralstore: the command line and processes that never compile
+    (a data loader's spawned workers) do not pay for it."""
+    code = "import sys, centralstore; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 def test_a_compiled_function_reading_a_central_variable_runs_that_call_eagerly() -> None:

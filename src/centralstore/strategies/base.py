@@ -35,6 +35,7 @@ from .._workers import OneProcess, Workers
 from ..input import distributed as _distributed
 from ..input.dataset import Dataset
 from ..input.options import InputContext, InputOptions
+from ..variables import views
 from ..variables.runs import EMPTY, NOTHING, Run
 from ..variables.store import VariableStore
 from ..variables.unscoped import FirstUse
@@ -240,6 +241,8 @@ class Strategy(abc.ABC):
                 error.add_note(note)
                 if self._merges != merges and _SAVED_TENSOR_WRITTEN in str(error):
                     error.add_note(_AFTER_MERGE)
+                if run.uses_views and views.fullgraph_refused(error):
+                    error.add_note(views.FULLGRAPH_NOTE)
             raise error
         if run.uses_views and any(map(is_not, state.outputs, repeat(None))):
             store.watch([t for t in _tree.leaves(state.outputs) if isinstance(t, torch.Tensor)])

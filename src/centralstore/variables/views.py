@@ -568,10 +568,26 @@ def _call_on_views(views: ReplicaViews, func: Any, args: Any, kwargs: Any) -> An
 
 # torch.compile does not trace the call on views (its bookkeeping would turn into guards on
 # tensor ids): a compiled function runs the calls that receive a central variable eagerly,
-# and compiles the rest.
-_on_views: Callable[[ReplicaViews, Any, Any, Any], Any] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+# and compiles the rest. (torch's lazy ``torch.compiler.disable``, which its optimizers'
+# methods use: it imports torch._dynamo at the first call, which only a compilation makes,
+# where ``torch.compiler.disable`` took a second of every ``import centralstore``.)
+_on_views: Callable[[ReplicaViews, Any, Any, Any], Any] = torch._disable_dynamo(  # type: ignore[attr-defined]
     _call_on_views
 )
+
+FULLGRAPH_NOTE = (
+    "A function compiled with fullgraph=True reached a central variable other than through "
+    "a module attribute (a cs.Variable, or a parameter or buffer taken before run by a "
+    "replica that sees views): that call runs eagerly between compiled pieces, so the "
+    "function cannot compile whole. Compile it without fullgraph=True (the rest still "
+    "compiles), or reach the module's variables through the module inside it."
+)
+
+
+def fullgraph_refused(error: BaseException) -> bool:
+    """Whether ``error`` is torch.compile refusing, under ``fullgraph=True``, to leave the
+    call on views untraced (``FULLGRAPH_NOTE`` explains it to the user)."""
+    return _call_on_views.__name__ in str(error)
 
 
 class CentralParameter(torch.nn.Parameter):
