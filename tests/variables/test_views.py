@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from paths import PATHS, run_on, strategy_on
+from paths import PATHS, each_path, run_on, strategy_on
 from replicas import local, replica_id, strategy_of
 from torch import nn
 
@@ -109,13 +109,16 @@ def test_batch_norm_and_attention_compile_whole_with_several_replicas(
     _assert_matches(_train(2, "fullgraph", build, direct=direct), _train(2, "eager", build))
 
 
-def test_a_compiled_function_reading_a_central_variable_directly_cannot_be_fullgraph() -> None:
-    strategy = strategy_of(2)
+@each_path
+def test_a_compiled_function_reading_a_central_variable_directly_cannot_be_fullgraph(
+    path: str,
+) -> None:
+    strategy = strategy_on(path)
     with strategy.scope():
         scale = cs.Variable(2.0)
     scaled = torch.compile(lambda x: x * scale, fullgraph=True)
     with pytest.raises(torch._dynamo.exc.Unsupported) as raised:
-        strategy.run(scaled, args=(torch.ones(2),))
+        run_on(path, strategy, scaled, (torch.ones(2),))
     assert "compiled with fullgraph=True reached a central variable" in raised.value.__notes__[1]
 
 
