@@ -184,6 +184,22 @@ def test_sum_of_integers_stays_integer() -> None:
     same(strategy_of(2).reduce(SUM, value), torch.tensor([4, 6]))
 
 
+@pytest.mark.parametrize("op", [SUM, MEAN])
+def test_components_add_in_replica_order_whatever_their_form(op: ReduceOp) -> None:
+    # float32: (1 + 1e8) - 1e8 is 0, (-1e8 + 1e8) + 1 is 1; tensors alike take a shorter way
+    # than numbers, numpy arrays or tensor subclasses, and every way adds in replica order
+    values = [1.0, 1e8, -1e8]
+    forms: list[list[Any]] = [
+        [torch.tensor(v) for v in values],
+        [np.float32(v) for v in values],
+        [torch.nn.Parameter(torch.tensor(v), requires_grad=False) for v in values],
+        [torch.tensor(values[0]), np.float32(values[1]), torch.tensor(values[2])],
+    ]
+    strategy = strategy_of(3)
+    for components in forms:
+        same(strategy.reduce(op, cs.PerReplica(components)), 0.0)
+
+
 @pytest.mark.parametrize(
     ("components", "axis", "match"),
     [

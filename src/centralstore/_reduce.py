@@ -36,13 +36,17 @@ class ReduceOp(enum.Enum):
         """``op`` as a ``ReduceOp``; anything else raises ``ValueError``."""
         if isinstance(op, ReduceOp):
             return op
-        if isinstance(op, str) and op.upper() in cls.__members__:
-            return cls[op.upper()]
+        parsed = _BY_NAME.get(op.upper()) if isinstance(op, str) else None
+        if parsed is not None:
+            return parsed
         raise ValueError(
             f"reduce_op must be ReduceOp.SUM or ReduceOp.MEAN (or the strings 'SUM', 'MEAN' in "
             f"any case). Received: reduce_op={op!r}"
         )
 
+
+# the members by name, read without ``EnumMeta``'s Python-level ``__members__`` and ``[]``
+_BY_NAME = {op.value: op for op in ReduceOp}
 
 # -- arguments ---------------------------------------------------------------------------------
 
@@ -226,6 +230,21 @@ def _add_in_order(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     return total
 
 
+def _alike(components: Sequence[Any], device: torch.device) -> bool:
+    """Whether ``components`` are plain tensors on ``device`` of one dtype (not bool) and one
+    shape, which ``reduce_components`` adds as they are, without the conversions and checks
+    that word its errors."""
+    first = components[0]
+    if type(first) is not torch.Tensor or first.dtype is torch.bool or first.device != device:
+        return False
+    dtype, shape = first.dtype, first.shape
+    return all(
+        type(part) is torch.Tensor and part.dtype is dtype and part.shape == shape
+        and part.device == device
+        for part in components[1:]
+    )
+
+
 def reduce_components(
     op: ReduceOp, components: Sequence[Any], axis: Axis, device: torch.device
 ) -> torch.Tensor:
@@ -239,6 +258,11 @@ def reduce_components(
     ...                   0, torch.device("cpu"))
     tensor(2.5000)
     """
+    if axis is None and _alike(components, device):  # a loss or a metric, every step
+        total = components[0]
+        for part in components[1:]:
+            total = total + part
+        return total if op is ReduceOp.SUM else mean_of(total, len(components))
     axes = reduce_axes(axis)
     what = f"reduce({op.name})" if axes is None else f"reduce({op.name}, axis={axis})"
     parts = _tensors(components, device, "strategy.reduce")
