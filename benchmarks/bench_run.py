@@ -12,8 +12,11 @@ function called plainly in the same process:
                                 its component and a dict of it, which run regroups into
                                 PerReplica leaves of the same structure
   reduce(SUM, PerReplica)       R tensors of 4 floats summed; plain: the same additions
+  reduce(MEAN, PerReplica)      the same divided by R, as a step's loss is reduced; plain:
+                                the additions and the division
   reduce(MEAN, tensor)          a plain tensor, as run returns it with one replica: itself,
                                 at any R; plain: the tensor
+  gather(PerReplica, axis=0)    the R tensors concatenated; plain: ``torch.cat``
   run with one all_reduce       the threaded path: replica 0 meets a rendezvous, so the other
                                 replicas run on replica threads; plain: the same all_reduce
                                 in the default replica context (outside any strategy)
@@ -134,8 +137,14 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
         "reduce(SUM, PerReplica)": (
             lambda: strategy.reduce(cs.ReduceOp.SUM, value), plain_sum, 1,
         ),
+        "reduce(MEAN, PerReplica)": (
+            lambda: strategy.reduce(cs.ReduceOp.MEAN, value), lambda: plain_sum() / replicas, 1,
+        ),
         "reduce(MEAN, tensor)": (
             lambda: strategy.reduce(cs.ReduceOp.MEAN, tensor), lambda: tensor, 1,
+        ),
+        "gather(PerReplica, axis=0)": (
+            lambda: strategy.gather(value, axis=0), lambda: torch.cat(components), 1,
         ),
         # Thread hand-offs cost tens of microseconds: fewer calls per batch keep rounds short.
         "run with one all_reduce": (lambda: strategy.run(one_all_reduce), one_all_reduce, 20),

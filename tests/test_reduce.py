@@ -388,6 +388,8 @@ def test_gather_concatenates_along_the_axis_with_uneven_and_empty_components() -
         ((torch.tensor(1.0), torch.tensor(2.0)), 0, "replica 0 gave a scalar"),
         ((torch.ones(1), torch.tensor(2.0)), 0, "replica 1 gave a scalar"),
         ((torch.ones(1, 2), torch.ones(2)), 0, r"equal rank.*\(1, 2\).*\(2,\)"),
+        # (torch.cat would skip an empty vector beside matrices: the rank check comes first)
+        ((torch.ones(1, 2), torch.zeros(0)), 0, r"equal rank.*\(1, 2\).*\(0,\)"),
         ((torch.ones(1, 2), torch.ones(1, 3)), 0, r"equal sizes on the other axes"),
         ((torch.ones(1, 2), torch.ones(1, 2)), 2, "out of range"),
         ((torch.ones(1, 2), torch.ones(1, 2)), -3, "out of range"),

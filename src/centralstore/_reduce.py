@@ -171,7 +171,8 @@ def mean_of(total: torch.Tensor, count: float) -> torch.Tensor:
     >>> mean_of(torch.tensor([3, 4]), 2)
     tensor([1.5000, 2.0000])
     """
-    return total.to(mean_dtype(total.dtype)) / count
+    dtype = mean_dtype(total.dtype)
+    return (total if total.dtype is dtype else total.to(dtype)) / count
 
 
 _CPU = torch.device("cpu")
@@ -230,18 +231,21 @@ def _add_in_order(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     return total
 
 
+def _plain_on(components: Sequence[Any], device: torch.device) -> bool:
+    """Whether ``components`` are plain tensors (no subclass) on ``device``: what ``_tensors``
+    would give back as they are."""
+    return all(type(part) is torch.Tensor and part.device == device for part in components)
+
+
 def _alike(components: Sequence[Any], device: torch.device) -> bool:
     """Whether ``components`` are plain tensors on ``device`` of one dtype (not bool) and one
     shape, which ``reduce_components`` adds as they are, without the conversions and checks
     that word its errors."""
-    first = components[0]
-    if type(first) is not torch.Tensor or first.dtype is torch.bool or first.device != device:
+    if not _plain_on(components, device):
         return False
-    dtype, shape = first.dtype, first.shape
-    return all(
-        type(part) is torch.Tensor and part.dtype is dtype and part.shape == shape
-        and part.device == device
-        for part in components[1:]
+    dtype, shape = components[0].dtype, components[0].shape
+    return dtype is not torch.bool and all(
+        part.dtype is dtype and part.shape == shape for part in components
     )
 
 
@@ -307,6 +311,13 @@ def reduce_plain(op: ReduceOp, value: Any, num_replicas: int, axis: Axis) -> Any
 def gather_components(components: Sequence[Any], axis: int, device: torch.device) -> torch.Tensor:
     """Concatenate the per-replica ``components`` along ``axis`` on ``device``."""
     axis = gather_axis(axis)
+    if _plain_on(components, device):  # predictions or labels, every step: torch checks
+        rank = components[0].dim()     # the other sizes; the checks below word the errors
+        if rank and -rank <= axis < rank and all(part.dim() == rank for part in components):
+            try:
+                return torch.cat(components, dim=axis)  # type: ignore[arg-type]
+            except RuntimeError:
+                pass
     parts = _tensors(components, device, "strategy.gather")
     ref = parts[0]
     for replica, part in enumerate(parts):
