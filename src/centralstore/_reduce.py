@@ -231,24 +231,6 @@ def _add_in_order(parts: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     return total
 
 
-def _plain_on(components: Sequence[Any], device: torch.device) -> bool:
-    """Whether ``components`` are plain tensors (no subclass) on ``device``: what ``_tensors``
-    would give back as they are."""
-    return all(type(part) is torch.Tensor and part.device == device for part in components)
-
-
-def _alike(components: Sequence[Any], device: torch.device) -> bool:
-    """Whether ``components`` are plain tensors on ``device`` of one dtype (not bool) and one
-    shape, which ``reduce_components`` adds as they are, without the conversions and checks
-    that word its errors."""
-    if not _plain_on(components, device):
-        return False
-    dtype, shape = components[0].dtype, components[0].shape
-    return dtype is not torch.bool and all(
-        part.dtype is dtype and part.shape == shape for part in components
-    )
-
-
 def reduce_components(
     op: ReduceOp, components: Sequence[Any], axis: Axis, device: torch.device
 ) -> torch.Tensor:
@@ -262,11 +244,6 @@ def reduce_components(
     ...                   0, torch.device("cpu"))
     tensor(2.5000)
     """
-    if axis is None and _alike(components, device):  # a loss or a metric, every step
-        total = components[0]
-        for part in components[1:]:
-            total = total + part
-        return total if op is ReduceOp.SUM else mean_of(total, len(components))
     axes = reduce_axes(axis)
     what = f"reduce({op.name})" if axes is None else f"reduce({op.name}, axis={axis})"
     parts = _tensors(components, device, "strategy.reduce")
@@ -311,13 +288,6 @@ def reduce_plain(op: ReduceOp, value: Any, num_replicas: int, axis: Axis) -> Any
 def gather_components(components: Sequence[Any], axis: int, device: torch.device) -> torch.Tensor:
     """Concatenate the per-replica ``components`` along ``axis`` on ``device``."""
     axis = gather_axis(axis)
-    if _plain_on(components, device):  # predictions or labels, every step: torch checks
-        rank = components[0].dim()     # the other sizes; the checks below word the errors
-        if rank and -rank <= axis < rank and all(part.dim() == rank for part in components):
-            try:
-                return torch.cat(components, dim=axis)  # type: ignore[arg-type]
-            except RuntimeError:
-                pass
     parts = _tensors(components, device, "strategy.gather")
     ref = parts[0]
     for replica, part in enumerate(parts):
