@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _counts import at_least
 from torch import nn
 
 import centralstore as cs
@@ -152,9 +153,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per process")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=20, help="timed steps per process")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "CONFIG", "HEAP"),

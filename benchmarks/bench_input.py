@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
+from _counts import at_least
 from bench_train import quartiles
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -154,7 +155,7 @@ def interleaved(cases: dict[str, Callable[[], Timing]], rounds: int) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15, help="rounds of every case")
+    parser.add_argument("--rounds", type=at_least(1), default=15, help="rounds of every case")
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -46,6 +46,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _counts import at_least
+
 CONFIGS = ("plain", "cs R=1", "halves", "apart", "cs R=2")
 # each configuration's baselines: the same work without centralstore first; ``cs R=2`` also
 # against ``apart``, the halves keeping each pass's gradients apart as two replicas must
@@ -183,10 +185,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cnn"],
                         choices=["gpt2", "bert", "vit", "cnn", "bn"])
-    parser.add_argument("--steps", type=int, default=10, help="counted steps per process")
+    parser.add_argument("--steps", type=at_least(1), default=10, help="counted steps per process")
     parser.add_argument("--cache", action="store_true",
                         help="also simulate the caches and branch predictors")
-    parser.add_argument("--functions", type=int, default=0, metavar="N",
+    parser.add_argument("--functions", type=at_least(0), default=0, metavar="N",
                         help="after the table, the N functions whose own instructions differ "
                         "most between each configuration and its baselines")
     options = parser.parse_args()

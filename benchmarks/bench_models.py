@@ -95,6 +95,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _counts import at_least
 from bench_train import (
     median_of_all,
     quartiles,
@@ -422,11 +423,11 @@ def _against(times: list[list[float]], baseline: list[list[float]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--sizes", type=int, nargs="*", default=[4],
+    parser.add_argument("--rounds", type=at_least(1), default=10)
+    parser.add_argument("--steps", type=at_least(1), default=10, help="timed steps per round")
+    parser.add_argument("--sizes", type=at_least(1), nargs="*", default=[4],
                         help="examples per replica, eager")
-    parser.add_argument("--compiled-sizes", type=int, nargs="*", default=[4],
+    parser.add_argument("--compiled-sizes", type=at_least(1), nargs="*", default=[4],
                         help="examples per replica, compiled")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--compiled-models", nargs="*", choices=list(MODELS), default=["gpt2"])
@@ -434,13 +435,11 @@ def main() -> None:
                         help="skip GPT-2's four accumulated micro-batches")
     parser.add_argument("--no-evaluation", action="store_true",
                         help="skip the evaluation groups (forwards under no_grad, eval mode)")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="intra-op threads")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
-    parser.add_argument("--block", type=int, default=1,
+    parser.add_argument("--block", type=at_least(1), default=1,
                         help="consecutive steps per turn, the first untimed (a training loop's)")
     options = parser.parse_args()
-    if options.block < 1:
-        parser.error(f"--block must be at least 1, got {options.block}")
     torch.set_num_threads(options.threads)
     global _clock
     _clock = CLOCKS[options.clock]

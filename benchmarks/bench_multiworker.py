@@ -77,6 +77,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _counts import at_least
 from bench_train import Transformer
 from torch import nn
 
@@ -497,13 +498,13 @@ def main() -> None:
         _worker(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--rounds", type=at_least(1), default=7)
+    parser.add_argument("--reps", type=at_least(1), default=5)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 100])
     parser.add_argument("--models", nargs="+", choices=list(_DDP_MODELS), default=DEFAULT_MODELS,
                         help="the models of the table against DDP")
-    parser.add_argument("--accumulation-replicas", type=int, default=1,
+    parser.add_argument("--accumulation-replicas", type=at_least(1), default=1,
                         help="local replicas of this strategy in the accumulation table (DDP "
                              "makes one pass per micro-batch whatever it is)")
     parser.add_argument("--gpu", action="store_true",

@@ -149,6 +149,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
+from _counts import at_least
 from bench_models import MODELS, make_step
 from torch import nn
 
@@ -982,7 +983,7 @@ def main() -> None:
                         help="count the GPU path on the test suite's fake GPUs")
     parser.add_argument("--phases", action="store_true",
                         help="time where the overhead falls instead of counting lines")
-    parser.add_argument("--phase-steps", type=int, default=None,
+    parser.add_argument("--phase-steps", type=at_least(1), default=None,
                         help="steps timed with --phases (default 200; with --fake-gpus 20)")
     parser.add_argument("--views", action="store_true",
                         help="with --phases: the replicas see views, as on GPUs")
@@ -997,15 +998,15 @@ def main() -> None:
     parser.add_argument("--accumulate", action="store_true",
                         help="with --phases --fake-gpus: two runs a step, timing the "
                         "second's sync point, which finds .grad filled")
-    parser.add_argument("--loop", type=int, default=1,
+    parser.add_argument("--loop", type=at_least(1), default=1,
                         help="with --phases --fake-gpus: micro-batches each replica loops "
                         "over inside one run, its gradients held on its GPU or copied each")
     parser.add_argument("--shares", action="store_true",
                         help="time each model's R = 2 step with the shared buffers' work "
                         "switched off (a bound on what it costs) against apart")
-    parser.add_argument("--share-rounds", type=int, default=150,
+    parser.add_argument("--share-rounds", type=at_least(1), default=150,
                         help="with --shares: rounds, each configuration once a round")
-    parser.add_argument("--share-instances", type=int, default=3,
+    parser.add_argument("--share-instances", type=at_least(1), default=3,
                         help="with --shares: instances of each variant, built apart")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()

@@ -53,6 +53,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _counts import at_least
 from torch import nn
 
 import centralstore as cs
@@ -264,9 +265,9 @@ def print_accumulation(results: dict[tuple[int, str], float], rounds: int) -> No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds")
-    parser.add_argument("--batch", type=int, default=200, help="calls per timed batch")
-    parser.add_argument("--accumulation-rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=at_least(1), default=30, help="interleaved rounds")
+    parser.add_argument("--batch", type=at_least(1), default=200, help="calls per timed batch")
+    parser.add_argument("--accumulation-rounds", type=at_least(0), default=10)
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     options = parser.parse_args()
     global _clock

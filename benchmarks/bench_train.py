@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from _counts import at_least
 from torch import nn
 
 import centralstore as cs
@@ -265,7 +266,10 @@ def ratio(times: list[list[float]], baseline: list[list[float]]) -> float:
 
 
 def quartiles(values: list[float]) -> tuple[float, float, float]:
-    """The first quartile, the median and the third quartile of ``values``."""
+    """The first quartile, the median and the third quartile of ``values`` (one value is all
+    three: a run of one round)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q1, median, q3
 
@@ -308,8 +312,8 @@ def measure_peak(step: Callable[[], None], steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--rounds", type=at_least(1), default=10)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--default-malloc", action="store_true",

@@ -53,6 +53,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from _counts import at_least
+
 PER_REPLICA = 4
 CONFIGS = ("plain", "cs R=1", "plain x2", "cs R=2")
 BASELINES = {"cs R=1": "plain", "cs R=2": "plain x2"}  # the same work without centralstore
@@ -389,8 +391,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trainers", nargs="+", choices=list(TRAINERS), default=list(TRAINERS))
     parser.add_argument("--time", action="store_true", help="also time the steps")
-    parser.add_argument("--steps", type=int, default=300, help="steps per configuration")
-    parser.add_argument("--warmup", type=int, default=50, help="first steps not timed")
+    parser.add_argument("--steps", type=at_least(1), default=300, help="steps per configuration")
+    parser.add_argument("--warmup", type=at_least(0), default=50, help="first steps not timed")
     parser.add_argument("--count", nargs=2, help=argparse.SUPPRESS)
     options = parser.parse_args()
     import torch

@@ -94,6 +94,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _counts import at_least
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
@@ -654,9 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=7,
+    parser.add_argument("--rounds", type=at_least(1), default=7,
                         help="timing rounds; the table gives the median (default 7)")
-    parser.add_argument("--steps", type=int, default=20,
+    parser.add_argument("--steps", type=at_least(1), default=20,
                         help="training steps per round (default 20)")
     parser.add_argument("--skip-tests", action="store_true",
                         help="only the benchmark, without step 1's tests")

@@ -1,0 +1,71 @@
+"""The benchmark scripts still run and print their tables: each at its smallest setting, in a
+subprocess, as a user runs it. Nothing here is timed (the scripts' figures are read by
+people, in benchmarks/README.md); a refactoring that breaks a script fails here instead of
+in the next session that measures. The slowest scripts (the trainers, several workers,
+glibc's heap, valgrind's counts, the GPU check) are left to their own runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# one intra-op thread per subprocess: pytest-xdist already runs a worker per core
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python benchmarks/SCRIPT ARGS`` in ``cwd``, output captured."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=240, check=False, env=ENV,
+    )
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("bench_run.py", ["--rounds", "1", "--batch", "2", "--accumulation-rounds", "1"],
+         ["reduce(MEAN, PerReplica)", "gather(PerReplica, axis=0)", "target: trivial run"]),
+        ("bench_models.py", ["--rounds", "1", "--steps", "1", "--models", "cnn",
+                             "--compiled-models", "--no-accumulation"],
+         ["cnn    eager     4 cs R=2", "cnn    eval      4 cs R=1"]),
+        ("bench_train.py", ["--rounds", "1", "--steps", "2", "--models", "mlp", "--no-memory"],
+         ["cs R=2"]),
+        ("bench_overhead.py", ["--models", "cnn"], ["cnn    cs R=2"]),
+    ],
+)
+def test_a_script_prints_its_table(
+    script: str, args: list[str], expected: list[str], tmp_path: Path
+) -> None:
+    result = bench(script, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for text in expected:
+        assert text in result.stdout, (text, result.stdout)
+
+
+def test_a_count_below_its_minimum_is_refused_by_name(tmp_path: Path) -> None:
+    result = bench("bench_models.py", "--rounds", "0", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "argument --rounds: must be at least 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_at_least() -> None:
+    spec = importlib.util.spec_from_file_location("_counts", BENCHMARKS / "_counts.py")
+    assert spec is not None and spec.loader is not None
+    counts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counts)
+    at_least = counts.at_least
+    assert at_least(0)("0") == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at least 1, got 0"):
+        at_least(1)("0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected a whole number, got '2\.5'"):
+        at_least(1)("2.5")
