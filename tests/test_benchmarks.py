@@ -58,7 +58,7 @@ def test_a_count_below_its_minimum_is_refused_by_name(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_at_least() -> None:
+def test_a_count_is_a_whole_number_of_at_least_its_minimum() -> None:
     spec = importlib.util.spec_from_file_location("_counts", BENCHMARKS / "_counts.py")
     assert spec is not None and spec.loader is not None
     counts = importlib.util.module_from_spec(spec)

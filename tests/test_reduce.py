@@ -186,8 +186,8 @@ def test_sum_of_integers_stays_integer() -> None:
 
 @pytest.mark.parametrize("op", [SUM, MEAN])
 def test_components_add_in_replica_order_whatever_their_form(op: ReduceOp) -> None:
-    # float32: (1 + 1e8) - 1e8 is 0, (-1e8 + 1e8) + 1 is 1; tensors alike take a shorter way
-    # than numbers, numpy arrays or tensor subclasses, and every way adds in replica order
+    # float32: (1 + 1e8) - 1e8 is 0, (-1e8 + 1e8) + 1 is 1: tensors, numpy numbers, tensor
+    # subclasses and a mix of them all add in replica order
     values = [1.0, 1e8, -1e8]
     forms: list[list[Any]] = [
         [torch.tensor(v) for v in values],
