@@ -1027,8 +1027,6 @@ def main() -> None:
     if options.shares and (options.phases or options.workers or options.fake_gpus):
         parser.error("--shares times one process on logical CPU devices: leave out "
                      "--phases, --workers and --fake-gpus")
-    if options.share_rounds < 1 or options.share_instances < 1:
-        parser.error("--share-rounds and --share-instances take a number, 1 or more")
     if options.views and options.workers:
         parser.error("--views is for one process (across workers every replica sees views "
                      "already): leave out --views or --workers")
