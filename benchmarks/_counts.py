@@ -23,5 +23,4 @@ def at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
 
-    count.__name__ = f"count of at least {minimum}"  # argparse names the type in its errors
     return count
