@@ -39,10 +39,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from _counts import at_least
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 
 BATCH = 64
 WARMUP = 5

@@ -52,10 +52,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-from _counts import at_least
 from bench_train import quartiles
 from torch.utils.data import DataLoader, TensorDataset
 
+from centralstore.cli import at_least
 from centralstore.input.dataset import Dataset
 from centralstore.input.distributed import distribute_dataset
 

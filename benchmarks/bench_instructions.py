@@ -46,7 +46,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _counts import at_least
+from centralstore.cli import at_least
 
 CONFIGS = ("plain", "cs R=1", "halves", "apart", "cs R=2")
 # each configuration's baselines: the same work without centralstore first; ``cs R=2`` also

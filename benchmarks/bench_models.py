@@ -95,7 +95,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _counts import at_least
 from bench_train import (
     median_of_all,
     quartiles,
@@ -105,6 +104,7 @@ from bench_train import (
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 from centralstore.demo.job import make_model as demo_cnn
 
 SEQUENCE = 16

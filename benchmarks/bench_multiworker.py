@@ -77,11 +77,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _counts import at_least
 from bench_train import Transformer
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 from centralstore.strategies.multi_worker import MultiWorkerCentralStorageStrategy
 
 BATCH = 512

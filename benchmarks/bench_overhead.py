@@ -149,11 +149,11 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 import torch
-from _counts import at_least
 from bench_models import MODELS, make_step
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 
 PER_REPLICA = 4
 # The model's work (bench_models' replica_step and plain_loss, and every backward; here

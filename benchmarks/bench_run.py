@@ -53,10 +53,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from _counts import at_least
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 
 REPLICAS = (1, 2, 4)
 TARGET_US = 25.0

@@ -52,10 +52,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from _counts import at_least
 from torch import nn
 
 import centralstore as cs
+from centralstore.cli import at_least
 
 BATCH = 512
 

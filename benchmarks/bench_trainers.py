@@ -53,7 +53,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from _counts import at_least
+from centralstore.cli import at_least
 
 PER_REPLICA = 4
 CONFIGS = ("plain", "cs R=1", "plain x2", "cs R=2")

@@ -94,12 +94,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _counts import at_least
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import centralstore as cs
+from centralstore.cli import at_least
 
 BENCHMARKS = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCHMARKS))

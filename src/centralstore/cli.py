@@ -38,8 +38,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an int of at least ``minimum``."""
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int of at least ``minimum`` (the benchmark scripts' counts too).
+
+    >>> at_least(1)("3")
+    3
+    """
 
     def parse(text: str) -> int:
         try:
@@ -113,21 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_command.add_argument(
         "--epochs",
-        type=_count(1),
+        type=at_least(1),
         default=12,
         metavar="N",
         help="passes over the training set (default: 12)",
     )
     demo_command.add_argument(
         "--batch-size",
-        type=_count(1),
+        type=at_least(1),
         default=64,
         metavar="N",
         help="the global batch size, split over the replicas (default: 64)",
     )
     demo_command.add_argument(
         "--seed",
-        type=_count(0),
+        type=at_least(0),
         default=0,
         metavar="N",
         help="seeds the data split, the shuffling and the initial weights (default: 0)",
