@@ -258,6 +258,70 @@ def test_a_compiled_module_in_the_first_run_warns_of_no_global_hooks(path: str) 
     assert [str(w.message) for w in caught] == []
 
 
+@each_path
+def test_code_compiled_in_the_first_run_is_not_compiled_again_at_the_second(path: str) -> None:
+    # The first run's check is a global hook, which torch.compile guards on: a compilation
+    # that starts in the first run withdraws it first, or the second run would compile again.
+    torch._dynamo.reset()
+    strategy = strategy_on(path)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    forward = torch.compile(model, backend="eager")
+    x = cs.PerReplica([torch.ones(2, 3), torch.ones(2, 3)])
+    try:
+        for i in range(3):
+            torch._dynamo.config.error_on_recompile = i >= 1
+            run_on(path, strategy, lambda xs: forward(xs).sum().backward(), args=(x,))
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        torch._dynamo.reset()
+    assert not torch_module._global_forward_pre_hooks
+
+
+def test_a_first_run_that_compiles_checks_the_modules_it_called_before() -> None:
+    torch._dynamo.reset()
+    outside = nn.Linear(3, 1)
+    outside(torch.ones(1, 3))  # its own hook goes: only the first run's global one sees it
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+    forward = torch.compile(model, backend="eager")
+    try:
+        with pytest.raises(ValueError, match="The Linear module called in replica 0"):
+            strategy.run(lambda: (outside(torch.ones(1, 3)), forward(torch.ones(1, 3))))
+    finally:
+        torch._dynamo.reset()
+    assert not torch_module._global_forward_pre_hooks
+
+
+class Prefix(nn.Module):
+    """Calls its first layers through a slice, a new ``ModuleList`` at every call (as
+    transformers' Llama does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_a_module_built_outside_the_scope_compiles_whole_beside_a_strategy() -> None:
+    # From a strategy's creation on, a module that registers a tensor outside every scope is
+    # watched, and so is a container of it: made inside compiled code, the watch's hook would
+    # break the graph at each call.
+    strategy_of(2)
+    model = Prefix()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, fullgraph=True, backend="eager")  # a break raises
+        torch.testing.assert_close(compiled(torch.ones(1, 2)), model(torch.ones(1, 2)))
+    finally:
+        torch._dynamo.reset()
+
+
 class Shift(nn.Module):
     def __init__(self) -> None:
         super().__init__()

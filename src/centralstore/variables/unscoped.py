@@ -16,9 +16,10 @@ of module register nothing in the scope:
   from the strategy's creation on, a module that registers a tensor outside every scope
   gets a forward pre-hook that checks it at its first call if that call is in a run; the
   hook then goes (also when a scope takes the module), so a plain module costs nothing from
-  its second call on. Not seen: a module first called outside ``run`` and then in a later
-  run, and a module restored outside a scope (it registers nothing) first called after the
-  first run.
+  its second call on (nor is a hook made inside compiled code). Not seen: a module first
+  called outside ``run`` and then in a later run, a module restored outside a scope (it
+  registers nothing) first called after the first run, and a module built before the
+  strategy and first called after a compilation started in the first run (``FirstUse``).
 
 Inside a replica the same registration hooks refuse, at once, a new tensor in a slot that
 holds a central variable (``module.steps = module.steps + 1``: write in place instead) and a
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -66,8 +68,9 @@ def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
         return  # a traced program, assembled from existing tensors (torch.compile's, in run)
     if isinstance(value, torch.Tensor) or value is None:
         _refuse_in_replica(module, name, value)
-    if value is None or module in _watched:
-        return
+    if value is None or torch.compiler.is_compiling() or module in _watched:
+        return  # compiled code is checked where it is called; a hook made in it breaks its
+        # graph (``self.layers[:n]`` makes a ModuleList of watched layers at every call)
     if isinstance(value, torch.nn.Module) and value not in _watched:
         return  # a container is watched when one of its modules is: a compiled model too
     entry = _context.current()
@@ -266,9 +269,16 @@ class FirstUse:
     """The first run of a strategy checks every module its replicas call (module docstring):
     ``start`` before the replicas run, ``stop`` after them; later runs check only the
     modules watched since they registered a tensor outside every scope. ``owned`` gives the
-    store's records (by tensor id) and module slots (by module id and name)."""
+    store's records (by tensor id) and module slots (by module id and name).
 
-    __slots__ = ("_depth", "_handle", "_owned", "_passed")
+    The check is a global forward pre-hook, which ``torch.compile`` guards on: code compiled
+    while it is in place would compile again at the next run, without it. So a compilation
+    that starts during a first run ends that run's check (``_compiling``): the compiled code
+    is checked where it is called anyway, and the modules the rest of the run calls first
+    are not checked (a module built before the strategy and first called after a
+    compilation in its first run is used as it is)."""
+
+    __slots__ = ("__weakref__", "_depth", "_first", "_handle", "_owned", "_passed")
 
     def __init__(
         self, owned: Callable[[], tuple[dict[int, Any], set[tuple[int, str]]]]
@@ -276,7 +286,8 @@ class FirstUse:
         watch_registrations()
         self._owned = owned
         self._passed = False  # whether a run has checked every module it called
-        self._handle: Any = None
+        self._first = False  # whether the run in progress is a first run
+        self._handle: Any = None  # the global hook of the run in progress, until withdrawn
         self._depth = 0  # runs in progress: one, or one inside another's merge_call
 
     def start(self, store: object) -> None:
@@ -297,15 +308,54 @@ class FirstUse:
             check(module, records, slots, entry)
             seen.add(module)
 
+        self._first = True
         self._handle = _module.register_module_forward_pre_hook(before_call)
         warnings.filterwarnings("ignore", _HOOKS_WARNING, UserWarning)  # == _HOOKS_FILTER
+        _watch_compilations()
+        with _lock:
+            _checking.add(self)
 
     def stop(self, passed: bool) -> None:
         """The replicas are done (``passed``: none raised)."""
         self._depth -= 1
-        if self._depth == 0 and self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._depth == 0 and self._first:
+            self._first = False
             self._passed = passed
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """The run in progress checks no more modules: its global hook goes."""
+        with _lock:
+            _checking.discard(self)
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.remove()
             with contextlib.suppress(ValueError):  # a filter list the user replaced meanwhile
                 cast(list[Any], warnings.filters).remove(_HOOKS_FILTER)  # a list, typed Sequence
+
+
+_checking: weakref.WeakSet[FirstUse] = weakref.WeakSet()  # first runs with their hook in place
+
+
+def _compiling(*_: object) -> None:
+    """``torch.compile`` starts compiling (dynamo's start callback): the first runs in
+    progress withdraw their global hook before it is traced and guarded on."""
+    with _lock:
+        checks = list(_checking)
+    for first_use in checks:
+        first_use.withdraw()
+
+
+def _watch_compilations() -> None:
+    """Have ``_compiling`` called at each compilation's start, once dynamo is imported (a
+    program that imports it only inside its first run compiles that code again at the
+    second run, as before). Asked at each first run: ``torch._dynamo.reset()`` forgets the
+    callbacks. ``torch._dynamo.callback`` is private: on a torch without it nothing is
+    watched."""
+    handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+    callbacks = getattr(handler, "start_callbacks", None)
+    if handler is None or not isinstance(callbacks, list):
+        return
+    with _lock:
+        if _compiling not in callbacks:
+            handler.register_start_callback(_compiling)
