@@ -443,10 +443,14 @@ def statistics_after(
     (``skip``: the last one makes no forward; ``add``: each adds to a statistic in
     place; ``fail``: the last one raises after its forward, in the second step; ``eval``:
     the model evaluates in the second step; ``merge``: a ``merge_call`` between two
-    forwards; ``dead``: a channel that training leaves at its running mean). ``masked``:
-    with a floating buffer that keeps its views."""
+    forwards; ``dead``: a channel that training leaves at its running mean; ``compiled``:
+    the model compiled, whose code writes the statistics through their version counters,
+    where eager kernels write behind them; ``touch``: each adds zero to every statistic, a
+    write through the counters that changes no value). ``masked``: with a floating buffer
+    that keeps its views."""
     strategy = strategy_on(path, replicas)
     model = normalized(strategy, masked)
+    forward = torch.compile(model, backend="aot_eager") if write == "compiled" else model
     x = torch.randn(2 * replicas, 3, 4, 4)
 
     def step(xs: torch.Tensor, second: bool) -> None:
@@ -457,9 +461,13 @@ def statistics_after(
             hidden = model[0](xs) * torch.tensor([0.0, 1.0, 1.0, 1.0]).view(1, 4, 1, 1)
             model[1:](hidden).pow(2).mean().backward()
         else:
-            model(xs).pow(2).mean().backward()
+            forward(xs).pow(2).mean().backward()
         if write == "add":
             model[1].running_mean.add_(replica + 0.1)  # a change, not an assignment
+        if write == "touch":
+            for norm in (model[1], model[6]):
+                norm.running_mean.add_(0.0)
+                norm.running_var.add_(0.0)
         if write == "fail" and second and replica == replicas - 1:
             raise RuntimeError("the last replica fails")
         if write == "merge":  # a sync point inside the run, then the replicas run on
@@ -471,7 +479,9 @@ def statistics_after(
 
 @each_path
 @pytest.mark.parametrize("replicas", [2, 3])
-@pytest.mark.parametrize("write", ["none", "skip", "add", "fail", "eval", "merge", "dead"])
+@pytest.mark.parametrize(
+    "write", ["none", "skip", "add", "fail", "eval", "merge", "dead", "compiled", "touch"]
+)
 def test_batch_norm_statistics_shared_directly_fold_like_views_bit_for_bit(
     path: str, replicas: int, write: str,
 ) -> None:
@@ -634,6 +644,42 @@ def test_a_training_run_of_two_replicas_adds_a_few_operations_on_batch_norm() ->
     extra = run.counts - passes.counts
     assert sum(extra.values()) <= 13, extra
     assert "aten.stack.default" not in extra and "aten.all.default" not in extra, extra
+
+
+def test_statistics_every_replica_wrote_through_their_counters_are_averaged_at_once() -> None:
+    """Compiled code writes batch norm's statistics through their version counters (an
+    eager kernel writes behind them): when every replica wrote every one, the sync point
+    averages them on their rows as it does an eager step's, without comparing them, and
+    folds none through the replicas' views (a copy into a view and one out of it per
+    statistic and replica): the same 13 operations."""
+
+    def layers() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(2, 2), nn.BatchNorm1d(2))])
+
+    def through_counters(model: nn.Sequential, xs: torch.Tensor) -> None:
+        model(xs).pow(2).sum().backward()
+        for norm in model[1::2]:
+            norm.running_mean.mul_(1.0)
+            norm.running_var.mul_(1.0)
+
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = layers()
+    plain = layers()
+    halves = torch.randn(8, 2).chunk(2)
+    for _ in range(2):
+        strategy.run(through_counters, args=(model, cs.PerReplica(list(halves))))
+    model.zero_grad()
+    with Operations() as run:
+        strategy.run(through_counters, args=(model, cs.PerReplica(list(halves))))
+    with Operations() as passes:
+        for half in halves:
+            plain.zero_grad()
+            through_counters(plain, half)
+    extra = run.counts - passes.counts
+    assert sum(extra.values()) <= 13, extra
+    assert "aten.ne.Tensor" not in extra, extra
 
 
 def test_an_evaluation_run_of_two_replicas_compares_batch_norm_statistics_once() -> None:

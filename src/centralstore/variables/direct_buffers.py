@@ -33,10 +33,14 @@ leaves what views would. Two kinds qualify (``BufferGroups``):
   the comparison took two more, each 10 to 15 us right after a step. If every replica
   changed every statistic (training; a group only read is not tested for this), they become
   the mean of the replicas' values in replica order, on their rows (``(w0 + w1 + ...) /
-  R``, the arithmetic of views); if none changed one (evaluation, a table only read), they
-  stay; any other pattern (a replica that did not change one, a write that moved a counter)
-  goes buffer by buffer: those every replica changed are averaged, the others' writes go to
-  the writers' views, whose fold is the general one.
+  R``, the arithmetic of views), and so they do, without the comparison, if every replica
+  wrote every one through its version counter (compiled code's statistics: its graph
+  writes them back with a ``copy_``); if none changed one (evaluation, a table only read),
+  they stay; any other pattern (a replica that did not change one) goes buffer by buffer:
+  those every replica wrote (changed, or moved the counter of) are averaged, the others'
+  writes go to the writers' views, whose fold is the general one. Their writes average by
+  value whatever their kind, so a write through a counter, which views note as a change,
+  averages as one behind it does.
 
 Each replica's values are kept when it finishes or waits in a rendezvous and the values from
 before the run put back (two foreach calls), so the next replica does not see them; a
@@ -106,9 +110,9 @@ _layout = attrgetter("shape", "dtype")
 
 class Written(NamedTuple):
     """A shared buffer that a sync point left holding its replicas' combined write: how many
-    replicas wrote it, whether one assigned it (a float's write behind its counter, a
-    statistic's by its kernel, counts as an assignment, as views note it; an integer's
-    write, of unknown kind, as a change: both combine by value, MEAN and
+    replicas wrote it, whether one assigned it (a float's averaged write counts as an
+    assignment, as views note one behind its counter, a statistic's by its kernel; an
+    integer's write, of unknown kind, as a change: both combine by value, MEAN and
     ONLY_FIRST_REPLICA, whatever the kind), and its value from before the run. A sync point
     across workers combines these with the other workers' (``_writes.py``), as it combines
     the writes that views fold."""
@@ -420,10 +424,11 @@ class SharedFloats:
             self._versions = list(map(_version, self.tensors))
 
     def commit(self, report: bool) -> dict[int, Written]:
-        """Fold the replicas' values: a buffer every replica changed behind its counter (a
-        statistic by its kernel) is their mean, in replica order; any other write goes to
-        the writers' views (``folding.apply_writes`` folds them next). Returns the buffers
-        left holding a mean, by record key, if ``report``."""
+        """Fold the replicas' values: a buffer every replica wrote (a statistic by its
+        kernel, behind its counter, or by compiled code, through it) is their mean, in
+        replica order; any other write goes to the writers' views (``folding.apply_writes``
+        folds them next). Returns the buffers left holding a mean, by record key, if
+        ``report``."""
         rows, count = self._rows, len(self._replicas)
         if count - 1 not in self._kept:  # (every replica's are kept at a merge's sync point)
             rows.fill(count, self.tensors)
@@ -443,6 +448,9 @@ class SharedFloats:
     def _compare(self, rows: Rows, count: int) -> list[int] | range:
         """``commit``'s comparison of the replicas' values with those from before the run,
         and their mean where every replica changed them; returns the buffers averaged."""
+        moved = self._moved
+        if len(moved) == count and all(map(all, moved.values())):  # every replica wrote every
+            return self._mean_of_all()  # buffer, by its counter: compiled code's statistics
         differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
         averaged: list[int] | range = []
         if (  # training's statistics: all changed (a group only read skips this test)
@@ -487,14 +495,15 @@ class SharedFloats:
 
     def _fold(self, values: list[list[torch.Tensor]], found: list[list[int]]) -> list[int]:
         """Some replica left a buffer unchanged or moved its counter: the buffers every
-        replica changed behind their counters are averaged (returned), those some replica
-        wrote go to the writers' views, where ``folding.apply_writes`` folds them next."""
+        replica wrote (changed, or moved the counter of) are averaged (returned), those
+        some replicas wrote go to the writers' views, where ``folding.apply_writes`` folds
+        them next."""
         size, count = len(self.tensors), len(values)
         moved = [self._moved.get(r, [False] * size) for r in range(count)]
         fast: list[int] = []
         for index in range(size):
             writers = [r for r in range(count) if found[r][index] or moved[r][index]]
-            if len(writers) == count and not any(m[index] for m in moved):
+            if len(writers) == count:
                 fast.append(index)
             elif writers:
                 self._to_views(index, writers, values, moved)
