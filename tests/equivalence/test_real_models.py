@@ -13,8 +13,9 @@ replicas by ``all_reduce`` on the threads path), one ``optimizer.step()`` per ba
 global batch is short, so at R = 3 a replica gets no row. Measured max weight gaps: 3.7e-15
 (T5) to 3.2e-13 (ViT), for each model and R the same on every path and on the fake GPUs;
 the CNN with BatchNorm 0.0 against its per-slice reference (0.04 against full-batch
-BatchNorm). 1e-10 is asserted. GPT-2's loss is also compiled (``torch.compile``, first
-called inside ``run``) at R = 2 on each path. A dynamic rotary embedding, which replaces a
+BatchNorm). 1e-10 is asserted. GPT-2's and Llama's losses are also compiled
+(``torch.compile``, first called inside ``run``) at R = 2 on each path, Llama's without a
+graph break, as a plain Llama's beside the strategy. A dynamic rotary embedding, which replaces a
 buffer in forward, is refused inside ``run`` and trains once grown in the scope.
 """
 
@@ -381,6 +382,27 @@ def test_gpt2_compiled_inside_run(path: str) -> None:
     # torch.compile's graph modules are built in the replica that first calls the loss; its
     # constants are their buffers (aot_eager: the joint graph, without inductor's codegen)
     check("gpt2", strategy_on(path), path, backend="aot_eager")
+
+
+@each_path
+def test_llama_compiles_whole_inside_run_and_beside_it(path: str) -> None:
+    # Llama calls self.layers[:n], a new ModuleList at every forward: a hook made inside the
+    # traced code (the strategy's watch of modules built outside its scope) would break the
+    # graph at every call, of the model in the scope and of a plain one beside the strategy.
+    counters = torch._dynamo.utils.counters
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        check("llama", strategy_on(path), path, backend="aot_eager")
+        build, batches, _ = MODELS["llama"]
+        plain = build()  # outside the scope: watched until its first eager call
+        batch = next(iter(batches(N, BATCH)))
+        loss = torch.compile(token_loss, backend="aot_eager")
+        loss(plain, batch, (targets(batch) != -100).sum()).backward()
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] > 0
+    finally:
+        torch._dynamo.reset()
 
 
 def dynamic_llama() -> nn.Module:
