@@ -69,8 +69,9 @@ def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
     if isinstance(value, torch.Tensor) or value is None:
         _refuse_in_replica(module, name, value)
     if value is None or torch.compiler.is_compiling() or module in _watched:
-        return  # compiled code is checked where it is called; a hook made in it breaks its
-        # graph (``self.layers[:n]`` makes a ModuleList of watched layers at every call)
+        # (compiled code is checked where it is called, and a hook made inside it breaks its
+        # graph: Llama's ``self.layers[:n]`` makes a ModuleList of watched layers each call)
+        return
     if isinstance(value, torch.nn.Module) and value not in _watched:
         return  # a container is watched when one of its modules is: a compiled model too
     entry = _context.current()
