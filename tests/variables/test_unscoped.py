@@ -278,7 +278,7 @@ def test_code_compiled_in_the_first_run_is_not_compiled_again_at_the_second(path
     assert not torch_module._global_forward_pre_hooks
 
 
-def test_a_first_run_that_compiles_checks_the_modules_it_called_before() -> None:
+def test_a_first_run_checks_modules_until_a_compilation_starts() -> None:
     torch._dynamo.reset()
     outside = nn.Linear(3, 1)
     outside(torch.ones(1, 3))  # its own hook goes: only the first run's global one sees it
@@ -286,11 +286,20 @@ def test_a_first_run_that_compiles_checks_the_modules_it_called_before() -> None
     with strategy.scope():
         model = nn.Linear(3, 1)
     forward = torch.compile(model, backend="eager")
+    hooks: list[int] = []
+
+    def step() -> None:
+        hooks.append(len(torch_module._global_forward_pre_hooks))
+        forward(torch.ones(1, 3))
+        hooks.append(len(torch_module._global_forward_pre_hooks))
+
     try:
         with pytest.raises(ValueError, match="The Linear module called in replica 0"):
             strategy.run(lambda: (outside(torch.ones(1, 3)), forward(torch.ones(1, 3))))
+        strategy.run(step)  # a first run again: the one before failed
     finally:
         torch._dynamo.reset()
+    assert hooks[0] == hooks[1] + 1 == hooks[2] + 1 == hooks[3] + 1  # gone once compiling
     assert not torch_module._global_forward_pre_hooks
 
 
