@@ -910,7 +910,7 @@ def parity_rows(strategy: cs.Strategy, device: str = "cpu:0") -> dict[str, Any]:
     return out
 
 
-STATISTICS_WRITES = ["none", "skip", "add", "fail", "eval", "merge", "dead", "data"]
+STATISTICS_WRITES = ["none", "skip", "add", "fail", "eval", "merge", "dead", "data", "touch"]
 
 
 class Shifted(nn.Module):
@@ -939,8 +939,9 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
     statistic and to the shift in place; ``fail``: the last one raises in the second step;
     ``eval``: the second step evaluates; ``merge``: a ``merge_call`` between two forwards;
     ``dead``: a channel that training leaves at its running mean; ``data``: each scales
-    the shift through ``.data``, behind its counter). Returns the final state and how many
-    buffers some local replica saw through a view of its own."""
+    the shift through ``.data``, behind its counter; ``touch``: each adds zero to every
+    statistic, through its counter, as compiled code writes them). Returns the final state
+    and how many buffers some local replica saw through a view of its own."""
     replicas = strategy.num_replicas_in_sync
     torch.manual_seed(0)  # all drawn on the host: a GPU draws otherwise
     initial = normalized().state_dict()
@@ -968,6 +969,10 @@ def statistics_after(strategy: cs.Strategy, write: str) -> dict[str, Any]:
             model[6].shift.add_(replica + 0.1)
         if write == "data":
             model[6].shift.data.mul_(replica + 1.5)
+        if write == "touch":
+            for norm in (model[1], model[5]):
+                norm.running_mean.add_(0.0)
+                norm.running_var.add_(0.0)
         if write == "fail" and second and replica == replicas - 1:
             raise RuntimeError("the last replica fails")
         if write == "merge":
