@@ -651,7 +651,7 @@ def test_statistics_every_replica_wrote_through_their_counters_are_averaged_at_o
     eager kernel writes behind them): when every replica wrote every one, the sync point
     averages them on their rows as it does an eager step's, without comparing them, and
     folds none through the replicas' views (a copy into a view and one out of it per
-    statistic and replica): the same 13 operations."""
+    statistic and replica): 11 operations, an eager step's 13 but its comparison and test."""
 
     def layers() -> nn.Sequential:
         torch.manual_seed(0)
@@ -678,7 +678,7 @@ def test_statistics_every_replica_wrote_through_their_counters_are_averaged_at_o
             plain.zero_grad()
             through_counters(plain, half)
     extra = run.counts - passes.counts
-    assert sum(extra.values()) <= 13, extra
+    assert sum(extra.values()) <= 11, extra
     assert "aten.ne.Tensor" not in extra, extra
 
 
