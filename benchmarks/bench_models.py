@@ -80,10 +80,10 @@ meets (on the development machine the two read the same verdicts, benchmarks/REA
         [--no-evaluation] [--threads 1] [--clock cpu] [--block 1]
 
 The defaults time 19 groups of configurations (six models eager, the six compiled, GPT-2
-accumulating, the six evaluating), about 5 minutes once torch's compilation cache is warm;
+accumulating, the six evaluating), about 3.5 minutes once torch's compilation cache is warm;
 ``--sizes 2 8 --compiled-sizes 2 8`` covers more, at several times the runtime. (Only
 GPT-2 was compiled by default until the forty-eighth session, whose run of the others found
-two faults of the compiled path: benchmarks/README.md.)
+three faults of the compiled path: benchmarks/README.md.)
 """
 
 from __future__ import annotations
