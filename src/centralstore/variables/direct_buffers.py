@@ -447,22 +447,22 @@ class SharedFloats:
 
     def _compare(self, rows: Rows, count: int) -> list[int] | range:
         """``commit``'s comparison of the replicas' values with those from before the run,
-        and their mean where every replica changed them; returns the buffers averaged."""
+        and their mean where every replica wrote them; returns the buffers averaged."""
         moved = self._moved
         if len(moved) == count and all(map(all, moved.values())):  # every replica wrote every
             return self._mean_of_all()  # buffer, by its counter: compiled code's statistics
         differs = torch.ne(rows.replicas, rows.rows[0], out=rows.differs)  # NaN differs
         averaged: list[int] | range = []
         if (  # training's statistics: all changed (a group only read skips this test)
-            self._group.changing and not self._moved and torch.equal(differs, rows.every)
+            self._group.changing and not moved and torch.equal(differs, rows.every)
         ):
             averaged = self._mean_of_all()
-        elif self._moved or not torch.equal(differs, rows.none):  # (none changed: evaluation)
+        elif moved or not torch.equal(differs, rows.none):  # (none changed: evaluation)
             # buffer by buffer (a value that a training step left as it was counts)
             size = len(self.tensors)
             changed = torch.zeros((count, size), dtype=torch.int64, device=differs.device)
             found = changed.index_add_(1, self._group.memory.segments, differs.long()).tolist()
-            if not self._moved and all(map(all, found)):
+            if not moved and all(map(all, found)):
                 averaged = self._mean_of_all()
             else:
                 averaged = self._fold(rows.pieces[1:-1], found)
