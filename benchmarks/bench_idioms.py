@@ -233,25 +233,26 @@ def make_step(name: str, config: str, per_replica: int) -> Callable[[], None]:
             logits = model(xs)
         (F.cross_entropy(logits.float(), ys, reduction="sum") / global_batch).backward()
 
-    def passes() -> None:
+    def one_by_one() -> None:
         for xs, ys in slices:
             backward(xs, ys)
 
-    if config == "apart":
-        def passes() -> None:  # the first pass's gradients taken off, added after the second
-            backward(*slices[0])
-            first = list(map(_grad, trainable))
-            for parameter in trainable:
-                parameter.grad = None
-            backward(*slices[1])
-            second = list(map(_grad, trainable))
-            with torch.no_grad():
-                if not any(grad.is_sparse for grad in first):  # (every one present: dense)
-                    torch._foreach_add_(second, first)
-                    return
-                for parameter, grad, last in zip(trainable, first, second, strict=True):
-                    parameter.grad = last + grad if grad.is_sparse else last.add_(grad)
-    elif strategy is not None:
+    def apart() -> None:  # the first pass's gradients taken off, added after the second
+        backward(*slices[0])
+        first = list(map(_grad, trainable))
+        for parameter in trainable:
+            parameter.grad = None
+        backward(*slices[1])
+        second = list(map(_grad, trainable))
+        with torch.no_grad():
+            if not any(grad.is_sparse for grad in first):  # (every one present: dense)
+                torch._foreach_add_(second, first)
+                return
+            for parameter, grad, last in zip(trainable, first, second, strict=True):
+                parameter.grad = last + grad if grad.is_sparse else last.add_(grad)
+
+    passes: Callable[[], Any] = apart if config == "apart" else one_by_one
+    if strategy is not None:
         arguments = slices[0] if replicas == 1 else (
             cs.PerReplica([xs for xs, _ in slices]), cs.PerReplica([ys for _, ys in slices])
         )

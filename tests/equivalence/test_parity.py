@@ -398,7 +398,7 @@ def _train(
             if path == "one":
                 step_of(forward)(X, Y)
             elif path == "slices":
-                for xs, ys in zip(halves(X), halves(Y), strict=True):
+                for xs, ys in zip(X.tensor_split(2), Y.tensor_split(2), strict=True):
                     step_of(forward)(xs, ys)
             else:
                 run_on(path, strategy, step_of(forward), (halves(X), halves(Y)))
