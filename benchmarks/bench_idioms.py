@@ -39,8 +39,14 @@ something of its own. One intra-op thread, the process's CPU time, glibc's heap 
 (R = 1 <= 1.02, R = 2 <= 1.03) are printed beside the ratios; these steps are short (0.2
 to 3 ms), where a run's fixed cost weighs most.
 
+``--compiled`` compiles each configuration's forward and loss (``torch.compile``, static
+shapes, a code object per configuration: ``bench_models.compiled``) and keeps its instances
+for the whole run instead of building them anew every round (a new one would compile
+again). Whether the compiled idioms make more graphs through centralstore than plainly is
+a test, not a timing: ``tests/equivalence/test_parity.py`` counts them on every path.
+
     python benchmarks/bench_idioms.py [--rounds 10] [--steps 10] [--per-replica 8]
-        [--idioms none clipping ...]
+        [--idioms none clipping ...] [--compiled]
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from bench_models import compiled
 from bench_train import median_of_all, quartiles, round_ratios, take_turns
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
@@ -198,8 +205,11 @@ IDIOMS = {
 }
 
 
-def make_step(name: str, config: str, per_replica: int) -> Callable[[], None]:
-    """One optimizer step of ``config`` with idiom ``name``, ready to time."""
+def make_step(
+    name: str, config: str, per_replica: int, compile_: bool = False
+) -> Callable[[], None]:
+    """One optimizer step of ``config`` with idiom ``name``, ready to time (``compile_``: its
+    forward and loss ``torch.compile``d, as ``bench_models.py`` compiles them)."""
     idiom = IDIOMS[name]
     replicas = 2 if config in ("halves", "apart", "cs R=2") else 1
     global_batch = per_replica * replicas
@@ -228,10 +238,15 @@ def make_step(name: str, config: str, per_replica: int) -> Callable[[], None]:
         if idiom.autocast else nullcontext
     )
 
-    def backward(xs: torch.Tensor, ys: torch.Tensor) -> None:
+    def loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         with precision():
             logits = model(xs)
-        (F.cross_entropy(logits.float(), ys, reduction="sum") / global_batch).backward()
+        return F.cross_entropy(logits.float(), ys, reduction="sum") / global_batch
+
+    forward_and_loss = compiled(loss, config) if compile_ else loss
+
+    def backward(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        forward_and_loss(xs, ys).backward()
 
     def one_by_one() -> None:
         for xs, ys in slices:
@@ -280,11 +295,13 @@ def _time(step: Callable[[], None]) -> float:
 
 
 def measure(
-    name: str, per_replica: int, rounds: int, steps: int
+    name: str, per_replica: int, rounds: int, steps: int, compile_: bool = False
 ) -> dict[str, list[list[float]]]:
-    """config -> each round's step times (ms)."""
+    """config -> each round's step times (ms). Compiled configurations are built once (a
+    new instance would compile again), eager ones anew every round."""
     return take_turns(
-        lambda config: make_step(name, config, per_replica), CONFIGS, rounds, steps, _time
+        lambda config: make_step(name, config, per_replica, compile_), CONFIGS, rounds, steps,
+        _time, rebuild=not compile_,
     )
 
 
@@ -303,6 +320,8 @@ def main() -> None:
     parser.add_argument("--per-replica", type=at_least(1), default=8,
                         help="examples per replica")
     parser.add_argument("--idioms", nargs="+", choices=list(IDIOMS), default=list(IDIOMS))
+    parser.add_argument("--compiled", action="store_true",
+                        help="each step's forward and loss torch.compile'd")
     options = parser.parse_args()
     torch.set_num_threads(1)
     fixed = cs.keep_host_memory()
@@ -312,7 +331,9 @@ def main() -> None:
     print(f"{'idiom':<17} {'config':<12} {'ms/step':>8} {'ratio':>7} {'quartiles':>15} "
           f"{'against':<8} {'+us':>6} {'target':>6}")
     for name in options.idioms:
-        times = measure(name, options.per_replica, options.rounds, options.steps)
+        times = measure(
+            name, options.per_replica, options.rounds, options.steps, options.compiled
+        )
         for config in CONFIGS:
             row = f"{name:<17} {config:<12} {median_of_all(times[config]):8.2f}"
             if config in RATIOS:

@@ -207,7 +207,7 @@ ACCUMULATED = ("halves x4", "apart x4", "cs R=2 x4", "cs R=2 x4 one run")
 EVALUATED = ("plain", "plain again", "cs R=1", "halves", "cs R=2")
 
 
-def _compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torch.Tensor]:
+def compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torch.Tensor]:
     """``fn`` compiled with static shapes and a code object of its own (see
     ``bench_train.compiled_if``: configurations must not check each other's guards)."""
     fn.__code__ = fn.__code__.replace(co_name=f"loss_{config.replace(' ', '_')}")
@@ -252,7 +252,7 @@ def make_step(
         def plain_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
             return per_example(model, xs, ys).sum() / global_batch
 
-        loss = _compiled(plain_loss, config) if compile_ else plain_loss
+        loss = compiled(plain_loss, config) if compile_ else plain_loss
 
         def plain_step() -> None:
             optimizer.zero_grad()
@@ -306,7 +306,7 @@ def make_step(
     def replica_loss(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         return cs.compute_average_loss(per_example(model, xs, ys), global_batch_size=global_batch)
 
-    replica = _compiled(replica_loss, config) if compile_ else replica_loss
+    replica = compiled(replica_loss, config) if compile_ else replica_loss
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
         replica(xs, ys).backward()
