@@ -28,16 +28,16 @@ at P examples per replica (8 by default). Configurations, as in ``bench_models.p
 accumulate gradients), ``apart`` (the halves, the first pass's gradients taken off before
 the second and added after it: what two replicas that each find only their own gradients in
 ``.grad`` must do at least, in plain PyTorch) and ``cs R=2`` (``cpu:0`` and ``cpu:1``; its
-second line against ``apart``: about centralstore's own bookkeeping). They take turns step by step
-in drawn orders and are built anew every round (``bench_train.take_turns``). Each ratio is the
-median over the rounds of the round's medians, with the rounds' quartiles, and ``+us`` the
-median over the rounds of the difference of the round's medians: what a run adds to the
-step in microseconds. The ``none`` row's ``+us`` is the run's fixed cost on this network; an
-idiom whose ``+us`` lies well above it, beyond the rounds' spread, costs centralstore
-something of its own. One intra-op thread, the process's CPU time, glibc's heap fixed
+second line against ``apart``: about centralstore's own bookkeeping). They take turns step
+by step in drawn orders and are built anew every round (``bench_train.take_turns``). Each
+ratio is the median over the rounds of the round's medians, with the rounds' quartiles, and
+``+us`` the median over the rounds of the difference of the round's medians: what a run
+adds to the step in microseconds. The ``none`` row's ``+us`` is the run's fixed cost on
+this network; an idiom whose ``+us`` lies well above it, beyond the rounds' spread, costs
+centralstore something of its own. One intra-op thread, the process's CPU time, glibc's heap fixed
 (``cs.keep_host_memory()``), as in ``bench_models.py``. The targets of docs/design.md §7
 (R = 1 <= 1.02, R = 2 <= 1.03) are printed beside the ratios; these steps are short (0.2
-to 3 ms), where a run's fixed cost weighs most.
+to 4 ms), where a run's fixed cost weighs most.
 
 ``--compiled`` compiles each configuration's forward and loss (``torch.compile``, static
 shapes, a code object per configuration: ``bench_models.compiled``) and keeps its instances
