@@ -611,6 +611,73 @@ def buffers_scenario(local: int, placement: str | None = None) -> dict[str, Any]
     return out
 
 
+IDLE_RUNS, IDLE_JOINS = 6, 3  # ``idle_scenario``'s runs; the run from which the spare head learns
+
+
+def idle_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
+    """Trainable variables that runs leave without gradients: beside the MLP, the scope
+    holds an EMA copy of it (``AveragedModel``, updated after each optimizer step, never
+    given a gradient) and a spare head that the loss takes in from run ``IDLE_JOINS`` on.
+    The first run (a no-op) plans every variable into the buckets; the next ones learn
+    which stay idle. Per training run: bytes and collectives sent, (buckets that left
+    during backward, buckets in the plan), each gradient after the run; then the final
+    states. Worker ``w``'s replicas all step on the same input times ``w + 1``."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    with on_gpus(placement):
+        strategy = worker_strategy(*placed(placement, local), bucket_cap_mb=BUCKET)
+        torch.manual_seed(3)
+        with strategy.scope():
+            net = mlp()
+            spare = nn.Linear(6, 1)
+            ema = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+            trained = [*net.parameters(), *spare.parameters()]
+            optimizer = torch.optim.SGD(trained, lr=0.001)
+        left = buckets_left(strategy)
+        collectives = strategy._collectives
+        plans: list[int] = []
+        disarm = collectives._disarm
+
+        def planned() -> Any:  # the buckets of the plan each sync point started from
+            early = disarm()
+            if early is not None:
+                plans.append(len(early.plan.buckets))
+            return early
+
+        collectives._disarm = planned  # type: ignore[method-assign]
+        host = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+        scale = strategy.worker_index + 1
+        out: dict[str, Any] = {
+            "initial": {k: _host(v) for k, v in net.state_dict().items()},
+            "spare": {k: _host(v) for k, v in spare.state_dict().items()},
+            "bytes": [], "collectives": [], "grads": [],
+        }
+
+        def step(k: int) -> None:
+            x = host.to(next(net.parameters()).device) * scale
+            loss = net(x).sum()
+            if k >= IDLE_JOINS:
+                loss = loss + spare(x).sum()
+            loss.backward()
+
+        strategy.run(lambda: None)  # the first run's broadcast; its sync point plans buckets
+        for k in range(IDLE_RUNS):
+            optimizer.zero_grad()
+            before = strategy.traffic
+            strategy.run(step, args=(k,))
+            after = strategy.traffic
+            out["bytes"].append(after["bytes"] - before["bytes"])
+            out["collectives"].append(after["collectives"] - before["collectives"])
+            out["grads"].append([None if p.grad is None else _host(p.grad) for p in trained])
+            optimizer.step()
+            ema.update_parameters(net)
+        out["left"] = list(zip(left, plans, strict=True))  # (the no-op run starts none)
+        out["final"] = [_host(p) for p in trained]
+        out["ema"] = [_host(p) for p in ema.parameters()]
+        out["ema grads"] = [p.grad for p in ema.parameters()]
+    return out
+
+
 def buffer_input(k: int) -> torch.Tensor:
     """``buffers_scenario``'s input of run ``k``."""
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(20 + k))
@@ -1298,6 +1365,8 @@ def main() -> None:
         results = again_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "buffers":
         results = buffers_scenario(int(sys.argv[3]), *sys.argv[4:5])
+    elif scenario == "idle":
+        results = idle_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

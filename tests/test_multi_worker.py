@@ -560,6 +560,68 @@ def test_buckets_pack_into_the_buffers_of_the_step_before(
             assert torch.equal(then, after), rank
 
 
+@pytest.mark.parametrize(  # (local 0: the placement's replicas)
+    "local, placement", [(1, None), (2, None), (0, "two-gpus-params-on-host")]
+)
+def test_variables_that_runs_leave_without_gradients_stay_out_of_the_buckets(
+    tmp_path: Path, local: int, placement: str | None
+) -> None:
+    """An EMA copy of the model in the scope (``_mw_worker.idle_scenario``) never gets a
+    gradient: after the first training run it no longer travels as zeros, nor holds back
+    the buckets during backward. A spare head that joins the loss later travels at that
+    run's sync point, then in the buckets. The sums, the training and the EMA are one
+    device's, the same bits on every worker, and the EMA has no gradient."""
+    if placement is not None:
+        skip_without_gpus(placement)
+    results = launch(
+        tmp_path, 2, "idle", str(tmp_path), str(local), *([placement] if placement else [])
+    )
+    replicas = local or len(helper.GPU_PLACEMENTS[str(placement)][0])
+    net, spare = helper.mlp(), nn.Linear(6, 1)
+    net.load_state_dict(results[0]["initial"])
+    spare.load_state_dict(results[0]["spare"])
+    trained = [*net.parameters(), *spare.parameters()]
+    ema = [p.detach().clone() for p in net.parameters()]
+    optimizer = torch.optim.SGD(trained, lr=0.001)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    for k in range(helper.IDLE_RUNS):
+        optimizer.zero_grad()
+        for scale in (1, 2):  # each worker's input
+            loss = net(x * scale).sum() + (spare(x * scale).sum() if k >= helper.IDLE_JOINS else 0)
+            (replicas * loss).backward()
+        for result in results:
+            expected = [p.grad for p in trained]
+            for got, want, first in zip(result["grads"][k], expected, results[0]["grads"][k]):
+                assert (got is None) == (want is None), k
+                if want is not None:
+                    torch.testing.assert_close(got, want)
+                    assert torch.equal(got, first)
+        optimizer.step()
+        with torch.no_grad():
+            for average, p in zip(ema, net.parameters()):  # the first update copies
+                average.copy_(p) if k == 0 else average.lerp_(p, 0.1)
+    mlp_bytes = 4 * sum(p.numel() for p in net.parameters())
+    spare_bytes = 4 * sum(p.numel() for p in spare.parameters())
+    row = 15 * 8  # the agreement row (``check_traffic``)
+    for result in results:
+        for got, want in zip(result["final"], trained, strict=True):
+            torch.testing.assert_close(got, want.detach())
+        for got, want in zip(result["ema"], ema, strict=True):
+            torch.testing.assert_close(got, want)
+        assert all(grad is None for grad in result["ema grads"])
+        assert result["bytes"] == [
+            row + 2 * mlp_bytes + spare_bytes,  # planned at the no-op run: every variable
+            row + mlp_bytes, row + mlp_bytes,  # the EMA and the spare head left out
+            row + mlp_bytes + spare_bytes,  # the head's first gradient, at the sync point
+            row + mlp_bytes + spare_bytes, row + mlp_bytes + spare_bytes,
+        ], result["bytes"]
+        # (buckets that left during backward, buckets planned): the EMA's buckets came first
+        # in the plan of every variable; then the MLP's 3 (the spare head's joins the first)
+        assert result["left"] == [(0, 6)] + [(3, 3)] * 5, result["left"]
+        # the agreement and the buckets; the head's first gradient in a bucket of its own
+        assert result["collectives"] == [1 + 6, 1 + 3, 1 + 3, 1 + 3 + 1, 1 + 3, 1 + 3], result
+
+
 @pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
 def test_runs_of_several_backward_passes_on_gpus_sum_like_one_device(
     tmp_path: Path, placement: str
@@ -822,6 +884,23 @@ def test_a_plan_leaves_the_sparse_variables_out_of_its_buckets() -> None:
     assert plan.bucket_of == {"d": 0, "b": 0}
     every = BucketPlan(records, [True] * 4, tensors, 512, 512)
     assert every.buckets == [[3, 2], [1, 0]] and len(every.bucket_of) == 4
+    assert every.left_out == frozenset() and every.members == [3, 2, 1, 0]
+
+
+def test_a_plan_leaves_the_idle_variables_out_of_its_buckets() -> None:
+    """Variables that no run gave a gradient when the plan was learnt stay out of its
+    buckets, beside the sparse ones: a bucket leaves only once all its gradients came."""
+    from types import SimpleNamespace
+
+    from centralstore.strategies._buckets import BucketPlan
+
+    tensors = [torch.zeros(n) for n in (300, 10, 200, 5)]
+    records: Any = [SimpleNamespace(key=k) for k in "abcd"]
+    plan = BucketPlan(
+        records, [True] * 4, tensors, 512, 512, sparse=frozenset({0}), idle=frozenset({3})
+    )
+    assert plan.buckets == [[2], [1]] and plan.members == [2, 1]
+    assert plan.bucket_of == {"c": 0, "b": 1} and plan.left_out == frozenset({0, 3})
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

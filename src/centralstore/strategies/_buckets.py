@@ -6,7 +6,11 @@ once it holds its size, the first's small (DDP's 1 MB) so that the first all-red
 early, the others' ``bucket_bytes``. It is built from a layout every worker agreed on at
 a sync point, so every worker holds the same buckets. The variables whose gradients the
 workers summed sparse stay out of them (DDP too gives each sparse gradient a bucket of its
-own): their entries travel at the sync point.
+own): their entries travel at the sync point. So do the variables no worker's run has
+given a gradient since the layout (idle: an EMA copy of the model, a teacher, a model
+dropped but not yet collected), which DDP never sees since it wraps one model: in a
+bucket they would travel as zeros at every step, and hold back the buckets after theirs,
+since a bucket leaves only once all its gradients have come.
 
 ``EarlyExchange`` is one run's use of the plan. Each local replica's view of a variable has
 a post-accumulate-grad hook (the store's gradient receiver); once every local replica holds
@@ -96,15 +100,20 @@ class BucketPlan:
     ``trainable_flags``: which of them required grad), indices into its trainable ones.
     ``sparse``: the trainable variables left out, whose gradients the workers summed sparse
     at some sync point (they travel as indices and values at the sync point, never
-    densified into a bucket). ``passes``: the backward passes a run makes before its
+    densified into a bucket); ``idle``: those left out because no worker's run gave them a
+    gradient at the sync point the plan learnt it from (a gradient they get later travels
+    at the sync point, in buckets of its own, and the next plan takes them in); None
+    before any sync point of the layout received gradients: every variable is in.
+    ``passes``: the backward passes a run makes before its
     buckets leave (more than one where runs accumulate micro-batches, learnt from a run
     whose buckets left too early: ``strike``); ``usable`` turns False when early exchanges
     keep failing their check."""
 
     __slots__ = (
         "_buffers", "bucket_dtypes", "bucket_keys", "bucket_of", "bucket_records",
-        "bucket_shapes", "buckets", "devices", "dtypes", "numels", "passes", "records", "shapes",
-        "sparse", "strikes", "trainable_flags", "trainable_records", "usable",
+        "bucket_shapes", "buckets", "devices", "dtypes", "idle", "left_out", "members",
+        "numels", "passes", "records", "shapes", "sparse", "strikes", "trainable_flags",
+        "trainable_records", "usable",
     )
 
     STRIKES = 2  # early exchanges in a row that failed their check before the plan gives up
@@ -112,15 +121,18 @@ class BucketPlan:
     def __init__(
         self, records: list[Central], trainable_flags: list[bool],
         trainable: list[torch.Tensor], first_bytes: int, bucket_bytes: int,
-        sparse: frozenset[int] = frozenset(),
+        sparse: frozenset[int] = frozenset(), idle: frozenset[int] | None = None,
     ) -> None:
         self.records = records
         self.trainable_flags = trainable_flags
         self.sparse = sparse
+        self.idle = idle
+        self.left_out = sparse if idle is None else sparse | idle
         self.buckets = bucket_indices(
-            trainable, [j not in sparse for j in range(len(trainable))],
+            trainable, [j not in self.left_out for j in range(len(trainable))],
             min(first_bytes, bucket_bytes), bucket_bytes,
         )
+        self.members = [j for bucket in self.buckets for j in bucket]
         self.trainable_records = [
             r for r, flag in zip(records, trainable_flags, strict=True) if flag
         ]
@@ -556,7 +568,8 @@ class EarlyExchange:
         where no worker has a gradient and for the variables left out of the plan."""
         plan = self._plan
         out: list[torch.Tensor | None] = [None] * len(plan.numels)
-        every = all(has_grad)  # the usual case: each piece goes to its place in one C pass
+        # the usual case: each piece goes to its place in one C pass
+        every = all(map(has_grad.__getitem__, plan.members))
         for bucket, flat, shapes in zip(plan.buckets, self.wait(), plan.shapes, strict=True):
             pieces = unflatten(flat.to(plan.devices[bucket[0]]), shapes)
             if every:

@@ -32,7 +32,11 @@ The agreement row says whether each worker's early buckets are what its fold pro
 any is not, every worker exchanges again from the fold, in step 4's order. The numbers are
 those of the exchange after the fold: the same local sums, the same buckets. A gradient the
 workers summed sparse stays out of the next runs' buckets: it travels as indices and values
-at the sync point, and, should it be dense somewhere later, in buckets of its own there.
+at the sync point, and, should it be dense somewhere later, in buckets of its own there. A
+trainable variable that no worker's run has given a gradient since the layout (an EMA copy
+of the model, a teacher) stays out of them too, rather than travel as zeros at every step
+and hold back the buckets after its own; the first gradient it gets travels at the sync
+point, in buckets of its own, and from then on it is in the plan.
 
 When the run failed on any worker, every worker puts back its set-aside ``.grad`` and the
 values its replicas' writes replaced, and raises: the run is discarded everywhere.
@@ -94,10 +98,12 @@ PASSES = 8  # the flags' bits from here on: the backward passes the run made (``
 
 class Agreed(NamedTuple):
     """What a sync point settled, the same on every worker: every worker's agreement
-    ``flags``, the trainable variables whose sums stayed ``sparse``, and the variables
-    some worker's replicas ``written``."""
+    ``flags``, which trainable variables some worker's run gave a gradient
+    (``received``), the trainable variables whose sums stayed ``sparse``, and the
+    variables some worker's replicas ``written``."""
 
     flags: Sequence[int]
+    received: Sequence[bool]
     sparse: Collection[int] = ()
     written: Sequence[int] = ()
 
@@ -183,7 +189,7 @@ class ProcessGroup(Collectives):
         """The run in progress may start the agreed plan's buckets during its backward
         (decided alike on every worker: from the last agreement, at the same call)."""
         plan = self._plan
-        if self._early is None and plan is not None and plan.usable:
+        if self._early is None and plan is not None and plan.usable and plan.buckets:
             early = self._early = EarlyExchange(
                 plan, store.replicas,
                 lambda flat: self.start_gradient_all_reduce("gradient all-reduce", flat),
@@ -254,8 +260,8 @@ class ProcessGroup(Collectives):
 
     def _follow(self, layout: _Layout, agreed: Agreed, early: EarlyExchange | None) -> None:
         """After a sync point every worker passed (``agreed`` the same everywhere): the plan
-        of the agreed layout, without the variables whose sums stay sparse, and how its
-        early exchange fared."""
+        of the agreed layout, without the variables whose sums stay sparse or that no run
+        has given a gradient since the layout, and how its early exchange fared."""
         if self.gradient_group is None or not layout.trainable:
             return
         flags = agreed.flags
@@ -264,17 +270,33 @@ class ProcessGroup(Collectives):
             early.plan.strike(
                 not all(f & VALID for f in flags), passes.pop() if len(passes) == 1 else 0
             )
-        plan = self._plan
-        if plan is None or not plan.fits(layout.records, layout.trainable_flags):
-            sparse = frozenset(agreed.sparse)
-        elif plan.sparse.issuperset(agreed.sparse):
-            return
-        else:  # once sparse, out of the buckets for good: a dense read of a table is rare
-            sparse = plan.sparse.union(agreed.sparse)
+        plan, received = self._plan, agreed.received
+        if plan is not None and not plan.fits(layout.records, layout.trainable_flags):
+            plan = None  # another layout's
+        # once sparse, out of the buckets for good: a dense read of a table is rare
+        sparse = frozenset(agreed.sparse) if plan is None else plan.sparse.union(agreed.sparse)
+        # Idle: what the first sync point that received gradients did not (one that received
+        # none, an evaluation's, says nothing: every variable stays in). Once given a
+        # gradient, a variable is in the buckets for good: a program that alternates, as a
+        # GAN's steps do, would otherwise make a new plan at every run.
+        idle = None if plan is None else plan.idle
+        if idle is None:
+            if any(received):
+                idle = frozenset(j for j, got in enumerate(received) if not got)
+        elif any(map(received.__getitem__, idle)):
+            idle = frozenset(j for j in idle if not received[j])
+        if plan is not None and sparse == plan.sparse:
+            if idle == plan.idle:
+                return
+            if idle == plan.left_out - sparse:  # learnt: the same buckets (most often none
+                plan.idle = idle  # idle)
+                return
         self._plan = BucketPlan(
             layout.records, layout.trainable_flags, layout.trainable,
-            FIRST_BUCKET_BYTES, self.bucket_bytes, sparse,
+            FIRST_BUCKET_BYTES, self.bucket_bytes, sparse, idle,
         )
+        if plan is not None:  # the runs' backward passes, as learnt
+            self._plan.passes = plan.passes
         self.sparse_order = tuple(sorted(sparse))
 
     def _carry(self, layout: _Layout, written: Sequence[int]) -> None:
@@ -399,7 +421,7 @@ def sync_across(
         if early is not None and started:
             early.wait()
         _add_back(trainable, stash, fresh)
-        return Agreed(all_flags)
+        return Agreed(all_flags, [False] * len(trainable))
     sparse = any(f & SPARSE for f in all_flags)
     if not any(counts) and all(s == ALL for s in states) and not sparse:
         has_grad, writers, assigned, kept = [True] * len(trainable), None, None, None
@@ -426,7 +448,7 @@ def sync_across(
     dense = has_grad if kept is None else [h and j not in kept for j, h in enumerate(has_grad)]
     if early is not None and started and all(f & VALID for f in all_flags):
         exchanged = early.exchanged(dense)
-        left_out = early.plan.sparse
+        left_out = early.plan.left_out
         if left_out and any(dense[j] for j in left_out):  # in buckets of their own
             outside = [j in left_out and d for j, d in enumerate(dense)]
             for j, total in enumerate(_exchange_gradients(workers, trainable, fresh, outside)):
@@ -460,7 +482,7 @@ def sync_across(
     # The post-accumulate-grad hooks see the sum over the workers, and fire on every worker
     # for the same variables: an optimizer step in one keeps the workers' copies equal.
     run_post_accumulate_hooks(list(compress(trainable, has_grad)))
-    return Agreed(all_flags, kept or (), written)
+    return Agreed(all_flags, has_grad, kept or (), written)
 
 
 def _kind(grad: torch.Tensor | None) -> int:
