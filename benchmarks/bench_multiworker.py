@@ -40,6 +40,13 @@ Four tables:
               all-reduce puts about 2 (W-1)/W times that on the wire).
   all-reduce  torch.distributed.all_reduce (SUM) of one flat float32 gradient buffer of
               1 to 100 MB between 2 gloo processes: milliseconds (median) and bus bandwidth.
+  --idioms    instead of the tables above: each idiom of ``bench_idioms.py`` (hooks, a frozen
+              half, a fused optimizer, clipping, an EMA copy of the model, checkpointing,
+              autocast, weight norm, an LSTM, sparse gradients, channels last) at W = 2 x R = 1
+              against DDP in the same two processes (the idiom's network in DDP, its EMA copy
+              beside it), global batch 32, in drawn turns; with what a step of this strategy
+              sends, against the bytes of the gradients of what it trains: a variable sent
+              that no step trains (the EMA copy's) shows as more.
   --gpu       instead of the tables above: two gloo workers whose replica is a GPU (each
               worker's ``cuda:LOCAL_RANK``, modulo the GPUs there are) with the variables in
               host memory, on the MLP 784-1024-1024-10 (7 MB of gradients: one pinned
@@ -53,6 +60,7 @@ Four tables:
     python benchmarks/bench_multiworker.py [--steps 10] [--rounds 7] [--sizes-mb 1 4 16 64 100]
                                            [--models mlp transformer recommender bn wide]
                                            [--accumulation-replicas 1]
+    python benchmarks/bench_multiworker.py --idioms [none EMA ...] [--steps 10] [--rounds 7]
     python benchmarks/bench_multiworker.py --gpu [--fake-gpus] [--steps 10] [--rounds 7]
 
 Each configuration runs in fresh processes started like torchrun does (RANK, WORLD_SIZE,
@@ -63,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -469,8 +478,111 @@ def _worker_gpu(steps: int, rounds: int, fake: bool) -> dict[str, float]:
     return result
 
 
+IDIOM_BATCH = 32
+
+
+def _idiom_steps(
+    name: str,
+) -> tuple[MultiWorkerCentralStorageStrategy, list[nn.Parameter], Callable[[], None],
+           Callable[[], None]]:
+    """``bench_idioms.IDIOMS[name]`` trained with a strategy of its own (W workers x 1
+    replica) and with DDP (the idiom's network wrapped, its EMA copy beside it, as a DDP
+    program keeps one): the strategy, what it trains, and one step of each."""
+    import torch.nn.functional as F
+    from bench_idioms import IDIOMS
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    idiom = IDIOMS[name]
+    strategy = MultiWorkerCentralStorageStrategy(["cpu:0"], timeout=120)
+    rank, world = strategy.worker_index, strategy.num_workers
+    generator = torch.Generator().manual_seed(0)
+    x = idiom.inputs(IDIOM_BATCH, generator)
+    y = torch.randint(0, 10, (IDIOM_BATCH,), generator=generator)
+    precision: Callable[[], Any] = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if idiom.autocast
+        else contextlib.nullcontext
+    )
+
+    def trainer(model: nn.Module, averaged: nn.Module) -> tuple[list[nn.Parameter], Any, Any]:
+        trained = [p for p in model.parameters() if p.requires_grad]
+        ema = (
+            AveragedModel(averaged, multi_avg_fn=get_ema_multi_avg_fn(0.999)) if idiom.ema
+            else None
+        )
+        return trained, idiom.optimizer(trained), ema
+
+    def finish(trained: list[nn.Parameter], optimizer: Any, ema: Any, model: nn.Module) -> None:
+        if idiom.clip:
+            nn.utils.clip_grad_norm_(trained, 1.0)
+        optimizer.step()
+        if ema is not None:
+            ema.update_parameters(model)
+
+    torch.manual_seed(1)
+    with strategy.scope():
+        model = idiom.build()
+        trained, optimizer, ema = trainer(model, model)
+    inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+
+    def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
+        with precision():
+            logits = model(xs)
+        loss = F.cross_entropy(logits.float(), ys, reduction="sum") / IDIOM_BATCH
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def cs_step() -> None:
+        optimizer.zero_grad()
+        strategy.run(replica_step, args=inputs)
+        finish(trained, optimizer, ema, model)
+
+    torch.manual_seed(1)
+    ddp = nn.parallel.DistributedDataParallel(idiom.build())
+    ddp_trained, ddp_optimizer, ddp_ema = trainer(ddp, ddp.module)
+    share = IDIOM_BATCH // world
+    xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+
+    def ddp_step() -> None:
+        ddp_optimizer.zero_grad()
+        with precision():
+            logits = ddp(xs)
+        # DDP averages over the workers: each worker's sum over the global batch, times W
+        loss = F.cross_entropy(logits.float(), ys, reduction="sum") * world / IDIOM_BATCH
+        loss.backward()  # type: ignore[no-untyped-call]
+        finish(ddp_trained, ddp_optimizer, ddp_ema, ddp.module)
+
+    return strategy, trained, cs_step, ddp_step
+
+
+def _worker_idioms(names: list[str], steps: int, rounds: int) -> dict[str, float]:
+    """Each idiom of ``names`` with this strategy and with DDP (``_idiom_steps``), in the
+    same processes, taking turns: ms per step (wall and CPU), and the bytes and collectives
+    a step of this strategy sends."""
+    result: dict[str, float] = {}
+    for name in names:
+        strategy, trained, cs_step, ddp_step = _idiom_steps(name)
+        for _ in range(3):
+            cs_step()
+        before = strategy.traffic
+        for _ in range(steps):
+            cs_step()
+        after = strategy.traffic
+        means, cpu = _in_turns({"cs": cs_step, "ddp": ddp_step}, steps, rounds)
+        result[f"{name} sent"] = (after["bytes"] - before["bytes"]) / steps
+        result[f"{name} collectives"] = (after["collectives"] - before["collectives"]) / steps
+        result[f"{name} gradients"] = sum(p.numel() * p.element_size() for p in trained)
+        result[f"{name} cs"] = statistics.median(means["cs"])
+        result[f"{name} ddp"] = statistics.median(means["ddp"])
+        result[f"{name} cs / ddp"] = _median_ratio(means["cs"], means["ddp"])
+        result[f"{name} cs / ddp cpu"] = _median_ratio(cpu["cs"], cpu["ddp"])
+        del strategy, trained, cs_step, ddp_step
+        gc.collect()  # the idiom's variables gone before the next strategy's first run
+    return result
+
+
 def _worker(argv: list[str]) -> None:
-    if argv[0] == "gpu":
+    if argv[0] == "idioms":
+        result = _worker_idioms(argv[3:], int(argv[1]), int(argv[2]))
+    elif argv[0] == "gpu":
         result = _worker_gpu(int(argv[1]), int(argv[2]), argv[3] == "fake")
     elif argv[0] == "steps":
         result = _worker_steps(argv[1], int(argv[2]), int(argv[3]))
@@ -507,6 +619,9 @@ def main() -> None:
     parser.add_argument("--accumulation-replicas", type=at_least(1), default=1,
                         help="local replicas of this strategy in the accumulation table (DDP "
                              "makes one pass per micro-batch whatever it is)")
+    parser.add_argument("--idioms", nargs="*", metavar="IDIOM",
+                        help="only the table of bench_idioms.py's idioms against DDP (all "
+                             "without names)")
     parser.add_argument("--gpu", action="store_true",
                         help="only the table of GPU replicas with the variables in host memory")
     parser.add_argument("--fake-gpus", action="store_true",
@@ -516,6 +631,9 @@ def main() -> None:
     threads = max(cores // 2, 1)
     if args.gpu:
         gpu_table(args.steps, args.rounds, args.fake_gpus, threads)
+        return
+    if args.idioms is not None:
+        idioms_table(args.idioms, args.steps, args.rounds, threads)
         return
     print(f"against DistributedDataParallel in the same 2 gloo processes ({threads} thr each), "
           f"in drawn turns: median of {args.rounds} rounds of {args.steps} steps\n")
@@ -577,6 +695,30 @@ def main() -> None:
     for size, ms in rows.items():
         bus = float(size) * MB * 2 * (2 - 1) / 2 / (ms / 1000) / 1e9
         print(f"{float(size):>6g} MB {ms:>9.2f} {bus:>9.2f}")
+
+
+def idioms_table(names: list[str], steps: int, rounds: int, threads: int) -> None:
+    """``--idioms``: each idiom at W = 2 x R = 1 against DDP, and what a step sends."""
+    from bench_idioms import IDIOMS
+
+    unknown = sorted(set(names) - set(IDIOMS))
+    if unknown:
+        raise SystemExit(f"unknown idioms {unknown}: choose from {list(IDIOMS)}")
+    names = names or list(IDIOMS)
+    print(f"bench_idioms.py's idioms at W=2 x R=1 against DistributedDataParallel in the same "
+          f"2 gloo processes ({threads} thr each), global batch {IDIOM_BATCH}, in drawn "
+          f"turns: median of {rounds} rounds of {steps} steps; what a step of this strategy "
+          "sends (bytes, collectives) against the bytes of the gradients it trains\n")
+    print(f"{'idiom':<17} {'gradients':>10} {'sent/step':>10} {'sent / grads':>13} "
+          f"{'collectives':>12} {'cs ms/step':>11} {'DDP ms/step':>12} {'cs / DDP':>9} "
+          f"{'CPU: cs / DDP':>14}")
+    row = _launch(2, ["idioms", str(steps), str(rounds), *names], threads)
+    for name in names:
+        gradients, sent = row[f"{name} gradients"], row[f"{name} sent"]
+        print(f"{name:<17} {gradients:>10,.0f} {sent:>10,.0f} {sent / gradients:>12.3f}x "
+              f"{row[f'{name} collectives']:>12.1f} {row[f'{name} cs']:>11.2f} "
+              f"{row[f'{name} ddp']:>12.2f} {row[f'{name} cs / ddp']:>8.3f}x "
+              f"{row[f'{name} cs / ddp cpu']:>13.3f}x", flush=True)
 
 
 def gpu_table(steps: int, rounds: int, fake: bool, threads: int) -> None:

@@ -2,7 +2,8 @@
 subprocess, as a user runs it. Nothing here is timed (the scripts' figures are read by
 people, in benchmarks/README.md); a refactoring that breaks a script fails here instead of
 in the next session that measures. The slowest scripts (the trainers, several workers,
-glibc's heap, valgrind's counts, the GPU check) are left to their own runs.
+glibc's heap, valgrind's counts, the GPU check) are left to their own runs, but for the
+quickest table of several workers.
 """
 
 from __future__ import annotations
@@ -52,6 +53,21 @@ def test_a_script_prints_its_table(
     assert result.returncode == 0, result.stderr
     for text in expected:
         assert text in result.stdout, (text, result.stdout)
+
+
+def test_the_idioms_across_workers_send_what_they_train(tmp_path: Path) -> None:
+    """``bench_multiworker.py --idioms`` in two processes: an EMA copy of the model in the
+    scope sends nothing (the gradients' bytes and the agreement row's 120: 1.000x)."""
+    result = bench(
+        "bench_multiworker.py", "--idioms", "none", "EMA", "--steps", "1", "--rounds", "1",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:] if line}
+    assert rows["none"][1:4] == ["603,176", "603,296", "1.000x"], result.stdout
+    assert rows["EMA"][1:4] == ["603,176", "603,296", "1.000x"], result.stdout
+    refused = bench("bench_multiworker.py", "--idioms", "EMAs", cwd=tmp_path)
+    assert refused.returncode == 1 and "unknown idioms ['EMAs']" in refused.stderr
 
 
 def test_a_count_below_its_minimum_is_refused_by_name(tmp_path: Path) -> None:
