@@ -46,7 +46,8 @@ Four tables:
               against DDP in the same two processes (the idiom's network in DDP, its EMA copy
               beside it), global batch 32, in drawn turns; with what a step of this strategy
               sends, against the bytes of the gradients of what it trains: a variable sent
-              that no step trains (the EMA copy's) shows as more.
+              that no step trains (the EMA copy's) shows as more. A second DDP instance
+              ("DDP again") states the run's noise.
   --gpu       instead of the tables above: two gloo workers whose replica is a GPU (each
               worker's ``cuda:LOCAL_RANK``, modulo the GPUs there are) with the variables in
               host memory, on the MLP 784-1024-1024-10 (7 MB of gradients: one pinned
@@ -484,10 +485,11 @@ IDIOM_BATCH = 32
 def _idiom_steps(
     name: str,
 ) -> tuple[MultiWorkerCentralStorageStrategy, list[nn.Parameter], Callable[[], None],
-           Callable[[], None]]:
+           Callable[[], Callable[[], None]]]:
     """``bench_idioms.IDIOMS[name]`` trained with a strategy of its own (W workers x 1
     replica) and with DDP (the idiom's network wrapped, its EMA copy beside it, as a DDP
-    program keeps one): the strategy, what it trains, and one step of each."""
+    program keeps one): the strategy, what it trains, its step, and what makes a DDP
+    instance's step."""
     import torch.nn.functional as F
     from bench_idioms import IDIOMS
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -535,38 +537,44 @@ def _idiom_steps(
         strategy.run(replica_step, args=inputs)
         finish(trained, optimizer, ema, model)
 
-    torch.manual_seed(1)
-    ddp = nn.parallel.DistributedDataParallel(idiom.build())
-    ddp_trained, ddp_optimizer, ddp_ema = trainer(ddp, ddp.module)
     share = IDIOM_BATCH // world
     xs, ys = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
 
-    def ddp_step() -> None:
-        ddp_optimizer.zero_grad()
-        with precision():
-            logits = ddp(xs)
-        # DDP averages over the workers: each worker's sum over the global batch, times W
-        loss = F.cross_entropy(logits.float(), ys, reduction="sum") * world / IDIOM_BATCH
-        loss.backward()  # type: ignore[no-untyped-call]
-        finish(ddp_trained, ddp_optimizer, ddp_ema, ddp.module)
+    def ddp_step_of() -> Callable[[], None]:
+        torch.manual_seed(1)
+        ddp = nn.parallel.DistributedDataParallel(idiom.build())
+        ddp_trained, ddp_optimizer, ddp_ema = trainer(ddp, ddp.module)
 
-    return strategy, trained, cs_step, ddp_step
+        def ddp_step() -> None:
+            ddp_optimizer.zero_grad()
+            with precision():
+                logits = ddp(xs)
+            # DDP averages over the workers: each worker's sum over the global batch, times W
+            loss = F.cross_entropy(logits.float(), ys, reduction="sum") * world / IDIOM_BATCH
+            loss.backward()  # type: ignore[no-untyped-call]
+            finish(ddp_trained, ddp_optimizer, ddp_ema, ddp.module)
+
+        return ddp_step
+
+    return strategy, trained, cs_step, ddp_step_of
 
 
 def _worker_idioms(names: list[str], steps: int, rounds: int) -> dict[str, float]:
-    """Each idiom of ``names`` with this strategy and with DDP (``_idiom_steps``), in the
-    same processes, taking turns: ms per step (wall and CPU), and the bytes and collectives
-    a step of this strategy sends."""
+    """Each idiom of ``names`` with this strategy and with DDP (``_idiom_steps``; a second
+    DDP instance, "again", states the noise), in the same processes, taking turns: ms per
+    step (wall and CPU), and the bytes and collectives a step of this strategy sends."""
     result: dict[str, float] = {}
     for name in names:
-        strategy, trained, cs_step, ddp_step = _idiom_steps(name)
+        strategy, trained, cs_step, ddp_step_of = _idiom_steps(name)
         for _ in range(3):
             cs_step()
         before = strategy.traffic
         for _ in range(steps):
             cs_step()
         after = strategy.traffic
-        means, cpu = _in_turns({"cs": cs_step, "ddp": ddp_step}, steps, rounds)
+        means, cpu = _in_turns(
+            {"cs": cs_step, "ddp": ddp_step_of(), "again": ddp_step_of()}, steps, rounds
+        )
         result[f"{name} sent"] = (after["bytes"] - before["bytes"]) / steps
         result[f"{name} collectives"] = (after["collectives"] - before["collectives"]) / steps
         result[f"{name} gradients"] = sum(p.numel() * p.element_size() for p in trained)
@@ -574,7 +582,8 @@ def _worker_idioms(names: list[str], steps: int, rounds: int) -> dict[str, float
         result[f"{name} ddp"] = statistics.median(means["ddp"])
         result[f"{name} cs / ddp"] = _median_ratio(means["cs"], means["ddp"])
         result[f"{name} cs / ddp cpu"] = _median_ratio(cpu["cs"], cpu["ddp"])
-        del strategy, trained, cs_step, ddp_step
+        result[f"{name} again / ddp"] = _median_ratio(means["again"], means["ddp"])
+        del strategy, trained, cs_step, ddp_step_of
         gc.collect()  # the idiom's variables gone before the next strategy's first run
     return result
 
@@ -711,14 +720,15 @@ def idioms_table(names: list[str], steps: int, rounds: int, threads: int) -> Non
           "sends (bytes, collectives) against the bytes of the gradients it trains\n")
     print(f"{'idiom':<17} {'gradients':>10} {'sent/step':>10} {'sent / grads':>13} "
           f"{'collectives':>12} {'cs ms/step':>11} {'DDP ms/step':>12} {'cs / DDP':>9} "
-          f"{'CPU: cs / DDP':>14}")
+          f"{'DDP again / DDP':>16} {'CPU: cs / DDP':>14}")
     row = _launch(2, ["idioms", str(steps), str(rounds), *names], threads)
     for name in names:
         gradients, sent = row[f"{name} gradients"], row[f"{name} sent"]
         print(f"{name:<17} {gradients:>10,.0f} {sent:>10,.0f} {sent / gradients:>12.3f}x "
               f"{row[f'{name} collectives']:>12.1f} {row[f'{name} cs']:>11.2f} "
               f"{row[f'{name} ddp']:>12.2f} {row[f'{name} cs / ddp']:>8.3f}x "
-              f"{row[f'{name} cs / ddp cpu']:>13.3f}x", flush=True)
+              f"{row[f'{name} again / ddp']:>15.3f}x {row[f'{name} cs / ddp cpu']:>13.3f}x",
+              flush=True)
 
 
 def gpu_table(steps: int, rounds: int, fake: bool, threads: int) -> None:
