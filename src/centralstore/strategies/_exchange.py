@@ -288,8 +288,8 @@ class ProcessGroup(Collectives):
         if plan is not None and sparse == plan.sparse:
             if idle == plan.idle:
                 return
-            if idle == plan.left_out - sparse:  # learnt: the same buckets (most often none
-                plan.idle = idle  # idle)
+            if idle == plan.left_out - sparse:  # learnt, and the same buckets: none idle
+                plan.idle = idle
                 return
         self._plan = BucketPlan(
             layout.records, layout.trainable_flags, layout.trainable,
