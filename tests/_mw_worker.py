@@ -678,6 +678,44 @@ def idle_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     return out
 
 
+COMPILED_RUNS = 5  # ``compiled_scenario``'s training runs
+
+
+def compiled_scenario(local: int) -> dict[str, Any]:
+    """The MLP's loss ``torch.compile``d (``aot_eager``: dynamo and AOTAutograd, no code
+    generation), trained for ``COMPILED_RUNS`` runs of global batches of 8 with ``local``
+    replicas per worker: dynamo's counts of graphs (a recompilation makes one more) and of
+    graph breaks after each run, the initial and final states."""
+    from torch._dynamo.utils import counters
+
+    strategy = worker_strategy([f"cpu:{i}" for i in range(local)], bucket_cap_mb=BUCKET)
+    torch.manual_seed(11)
+    with strategy.scope():
+        net = mlp()
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    out: dict[str, Any] = {"initial": {k: _host(v) for k, v in net.state_dict().items()}}
+
+    @torch.compile(backend="aot_eager")
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(net(x), y, reduction="sum") / 8
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss(x, y).backward()
+
+    out["counts"] = []
+    for k in range(COMPILED_RUNS):
+        (x, y), = batches([8], 30 + k)
+        inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
+        optimizer.zero_grad()
+        strategy.run(step, args=inputs)
+        optimizer.step()
+        out["counts"].append(
+            (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+        )
+    out["final"] = {k: _host(v) for k, v in net.state_dict().items()}
+    return out
+
+
 def buffer_input(k: int) -> torch.Tensor:
     """``buffers_scenario``'s input of run ``k``."""
     return torch.randn(8, 6, generator=torch.Generator().manual_seed(20 + k))
@@ -1367,6 +1405,8 @@ def main() -> None:
         results = buffers_scenario(int(sys.argv[3]), *sys.argv[4:5])
     elif scenario == "idle":
         results = idle_scenario(int(sys.argv[3]), *sys.argv[4:5])
+    elif scenario == "compiled":
+        results = compiled_scenario(int(sys.argv[3]))
     elif scenario == "fault":
         results = fault_scenario(float(sys.argv[3]))
     elif scenario == "restart":

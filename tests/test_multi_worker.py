@@ -622,6 +622,31 @@ def test_variables_that_runs_leave_without_gradients_stay_out_of_the_buckets(
         assert result["collectives"] == [1 + 6, 1 + 3, 1 + 3, 1 + 3 + 1, 1 + 3, 1 + 3], result
 
 
+@pytest.mark.parametrize("local", [1, 2])
+def test_a_compiled_model_across_workers_compiles_once_and_trains_like_one_device(
+    tmp_path: Path, local: int
+) -> None:
+    """A loss ``torch.compile``d on two workers (``_mw_worker.compiled_scenario``): one
+    graph from the first run on, no graph break, no recompilation (the replicas' views
+    are plain tensors in the module slots, alike at every run and on every replica), and
+    the training of one device on the same global batches, the same bits on every
+    worker."""
+    results = launch(tmp_path, 2, "compiled", str(tmp_path), str(local))
+    oracle = helper.mlp()
+    oracle.load_state_dict(results[0]["initial"])
+    optimizer = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    for k in range(helper.COMPILED_RUNS):
+        ((x, y),) = helper.batches([8], 30 + k)
+        optimizer.zero_grad()
+        (nn.functional.cross_entropy(oracle(x), y, reduction="sum") / 8).backward()
+        optimizer.step()
+    for rank, result in enumerate(results):
+        assert result["counts"] == [(1, 0)] * helper.COMPILED_RUNS, (rank, result["counts"])
+        assert_state_close(result["final"], oracle.state_dict(), f"rank {rank}")
+        for key, value in result["final"].items():
+            assert torch.equal(value, results[0]["final"][key]), (rank, key)
+
+
 @pytest.mark.parametrize("placement", list(helper.GPU_PLACEMENTS))
 def test_runs_of_several_backward_passes_on_gpus_sum_like_one_device(
     tmp_path: Path, placement: str
