@@ -19,7 +19,9 @@ class Central:
     no trace; ``key`` is ``id`` of the tensor, the key of the store's records. ``owners``
     are the modules (held weakly) and attribute names under which it was registered. ``stamp``
     moves at each optimizer step over it: fused kernels write without moving the version
-    counter, and views must see the new value.
+    counter, and views must see the new value. ``optimized``: some optimizer holds it (noted
+    at the optimizer's steps), so a run that leaves it without a gradient may still train it
+    later; one that no optimizer holds and no run trains is idle (``runs.Plan``).
 
     ``on_read``: synchronized on read (``VariableSynchronization.ON_READ``): each replica
     keeps a copy of its own across runs (its view, ``views.py``), and the central value is
@@ -29,8 +31,8 @@ class Central:
     whose copies each begin from ``reset`` (TensorFlow's rule, ``on_read_reset``)."""
 
     __slots__ = (
-        "aggregation", "generation", "is_buffer", "key", "on_read", "owners", "ref", "reset",
-        "stamp", "synced",
+        "aggregation", "generation", "is_buffer", "key", "on_read", "optimized", "owners", "ref",
+        "reset", "stamp", "synced",
     )
 
     def __init__(
@@ -43,6 +45,7 @@ class Central:
         self.is_buffer = is_buffer
         self.owners: list[tuple[weakref.ref[torch.nn.Module], str]] = []
         self.stamp = 0  # moved by every optimizer step over the variable (steps.py)
+        self.optimized = False  # some optimizer that stepped holds it (steps.py)
         self.on_read = False
         self.synced: tuple[int, int] | None = None
         self.generation = 0

@@ -35,7 +35,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
-from operator import call
+from operator import attrgetter, call
 from typing import Protocol, final
 
 import torch
@@ -80,11 +80,18 @@ class Plan:
     those are all the others (``DirectRun``); ``viewed_refs`` are the others without them.
     The slots that a replica computing where the variables live fills: ``direct_slots``
     without the shared parameters and buffers, ``direct_slots_with_buffers`` without the
-    shared parameters only (for a run whose buffers turned out not to be plain tensors)."""
+    shared parameters only (for a run whose buffers turned out not to be plain tensors).
+
+    A replica that sees views fills ``view_slots``: every slot, until a sync point learns
+    which trainable parameters are ``idle`` (``settle_idle``): those no optimizer holds and
+    no run gave a gradient, such as an EMA copy of the model. A GPU replica would get a copy
+    of each at every run, though none reads it. Leaving a slot as it is stays correct: a
+    replica that does read the variable gets its view through the variables' class, and the
+    next sync point puts it back in."""
 
     __slots__ = (
-        "buffers", "direct", "direct_slots", "direct_slots_with_buffers", "others",
-        "others_refs", "shared", "shared_refs", "slots", "viewed_refs",
+        "_learnt", "buffers", "direct", "direct_slots", "direct_slots_with_buffers", "idle",
+        "others", "others_refs", "shared", "shared_refs", "slots", "view_slots", "viewed_refs",
     )
 
     def __init__(
@@ -94,6 +101,9 @@ class Plan:
         _refuse_sparse(records.values())
         slots = slots_of(records)
         self.slots = Slots(slots)
+        self.view_slots = self.slots
+        self.idle: frozenset[int] = frozenset()  # keys of records left out of ``view_slots``
+        self._learnt = False
         self.shared: list[Central] = []
         if any(on_parameters):
             with DisableTorchFunctionSubclass():  # the devices of the variables themselves
@@ -114,6 +124,52 @@ class Plan:
         if buffer_keys:
             keys |= buffer_keys
             self.direct_slots = Slots([slot for slot in slots if slot[2].key not in keys])
+
+    def settle_idle(self, received: list[torch.Tensor], replicas: Sequence[ReplicaViews]) -> None:
+        """What a sync point of replicas that saw views teaches (``received``: the variables
+        it gave gradients). The first that received some after an optimizer stepped the
+        plan's parameters finds the idle ones: trainable parameters in plain slots that no
+        optimizer holds and that it gave no gradient. Their views are dropped (a GPU
+        replica's copies freed) and no replica fills their slots. Every later one puts back
+        in the slots an idle variable that some replica read (its view was made again,
+        through the variables' class)."""
+        if self._learnt:
+            if self.idle:
+                read = {key for key in self.idle if any(key in views.views for views in replicas)}
+                if read:
+                    self._leave_out(self.idle - read, replicas)
+            return
+        plain = self.slots.plain
+        if plain is None:
+            self._learnt = True
+            return
+        records = plain.records
+        if not received or not any(map(_optimized_of, records)):
+            return  # no optimizer has stepped yet: an idle variable cannot be told apart
+        self._learnt = True
+        given = set(map(id, received))
+        idle = frozenset(
+            record.key for record in records
+            if not record.optimized and record.key not in given
+            and (central := record.ref()) is not None and central.requires_grad
+        )
+        if idle:
+            self._leave_out(idle, replicas)
+
+    def _leave_out(self, idle: frozenset[int], replicas: Sequence[ReplicaViews]) -> None:
+        """Replicas fill every slot but those of ``idle``; the views of those are dropped."""
+        fresh = idle - self.idle
+        self.idle = idle
+        self.view_slots = (
+            Slots([slot for slot in self.slots.items if slot[2].key not in idle])
+            if idle else self.slots
+        )
+        for views in replicas:
+            for key in fresh:
+                views.forget(key)
+
+
+_optimized_of = attrgetter("optimized")
 
 
 def _refuse_sparse(records: Iterable[Central]) -> None:
@@ -197,6 +253,12 @@ class Run(abc.ABC):
     def waits(self, replica: int) -> bool:
         """Whether replica ``replica`` waits in a rendezvous, to run on later."""
         return False
+
+    def settle_idle(  # noqa: B027 (a default, not abstract)
+        self, received: list[torch.Tensor], replicas: Sequence[ReplicaViews]
+    ) -> None:
+        """The run's sync point folded its replicas' views (``received``: the variables
+        given gradients): what its plan learns from that (``Plan.settle_idle``)."""
 
     def close(self) -> None:  # noqa: B027
         """The replicas are done (before the sync point): variables are plain again."""
@@ -446,7 +508,7 @@ class ReplicasRun(Run):
         direct = self._direct(replica)
         if self._shared is not None:
             self._lend_shared(not direct)
-        slots = self._direct_slots if direct else self._plan.slots
+        slots = self._direct_slots if direct else self._plan.view_slots
         if slots:
             self._filled = Filled(self._store.replicas[replica], slots)
 
@@ -487,7 +549,7 @@ class ReplicasRun(Run):
             self._lend_shared(not direct)
             if direct:
                 shared.unpark(replica)
-        slots = self._direct_slots if direct else self._plan.slots
+        slots = self._direct_slots if direct else self._plan.view_slots
         if slots:
             self._filled = Filled(self._store.replicas[replica], slots)
         put_back(self._kept.pop(replica, []))
@@ -523,6 +585,9 @@ class ReplicasRun(Run):
         if self._shared is None:
             return []
         return self._shared.commit()  # before the views' gradients: replica order
+
+    def settle_idle(self, received: list[torch.Tensor], replicas: Sequence[ReplicaViews]) -> None:
+        self._plan.settle_idle(received, replicas)
 
     def rollback(self) -> None:
         if self._shared is not None:

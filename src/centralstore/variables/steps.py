@@ -29,6 +29,7 @@ class Store(Protocol):
 
     def owns_any(self, tensors: list[torch.Tensor]) -> bool: ...
     def stamp(self, tensors: list[torch.Tensor]) -> None: ...
+    def optimized(self, tensors: list[torch.Tensor]) -> None: ...
     def settled(self) -> bool: ...
     def claim(self, doing: str) -> None: ...
     def release(self) -> None: ...
@@ -41,6 +42,9 @@ _stores: tuple[weakref.ref[Store], ...] = ()
 _handle: list[Any] = []
 _lock = threading.RLock()  # (reentrant: a store's finalizer may run inside ``track``)
 _params_of = itemgetter("params")
+# each optimizer that stepped, and how many parameters it held then: its parameters are noted
+# as optimized once, and again when it holds more (``add_param_group``)
+_noted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
 
 
 def track(store: Store) -> None:
@@ -96,8 +100,16 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     that requires grad refresh at every run anyway (and one whose ``requires_grad`` changes
     is made anew), so only the frozen ones need the stamp, and of those only the ones with a
     ``.grad``: torch's optimizers skip a parameter without one (a frozen backbone given to
-    the optimizer with the rest is not copied to the GPUs again at every step)."""
-    frozen = list(filterfalse(requires_grad_of, _parameters(optimizer)))
+    the optimizer with the rest is not copied to the GPUs again at every step). The first
+    step of an optimizer notes its parameters as optimized (``Central.optimized``)."""
+    params = _parameters(optimizer)
+    if _noted.get(optimizer) != len(params):
+        _noted[optimizer] = len(params)
+        for ref in _stores:
+            store = ref()
+            if store is not None:
+                store.optimized(params)
+    frozen = list(filterfalse(requires_grad_of, params))
     if frozen:
         frozen = list(compress(frozen, map(is_not, map(grad_of, frozen), repeat(None))))
     if frozen:

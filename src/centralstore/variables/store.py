@@ -228,6 +228,15 @@ class VariableStore:
             if record is not None:
                 record.stamp += 1
 
+    def optimized(self, tensors: list[torch.Tensor]) -> None:
+        """An optimizer that holds ``tensors`` stepped: those that are central variables are
+        trained by it (``Central.optimized``)."""
+        records = self.records
+        for tensor in tensors:
+            record = records.get(id(tensor))
+            if record is not None:
+                record.optimized = True
+
     def owns_any(self, tensors: list[torch.Tensor]) -> bool:
         return any(map(self.records.__contains__, map(id, tensors)))
 
@@ -467,6 +476,7 @@ class VariableStore:
                         touched, self.placement.num_replicas, self.placement.replica_offset
                     )
                 folding.finish(touched)
+                run.settle_idle(received, self.replicas)
             self._next_epoch()
         if received and hooks:
             folding.run_post_accumulate_hooks(received)
