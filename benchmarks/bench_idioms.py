@@ -39,6 +39,14 @@ centralstore something of its own. One intra-op thread, the process's CPU time, 
 (R = 1 <= 1.02, R = 2 <= 1.03) are printed beside the ratios; these steps are short (0.2
 to 4 ms), where a run's fixed cost weighs most.
 
+``--gpu-bytes`` times nothing: it counts, on the test suite's fake GPUs (``tests/fakegpu``),
+the bytes each idiom's training step copies to two GPU replicas whose variables are in host
+memory, and back, against what the model must take there at least (each replica's copy of
+its parameters) and bring back (each replica's gradients of the trained ones). A variable
+sent though no replica reads it shows as more: an EMA copy of the model in the scope read
+2.000 of the model's bytes until the fiftieth session. (The autocast idiom is left out: its
+``autocast("cpu")`` does not apply to GPU replicas.)
+
 ``--compiled`` compiles each configuration's forward and loss (``torch.compile``, static
 shapes, a code object per configuration: ``bench_models.compiled``) and keeps its instances
 for the whole run instead of building them anew every round (a new one would compile
@@ -47,6 +55,7 @@ a test, not a timing: ``tests/equivalence/test_parity.py`` counts them on every 
 
     python benchmarks/bench_idioms.py [--rounds 10] [--steps 10] [--per-replica 8]
         [--idioms none clipping ...] [--compiled]
+    python benchmarks/bench_idioms.py --gpu-bytes [--idioms none EMA ...]
 """
 
 from __future__ import annotations
@@ -313,6 +322,87 @@ def added_us(times: list[list[float]], baseline: list[list[float]]) -> float:
     )
 
 
+GPU_STEPS = 4  # --gpu-bytes: steps before the one counted (the first optimizer step's sync
+# point is where a run learns which variables no optimizer holds and no run trains)
+
+
+def gpu_bytes(name: str, per_replica: int) -> dict[str, float]:
+    """``--gpu-bytes`` for idiom ``name``: one training step's bytes to and from two fake
+    GPUs with the variables in host memory, after ``GPU_STEPS``, and the model's bytes."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+    import fakegpu
+
+    idiom = IDIOMS[name]
+    devices = ["cuda:0", "cuda:1"]
+    generator = torch.Generator().manual_seed(0)
+    x = idiom.inputs(2 * per_replica, generator)
+    y = torch.randint(0, 10, (2 * per_replica,), generator=generator)
+    with fakegpu.devices(len(devices)) as gpus:
+        strategy = cs.CentralStorageStrategy(devices, parameter_device="cpu")
+        torch.manual_seed(0)
+        with strategy.scope():
+            model = idiom.build()
+            trainable = [p for p in model.parameters() if p.requires_grad]
+            optimizer = idiom.optimizer(trainable)
+            average = (
+                AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999)) if idiom.ema
+                else None
+            )
+        arguments = tuple(
+            cs.PerReplica([part.to(device) for part, device in zip(
+                whole.tensor_split(len(devices)), devices, strict=True
+            )])
+            for whole in (x, y)
+        )
+
+        def backward(xs: torch.Tensor, ys: torch.Tensor) -> None:
+            logits = model(xs)
+            (F.cross_entropy(logits.float(), ys, reduction="sum") / len(x)).backward()
+
+        def step() -> None:
+            optimizer.zero_grad()
+            strategy.run(backward, args=arguments)
+            if idiom.clip:
+                nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            if average is not None:
+                average.update_parameters(model)
+
+        for _ in range(GPU_STEPS):
+            step()
+        before = gpus.moved.copy()
+        step()
+        moved = gpus.moved - before
+    return {
+        "to GPUs": moved["copy to device"], "to host": moved["copy to host"],
+        "parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "trained": sum(p.numel() * p.element_size() for p in trainable),
+        "replicas": len(devices),
+    }
+
+
+def gpu_bytes_table(names: list[str], per_replica: int) -> None:
+    """``--gpu-bytes``: the table of what each idiom's step copies to and from the GPUs."""
+    print(f"bytes one training step copies to two fake GPU replicas whose variables are in "
+          f"host memory, and back, after {GPU_STEPS} steps; {per_replica} examples per "
+          "replica\n")
+    print(f"{'idiom':<17} {'parameters':>11} {'to GPUs':>10} {'/ R x parameters':>17} "
+          f"{'to host':>10} {'/ R x trained':>14}")
+    for name in names:
+        if IDIOMS[name].autocast:
+            print(f"{name:<17} {'(autocast to bfloat16 on the CPU: not a GPU replica idiom)':>64}")
+            continue
+        row = gpu_bytes(name, per_replica)
+        replicas = row["replicas"]
+        print(f"{name:<17} {row['parameters']:>11,.0f} {row['to GPUs']:>10,.0f} "
+              f"{row['to GPUs'] / (replicas * row['parameters']):>16.3f}x "
+              f"{row['to host']:>10,.0f} {row['to host'] / (replicas * row['trained']):>13.3f}x",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=at_least(1), default=10)
@@ -322,8 +412,14 @@ def main() -> None:
     parser.add_argument("--idioms", nargs="+", choices=list(IDIOMS), default=list(IDIOMS))
     parser.add_argument("--compiled", action="store_true",
                         help="each step's forward and loss torch.compile'd")
+    parser.add_argument("--gpu-bytes", action="store_true",
+                        help="instead of timing, the bytes a step copies to and from two "
+                             "fake GPUs (tests/fakegpu)")
     options = parser.parse_args()
     torch.set_num_threads(1)
+    if options.gpu_bytes:
+        gpu_bytes_table(options.idioms, options.per_replica)
+        return
     fixed = cs.keep_host_memory()
     print(f"torch {torch.__version__}, 1 intra-op thread, {options.steps} steps x "
           f"{options.rounds} rounds, turns step by step, medians of cpu time, mmap threshold "

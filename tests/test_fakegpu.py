@@ -119,6 +119,24 @@ def test_moves_between_devices_are_copies() -> None:
     assert torch.equal(a.to("cuda:1", copy=True).cpu(), a.cpu())
 
 
+def test_copies_count_the_bytes_they_move(fake_gpus: fakegpu.FakeGPUs) -> None:
+    """Each copy adds its bytes to ``moved`` by kind, as a real GPU's transfers would move
+    them: to a device, to the host, between devices (a sparse tensor: its indices and
+    values)."""
+    host = torch.zeros(4, 4)  # 64 bytes
+    a = host.to("cuda:0")
+    b = torch.empty(4, 4, device="cuda:1")
+    b.copy_(a)
+    a.cpu()
+    torch.empty(2, 4).copy_(a[:2])
+    a.copy_(torch.ones(4, 4))
+    torch.eye(3).to_sparse().to("cuda:1")  # 3 x 2 int64 indices, 3 float32 values
+    assert fake_gpus.moved == Counter(
+        {"copy to device": 64 + 64 + 6 * 8 + 3 * 4, "copy between devices": 64,
+         "copy to host": 64 + 32}
+    )
+
+
 @uses_gpus
 def test_pinned_memory() -> None:
     assert torch.empty(3, pin_memory=True).is_pinned()

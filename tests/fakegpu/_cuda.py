@@ -216,12 +216,16 @@ class Runtime:
         self.generators = [torch.Generator().manual_seed(_DEFAULT_SEED) for _ in range(count)]
         self._rng_lock = threading.RLock()
         self.calls: Counter[tuple[str, Agent | None]] = Counter()
+        self.moved: Counter[str] = Counter()  # bytes copied, by kind of copy
         self.pinned = PinnedPool()
 
-    def tally(self, what: str, agent: Agent | None) -> None:
-        """One CUDA runtime call: ``what`` it is, for ``agent`` (a stream, or ``HOST``)."""
+    def tally(self, what: str, agent: Agent | None, nbytes: int = 0) -> None:
+        """One CUDA runtime call: ``what`` it is, for ``agent`` (a stream, or ``HOST``);
+        ``nbytes``: the bytes it copies, for a copy."""
         with self.order.lock:
             self.calls[what, agent] += 1
+            if nbytes:
+                self.moved[what] += nbytes
 
     def start(self) -> None:
         """Create the default streams (needs the runtime to be the active one)."""

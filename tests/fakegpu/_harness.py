@@ -284,6 +284,12 @@ class FakeGPUs:
         return self.runtime.calls
 
     @property
+    def moved(self) -> Counter[str]:
+        """The bytes copied so far, by kind: "copy to device", "copy to host", "copy between
+        devices" (a real GPU's transfers, which a fake one makes on the host)."""
+        return self.runtime.moved
+
+    @property
     def pinned(self) -> PinnedPool:
         """The pinned host memory that torch's caching host allocator would hold."""
         return self.runtime.pinned

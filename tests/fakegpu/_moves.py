@@ -57,7 +57,7 @@ def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: 
     assert isinstance(source, FakeCudaTensor)
     if dst_index is None:  # device to host
         stream = rt.current_stream(src_index)
-        rt.tally("copy to host", stream)
+        rt.tally("copy to host", stream, _nbytes(out))
         rt.order.launch(stream)
         block = device_block(rt, source)
         if block is not None:
@@ -72,11 +72,18 @@ def _move(call: Call, source: torch.Tensor, target: torch.device | None, dtype: 
     return _device_to_device(call, source, out, dst_index, label)
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a copy of ``tensor`` moves (a sparse one's indices and values)."""
+    if tensor.is_sparse:
+        return _nbytes(tensor._indices()) + _nbytes(tensor._values())
+    return tensor.numel() * tensor.element_size()
+
+
 def _host_to_device(call: Call, src: torch.Tensor, dst_inner: torch.Tensor, index: int,
                     non_blocking: bool, label: str, dst: Any = None) -> Any:
     rt = call.rt
     stream = rt.current_stream(index)
-    rt.tally("copy to device", stream)
+    rt.tally("copy to device", stream, _nbytes(dst_inner))
     rt.order.launch(stream)
     block = host_block(rt, src)
     async_read = non_blocking and block is not None and block.device == PINNED
@@ -97,7 +104,7 @@ def _device_to_device(call: Call, source: FakeCudaTensor, dst_inner: torch.Tenso
     rt = call.rt
     src_stream = rt.current_stream(source._fakegpu_index)
     dst_stream = rt.current_stream(index)
-    rt.tally("copy between devices", src_stream)
+    rt.tally("copy between devices", src_stream, _nbytes(dst_inner))
     rt.order.launch(src_stream)
     rt.order.launch(dst_stream)
     rt.order.join(src_stream, dst_stream)
@@ -150,7 +157,7 @@ def _copy_(call: Call) -> Any:
         return _host_to_device(call, src, inner_of(dst), di, non_blocking, label, dst=dst)  # type: ignore[arg-type]
     if di is None:  # device to host
         stream = rt.current_stream(si)
-        rt.tally("copy to host", stream)
+        rt.tally("copy to host", stream, _nbytes(inner_of(src)))
         rt.order.launch(stream)
         block = device_block(rt, src)
         if block is not None:
