@@ -135,7 +135,7 @@ class Plan:
         through the variables' class)."""
         if self._learnt:
             if self.idle:
-                read = {key for key in self.idle if any(key in views.views for views in replicas)}
+                read = set().union(*(views.views.keys() & self.idle for views in replicas))
                 if read:
                     self._leave_out(self.idle - read, replicas)
             return
