@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -82,12 +83,15 @@ def test_several_replicas_read_a_sparse_tensor_held_as_a_plain_attribute(path: s
 
 
 def _ema_training(
-    strategy: cs.Strategy, runs: int, teacher_from: int | None = None
+    strategy: cs.Strategy, runs: int, teacher_from: int | None = None, path: str = "direct",
+    after_run: Callable[[], None] = lambda: None,
 ) -> tuple[nn.Module, nn.Module, list[torch.Tensor]]:
     """A model and an EMA copy of it (``AveragedModel``), both built in ``strategy``'s scope;
-    SGD over the model, the EMA updated after each step, ``runs`` runs of two slices. From
-    run ``teacher_from`` on, the replicas also read the EMA (a mean teacher: its outputs under
-    ``no_grad`` as targets). Returns the model, the EMA and each run's loss."""
+    SGD over the model, the EMA updated after each step, ``runs`` runs of two slices (on the
+    ``threads`` path, each step starts with a rendezvous: ``paths.step_on``), ``after_run``
+    called after each. From run ``teacher_from`` on, the replicas also read the EMA (a mean
+    teacher: its outputs under ``no_grad`` as targets). Returns the model, the EMA and each
+    run's loss."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     def build() -> nn.Module:
@@ -119,9 +123,11 @@ def _ema_training(
     for k in range(runs):
         optimizer.zero_grad()
         teach = teacher_from is not None and k >= teacher_from
-        losses.append(strategy.reduce("SUM", strategy.run(step, args=(args, teach)), axis=None))
+        loss = run_on(path, strategy, step, (args, teach))
+        losses.append(strategy.reduce("SUM", loss, axis=None))
         optimizer.step()
         ema.update_parameters(model)
+        after_run()
     return model, ema, losses
 
 
@@ -131,14 +137,16 @@ def _idle_keys(strategy: cs.CentralStorageStrategy) -> frozenset[int]:
     return plan.idle
 
 
-def test_an_ema_that_no_replica_reads_gets_no_views_once_an_optimizer_stepped() -> None:
+@pytest.mark.parametrize("path", ["views", "threads"])
+def test_an_ema_that_no_replica_reads_gets_no_views_once_an_optimizer_stepped(path: str) -> None:
     """Replicas that see views (as GPU replicas away from the variables do) fill every module
     slot at first; the sync point after the first optimizer step finds the EMA's parameters
     trainable, held by no optimizer and given no gradient: they are idle, their views are
     dropped, and no later run fills their slots (a GPU replica is not sent their values).
-    The training and the EMA are one device's."""
+    Also when each step starts with a rendezvous (replicas on threads after it). The
+    training and the EMA are one device's."""
     strategy = strategy_of(2, direct=False)
-    model, ema, losses = _ema_training(strategy, 4)
+    model, ema, losses = _ema_training(strategy, 4, path=path)
     ema_keys = {id(p) for p in ema.parameters()}
     assert _idle_keys(strategy) == ema_keys
     for views in strategy._store.replicas:
@@ -153,15 +161,24 @@ def test_an_ema_that_no_replica_reads_gets_no_views_once_an_optimizer_stepped() 
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("path", ["direct", "views"])
-def test_an_idle_variable_that_a_replica_reads_is_seen_and_back_in_the_slots(path: str) -> None:
-    """A mean teacher: from the fourth run the replicas read the EMA, idle since the second.
-    That run reads it through the variables' class, with its current values; its sync point
-    puts it back in the slots. Every run matches one device. (Replicas that compute where
-    the variables live fill no slot of a parameter and learn nothing.)"""
-    strategy = strategy_of(2, direct=path == "direct")
-    model, ema, losses = _ema_training(strategy, 6, teacher_from=3)
-    assert _idle_keys(strategy) == frozenset()
+@pytest.mark.parametrize("views", [False, True], ids=["direct", "views"])
+@pytest.mark.parametrize("path", ["direct", "threads"])
+def test_an_idle_variable_that_a_replica_reads_is_seen_and_back_in_the_slots(
+    path: str, views: bool
+) -> None:
+    """A mean teacher: from the fourth run the replicas read the EMA, idle since the second
+    where they see views. That run reads it through the variables' class, with its current
+    values; its sync point puts it back in the slots. Every run matches one device, also
+    with a rendezvous starting each step. (Replicas that compute where the variables live
+    fill no slot of a parameter and learn nothing.)"""
+    strategy = strategy_of(2, direct=not views)
+    idle: list[int] = []
+    model, ema, losses = _ema_training(
+        strategy, 6, teacher_from=3, path=path,
+        after_run=lambda: idle.append(len(_idle_keys(strategy))),
+    )
+    ema_variables = len(list(ema.parameters()))
+    assert idle == ([0, ema_variables, ema_variables, 0, 0, 0] if views else [0] * 6), idle
     one_model, one_ema, one_losses = _ema_training(cs.OneDeviceStrategy("cpu"), 6, teacher_from=3)
     torch.testing.assert_close(losses, one_losses)
     for got, want in zip([*model.parameters(), *ema.parameters()],
