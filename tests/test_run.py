@@ -3,6 +3,7 @@ state, faults."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import threading
@@ -663,3 +664,121 @@ def test_a_sync_point_between_forward_and_backward_is_named_in_the_error(
         strategy.run(own_write, args=(xs,))
     assert not any("merge_call" in n for n in raised.value.__notes__)
     strategy.run(lambda x: model(x).sum().backward(), args=(xs,))  # and the next run works
+
+
+# -- one replica on its variables' device: the short path after the first run -----------------
+
+
+class _Counted:
+    """A spy on ``Strategy._run_alone``: how many runs took the short path."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        original = cs.Strategy._run_alone
+
+        def counted(strategy: cs.Strategy, *args: Any) -> Any:
+            self.calls += 1
+            return original(strategy, *args)
+
+        monkeypatch.setattr(cs.Strategy, "_run_alone", counted)
+
+
+def _trained(strategy: cs.Strategy | None) -> dict[str, Any]:
+    """Four steps of a network with batch norm on one replica (or plainly, ``strategy``
+    None), between which every rule of a run is met: gradients accumulated in place into a
+    filled ``.grad``, a post-accumulate-grad hook, a failed run rolled back (gradients,
+    running statistics and the batch counter), an optimizer step inside ``merge_call``,
+    and a run inside that ``merge_call``'s function."""
+    torch.manual_seed(0)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    with scope:
+        model = torch.nn.Sequential(
+            torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked: list[torch.Tensor] = []
+    model[2].bias.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.clone()))
+    x = torch.randn(5, 3)
+
+    def run(fn: Any) -> Any:
+        return fn() if strategy is None else strategy.run(fn)
+
+    def backward() -> None:
+        model(x).square().sum().backward()
+
+    def fails() -> None:
+        if strategy is not None:  # (plainly: nothing to roll back)
+            backward()
+        raise ReplicaError("after backward")
+
+    def steps_in_merge() -> None:
+        backward()
+        if strategy is None:
+            optimizer.step()
+        else:
+            context().merge_call(lambda s: (optimizer.step(), s.run(lambda: None)))
+        backward()
+
+    run(backward)
+    first = model[0].weight.grad
+    run(backward)  # accumulates into the .grad the first left
+    accumulated = model[0].weight.grad
+    statistics = [b.clone() for b in model[1].buffers()]
+    with pytest.raises(ReplicaError) as failure:
+        run(fails)
+    notes = getattr(failure.value, "__notes__", [])
+    rolled_back = [b.clone() for b in model[1].buffers()]
+    run(steps_in_merge)
+    return {
+        "in place": accumulated is first and model[0].weight.grad is first,
+        "statistics": (statistics, rolled_back),
+        "notes": notes,
+        "hooked": hooked,
+        "grads": [p.grad.clone() for p in model.parameters()],
+        "weights": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+@pytest.mark.parametrize("short", [True, False], ids=["short path", "general path"])
+def test_runs_of_one_replica_keep_the_rules_of_the_general_path(
+    short: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = _Counted(monkeypatch)
+    strategy = strategy_of(1)
+    if not short:
+        strategy._one_process = False  # every run through the general path
+    trained = _trained(strategy)
+    plain = _trained(None)
+    assert counted.calls == (3 if short else 0)  # all runs but the first (and the inner one)
+    assert trained["in place"] and plain["in place"]
+    before, after = trained["statistics"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert trained["notes"] == ["(raised in replica 0 on device cpu:0)"]
+    assert len(trained["hooked"]) == len(plain["hooked"]) == 4
+    for ours, theirs in zip(trained["hooked"], plain["hooked"], strict=True):
+        torch.testing.assert_close(ours, theirs)
+    for key in ("grads", "weights"):
+        for ours, theirs in zip(trained[key], plain[key], strict=True):
+            torch.testing.assert_close(ours, theirs)
+
+
+def test_a_second_thread_is_refused_during_a_run_of_one_replica_on_the_short_path() -> None:
+    strategy = strategy_of(1)
+    strategy.run(lambda: None)  # the first run, which checks the modules it calls
+    inside, release = threading.Event(), threading.Event()
+
+    def step() -> None:
+        inside.set()
+        release.wait(10)
+
+    trainer = threading.Thread(target=strategy.run, args=(step,), name="the-trainer")
+    trainer.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="the-trainer") as info:
+            strategy.run(lambda: None)
+        assert threading.current_thread().name in str(info.value)
+    finally:
+        release.set()
+        trainer.join(10)
+    assert strategy.run(lambda: 1) == 1  # released

@@ -359,10 +359,10 @@ class VariableStore:
     def open_run(self) -> Run:
         """Begin a run: the object of its mode (``runs.py``), which holds its state until its
         sync point."""
+        if self.placement.num_replicas == 1 and not self._foreign:  # on their device
+            return self.open_alone()
         if not self.records:
             run: Run = EMPTY
-        elif self.placement.num_replicas == 1 and not self._foreign:  # on their device
-            run = OwnRun(self)
         else:
             plan = self.plan()
             direct = DirectRun.open(self, plan)
@@ -390,6 +390,38 @@ class VariableStore:
         if error is None and self._sums is not None:  # a .grad the sums read, changed since
             return self._sums.check()
         return error
+
+    def alone(self) -> bool:
+        """Whether a run would be one replica on the device of every variable (an
+        ``OwnRun``, or ``EMPTY`` without variables) with no run in progress (not inside
+        another's ``merge_call``): a run whose replica needs nothing entered, and whose
+        sync point is usually its ``Undo``'s commit alone (``close_alone``)."""
+        return self.run is EMPTY and self.placement.num_replicas == 1 and not self._foreign
+
+    def open_alone(self) -> Run:
+        """``open_run`` for one replica on the device of every variable."""
+        run = self.run = OwnRun(self) if self.records else EMPTY
+        self.in_run = True
+        return run
+
+    def close_alone(self) -> bool:
+        """The sync point of a run opened by ``open_alone`` whose replica returned, when it
+        has nothing to fold but the run's own work (no metric's copies, no GPU to wait for,
+        no views: the replica used none): what ``close_run`` and ``fold`` do then. False,
+        and nothing done, otherwise: the caller makes the general sync point."""
+        if self.fold_hooks or self.pending or self._on_gpus or any(
+            map(_touched_of, self.replicas)
+        ):
+            return False
+        self.in_run = False
+        try:
+            received = self.run.commit()
+            self._next_epoch()
+            if received:
+                folding.run_post_accumulate_hooks(received)
+        finally:
+            self.run = EMPTY
+        return True
 
     @contextlib.contextmanager
     def cross_replica(self) -> Iterator[None]:

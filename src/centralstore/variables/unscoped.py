@@ -279,14 +279,14 @@ class FirstUse:
     are not checked (a module built before the strategy and first called after a
     compilation in its first run is used as it is)."""
 
-    __slots__ = ("__weakref__", "_depth", "_first", "_handle", "_owned", "_passed")
+    __slots__ = ("__weakref__", "_depth", "_first", "_handle", "_owned", "passed")
 
     def __init__(
         self, owned: Callable[[], tuple[dict[int, Any], set[tuple[int, str]]]]
     ) -> None:
         watch_registrations()
         self._owned = owned
-        self._passed = False  # whether a run has checked every module it called
+        self.passed = False  # whether a run has checked every module it called
         self._first = False  # whether the run in progress is a first run
         self._handle: Any = None  # the global hook of the run in progress, until withdrawn
         self._depth = 0  # runs in progress: one, or one inside another's merge_call
@@ -295,7 +295,7 @@ class FirstUse:
         """A run of ``store`` begins (a run inside ``merge_call`` is checked by its outer
         one; the default strategy, whose scope is everywhere, is not checked)."""
         self._depth += 1
-        if self._depth > 1 or self._passed or _context.default().store is store:
+        if self._depth > 1 or self.passed or _context.default().store is store:
             return
         records, slots = self._owned()
         seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -321,7 +321,7 @@ class FirstUse:
         self._depth -= 1
         if self._depth == 0 and self._first:
             self._first = False
-            self._passed = passed
+            self.passed = passed
             self.withdraw()
 
     def withdraw(self) -> None:
