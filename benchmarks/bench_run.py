@@ -36,12 +36,19 @@ plain PyTorch doing the two half-batch passes from the same state; and a no-op r
 same N variables in scope. A run beginning filled should cost no more per tensor than one
 beginning empty, and both should follow the work.
 
+A third table times ``run(lambda: None)`` with the small transformer's 26 variables in scope
+right after a sweep through 64 MB of memory (untimed), as a training loop's run follows an
+optimizer step whose sweep over a model larger than the caches leaves none of the run's code
+and data in them, and the same run repeated at once: a run's Python costs several times
+more there (docs/design.md §7), which is what a training step pays.
+
 Times are the process's CPU time by default (``--clock wall`` for wall-clock time): on a
 machine with several times more runnable threads than cores (a load average of 8 to 13 on 2
 cores while this was written), wall-clock time measures the neighbours. The threaded row's
 waits for the baton cost wall time that CPU time does not count.
 
-Run: ``python benchmarks/bench_run.py [--rounds 30] [--batch 200] [--clock cpu]``
+Run: ``python benchmarks/bench_run.py [--rounds 30] [--batch 200] [--cold-runs 200]
+[--clock cpu]``
 """
 
 from __future__ import annotations
@@ -74,6 +81,17 @@ def batch_time(call: Callable[[], Any], calls: int) -> float:
     return (_clock() - start) / calls * 1e6
 
 
+def transformer_in(strategy: cs.Strategy) -> nn.Module:
+    """bench_train.py's small transformer (26 parameters), built in ``strategy``'s scope."""
+    with strategy.scope():
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+        model = nn.Sequential(
+            nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(64, 10)
+        )
+    assert sum(1 for _ in model.parameters()) == 26
+    return model
+
+
 def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any], int]]:
     """name -> (call through the strategy, the plain call, calls per batch divisor)."""
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
@@ -81,12 +99,7 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
     components = [torch.full((4,), float(r)) for r in range(replicas)]
     value = cs.PerReplica(components)
     with_variables = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
-    with with_variables.scope():
-        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
-        model = nn.Sequential(  # kept alive by the closure below
-            nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(64, 10)
-        )
-    assert sum(1 for _ in model.parameters()) == 26
+    model = transformer_in(with_variables)  # kept alive by the closure below
 
     def nothing() -> None:
         return None
@@ -263,11 +276,54 @@ def print_accumulation(results: dict[tuple[int, str], float], rounds: int) -> No
         print(row)
 
 
+SWEEP_MB = 64
+
+
+def measure_cold(samples: int) -> dict[int, tuple[float, float]]:
+    """R -> median microseconds of ``run(lambda: None)`` with the small transformer's 26
+    variables in scope right after a sweep through ``SWEEP_MB`` of memory (untimed: what an
+    optimizer step over a model larger than the caches does to them), and of the same run
+    repeated at once."""
+    sweep = torch.zeros(SWEEP_MB * 2**20 // 4)
+    setups = {}
+    for replicas in REPLICAS:
+        strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+        model = transformer_in(strategy)
+        strategy.run(lambda: None)  # the first run, which checks the modules it calls
+        setups[replicas] = (strategy, model)
+    cold: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
+    warm: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
+    for sample in range(samples):
+        for replicas in REPLICAS if sample % 2 == 0 else REPLICAS[::-1]:
+            strategy = setups[replicas][0]
+            sweep.add_(1.0)
+            for times in (cold, warm):
+                start = _clock()
+                strategy.run(lambda: None)
+                times[replicas].append((_clock() - start) * 1e6)
+    return {
+        replicas: (statistics.median(cold[replicas]), statistics.median(warm[replicas]))
+        for replicas in REPLICAS
+    }
+
+
+def print_cold(results: dict[int, tuple[float, float]], samples: int) -> None:
+    print(f"\nrun(lambda: None), 26 variables: median microseconds over {samples} runs right "
+          f"after a {SWEEP_MB} MB sweep, and repeated at once")
+    header = f"{'R':>3}{'after sweep':>13}{'at once':>10}{'ratio':>8}"
+    print(header)
+    print("-" * len(header))
+    for replicas, (cold, warm) in results.items():
+        print(f"{replicas:>3}{cold:>13.1f}{warm:>10.1f}{cold / warm:>8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=at_least(1), default=30, help="interleaved rounds")
     parser.add_argument("--batch", type=at_least(1), default=200, help="calls per timed batch")
     parser.add_argument("--accumulation-rounds", type=at_least(0), default=10)
+    parser.add_argument("--cold-runs", type=at_least(0), default=200,
+                        help="runs timed right after a sweep through memory")
     parser.add_argument("--clock", choices=list(CLOCKS), default="cpu")
     options = parser.parse_args()
     global _clock
@@ -295,6 +351,8 @@ def main() -> None:
     if options.accumulation_rounds:
         rounds = options.accumulation_rounds
         print_accumulation(measure_accumulation(rounds), rounds)
+    if options.cold_runs:
+        print_cold(measure_cold(options.cold_runs), options.cold_runs)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
 @pytest.mark.parametrize(
     ("script", "args", "expected"),
     [
-        ("bench_run.py", ["--rounds", "1", "--batch", "2", "--accumulation-rounds", "1"],
-         ["reduce(MEAN, PerReplica)", "gather(PerReplica, axis=0)", "target: trivial run"]),
+        ("bench_run.py", ["--rounds", "1", "--batch", "2", "--accumulation-rounds", "1",
+                          "--cold-runs", "2"],
+         ["reduce(MEAN, PerReplica)", "gather(PerReplica, axis=0)", "target: trivial run",
+          "right after a 64 MB sweep"]),
         ("bench_models.py", ["--rounds", "1", "--steps", "1", "--models", "cnn",
                              "--compiled-models", "--no-accumulation"],
          ["cnn    eager     4 cs R=2", "cnn    eval      4 cs R=1"]),
