@@ -684,7 +684,7 @@ class _Counted:
 
 
 def _trained(strategy: cs.Strategy | None) -> dict[str, Any]:
-    """Four steps of a network with batch norm on one replica (or plainly, ``strategy``
+    """Four runs of a network with batch norm on one replica (or plainly, ``strategy``
     None), between which every rule of a run is met: gradients accumulated in place into a
     filled ``.grad``, a post-accumulate-grad hook, a failed run rolled back (gradients,
     running statistics and the batch counter), an optimizer step inside ``merge_call``,
