@@ -228,6 +228,11 @@ class VariableStore:
             if record is not None:
                 record.stamp += 1
 
+    def viewed(self) -> bool:
+        """Whether some replica holds views, whose copies an optimizer step over frozen
+        variables makes stale (``stamp``)."""
+        return any(map(_views_of, self.replicas))
+
     def optimized(self, tensors: list[torch.Tensor]) -> None:
         """An optimizer that holds ``tensors`` stepped: those that are central variables are
         trained by it (``Central.optimized``)."""
@@ -561,6 +566,7 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
 
 
 _touched_of = attrgetter("touched")
+_views_of = attrgetter("views")
 _unseen_of = attrgetter("unseen")
 
 
