@@ -705,3 +705,37 @@ def test_modules_deep_copied_in_scope_are_central_too() -> None:
     assert all(created(p) for p in encoder.parameters())
     assert all(created(b) for b in norms.buffers())
     assert strategy._store.record(norms[0].running_mean).aggregation is AGG.MEAN
+
+
+def test_an_optimizer_step_stamps_frozen_variables_only_where_views_exist() -> None:
+    """A fused optimizer changes a frozen parameter that has a ``.grad`` without moving its
+    version counter: views that exist refresh by its stamp, and while no replica holds a
+    view (replicas that use the variables themselves) nothing needs stamping, since a view
+    made later copies the value then."""
+    from replicas import see_views
+
+    strategy = strategy_of(2)
+    with strategy.scope():
+        model = nn.Linear(3, 1, bias=False)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.5, fused=True)
+    store = strategy._store
+    record = store.records[id(model.weight)]
+    model.weight.requires_grad_(False)  # frozen, yet given a gradient: Adam steps it
+    model.weight.grad = torch.ones_like(model.weight)
+    strategy.run(lambda: None)
+    assert not store.viewed()
+    optimizer.step()
+    assert record.stamp == 0  # no views: nothing stamped
+    see_views(strategy)  # from here on the replicas see views, made afresh
+    seen = strategy.experimental_local_results(strategy.run(lambda: model.weight.clone()))
+    assert store.viewed()
+    for value in seen:
+        torch.testing.assert_close(value, model.weight.detach())
+    model.weight.grad = torch.ones_like(model.weight)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    assert record.stamp == 1  # views exist: they refresh before their next use
+    seen = strategy.experimental_local_results(strategy.run(lambda: model.weight.clone()))
+    for value in seen:
+        assert not torch.equal(value, before)
+        torch.testing.assert_close(value, model.weight.detach())
