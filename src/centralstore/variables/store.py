@@ -414,8 +414,10 @@ class VariableStore:
         has nothing to fold but the run's own work (no metric's copies, no GPU to wait for,
         no views: the replica used none): what ``close_run`` and ``fold`` do then. False,
         and nothing done, otherwise: the caller makes the general sync point."""
-        if self.fold_hooks or self.pending or self._on_gpus or any(
-            map(_touched_of, self.replicas)
+        replicas = self.replicas
+        if (
+            self.fold_hooks or self.pending or self._on_gpus
+            or any(map(_touched_of, replicas)) or any(map(_unseen_of, replicas))
         ):
             return False
         self.in_run = False
