@@ -414,11 +414,7 @@ class VariableStore:
         has nothing to fold but the run's own work (no metric's copies, no GPU to wait for,
         no views: the replica used none): what ``close_run`` and ``fold`` do then. False,
         and nothing done, otherwise: the caller makes the general sync point."""
-        replicas = self.replicas
-        if (
-            self.fold_hooks or self.pending or self._on_gpus
-            or any(map(_touched_of, replicas)) or any(map(_unseen_of, replicas))
-        ):
+        if self.fold_hooks or self.pending or self._on_gpus or any(map(_to_fold, self.replicas)):
             return False
         self.in_run = False
         try:
@@ -569,6 +565,11 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
 
 _touched_of = attrgetter("touched")
 _views_of = attrgetter("views")
+
+
+def _to_fold(replica: ReplicaViews) -> bool:
+    """Whether ``replica`` has views that a sync point must fold or check."""
+    return bool(replica.touched or replica.unseen)
 _unseen_of = attrgetter("unseen")
 
 
