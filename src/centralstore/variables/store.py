@@ -411,12 +411,14 @@ class VariableStore:
 
     def close_alone(self) -> bool:
         """The sync point of a run opened by ``open_alone`` whose replica returned, when it
-        has nothing to fold but the run's own work (no metric's copies, no GPU to wait for,
-        no views: the replica used none): what ``close_run`` and ``fold`` do then. False,
-        and nothing done, otherwise: the caller makes the general sync point."""
-        if self.fold_hooks or self.pending or self._on_gpus or any(map(_to_fold, self.replicas)):
+        has nothing to fold but the run's own work (no metric's copies, no views: the replica
+        used none): what ``close_run`` and ``fold`` do then. False, and nothing done,
+        otherwise: the caller makes the general sync point."""
+        if self.fold_hooks or self.pending or any(map(_to_fold, self.replicas)):
             return False
         self.in_run = False
+        if self._on_gpus:
+            self._gpus_synced()
         try:
             received = self.run.commit()
             self._next_epoch()
@@ -465,14 +467,7 @@ class VariableStore:
         workers, whose ``.grad`` is complete only once the workers' gradients are exchanged,
         and whose hooks fire for the variables any worker had a gradient for."""
         if self._on_gpus:
-            for replica in self.replicas:
-                replica.wait_for_copies()
-                # the next arrival starts a step, though this sync point may take no copy:
-                # every gradient a loop held on its GPU (``GradientBuckets.holds``); and
-                # the next backward orders what follows it after its copies, though one
-                # that failed never did (``folding.start_copy``)
-                buckets = replica.gradient_buckets
-                buckets.synced, buckets.ordered = True, False
+            self._gpus_synced()
         if self.fold_hooks:
             for hook in list(self.fold_hooks):
                 hook.fold(discard)
@@ -515,6 +510,18 @@ class VariableStore:
             self._next_epoch()
         if received and hooks:
             folding.run_post_accumulate_hooks(received)
+
+    def _gpus_synced(self) -> None:
+        """A sync point of GPU replicas begins: the copies from host memory they started are
+        waited for, and the gradient buckets learn that a step begins."""
+        for replica in self.replicas:
+            replica.wait_for_copies()
+            # the next arrival starts a step, though this sync point may take no copy: every
+            # gradient a loop held on its GPU (``GradientBuckets.holds``); and the next
+            # backward orders what follows it after its copies, though one that failed never
+            # did (``folding.start_copy``)
+            buckets = replica.gradient_buckets
+            buckets.synced, buckets.ordered = True, False
 
     def _next_epoch(self) -> None:
         for views in self.replicas:
