@@ -746,7 +746,7 @@ def test_runs_of_one_replica_keep_the_rules_of_the_general_path(
     counted = _Counted(monkeypatch)
     strategy = strategy_of(1)
     if not short:
-        strategy._one_process = False  # every run through the general path
+        strategy._alone = False  # every run through the general path
     trained = _trained(strategy)
     plain = _trained(None)
     assert counted.calls == (3 if short else 0)  # all runs but the first (and the inner one)

@@ -93,7 +93,10 @@ class Strategy(abc.ABC):
         self._randomness = ReplicaRandomness(self._placement)
         self._store = VariableStore(self._placement, self._workers)
         self._first_use = FirstUse(self._store.owned)
-        self._one_process = isinstance(self._workers, OneProcess)  # (``_run_alone``)
+        # one replica in one process: from its second run, a run may take ``_run_alone``
+        self._alone = (
+            isinstance(self._workers, OneProcess) and self._placement.num_replicas == 1
+        )
         self._merges = 0  # sync points made by merge_call, to explain an error after one
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
@@ -200,7 +203,7 @@ class Strategy(abc.ABC):
             else:
                 inputs = [(args, kwargs)] * local
         store = self._store
-        if self._one_process and self._first_use.passed and store.alone():
+        if self._alone and self._first_use.passed and store.alone():
             return self._run_alone(fn, *inputs[0])
         merges = self._merges
         store.claim("strategy.run()")
@@ -255,7 +258,7 @@ class Strategy(abc.ABC):
         an optimizer step, whose sweep over the parameters and their state has pushed the
         run's code and data out of the CPU's caches, so each line costs several times its
         warm cost: the demo CNN's training step executed 190 lines more than plain
-        PyTorch's through the general path, 152 through this one, and took 1.04 of plain
+        PyTorch's through the general path, 151 through this one, and took 1.04 of plain
         PyTorch's time against 1.02 (``bench_models.py``'s turns)."""
         store = self._store
         merges = self._merges

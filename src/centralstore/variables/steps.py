@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from itertools import chain, compress, filterfalse, repeat
-from operator import is_not, itemgetter
+from operator import call, is_not, itemgetter, methodcaller
 from typing import Any, Protocol, cast
 
 import torch
@@ -43,6 +43,7 @@ _stores: tuple[weakref.ref[Store], ...] = ()
 _handle: list[Any] = []
 _lock = threading.RLock()  # (reentrant: a store's finalizer may run inside ``track``)
 _params_of = itemgetter("params")
+_viewed = methodcaller("viewed")
 # each optimizer that stepped, and how many parameters it held then: its parameters are noted
 # as optimized once, and again when it holds more (``add_param_group``)
 _noted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
@@ -114,12 +115,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             store = ref()
             if store is not None:
                 store.optimized(params)
-    viewing = [store for ref in _stores if (store := ref()) is not None and store.viewed()]
-    if not viewing:
+    stores = list(filter(None, map(call, _stores)))
+    if not any(map(_viewed, stores)):
         return
     frozen = list(filterfalse(requires_grad_of, params))
     if frozen:
         frozen = list(compress(frozen, map(is_not, map(grad_of, frozen), repeat(None))))
     if frozen:
-        for store in viewing:
+        for store in stores:
             store.stamp(frozen)
