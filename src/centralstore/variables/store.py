@@ -417,9 +417,9 @@ class VariableStore:
         if self.fold_hooks or self.pending or any(map(_to_fold, self.replicas)):
             return False
         self.in_run = False
-        if self._on_gpus:
-            self._gpus_synced()
         try:
+            if self._on_gpus:
+                self._gpus_synced()
             received = self.run.commit()
             self._next_epoch()
             if received:
