@@ -683,22 +683,31 @@ class _Counted:
         monkeypatch.setattr(cs.Strategy, "_run_alone", counted)
 
 
-def _trained(strategy: cs.Strategy | None) -> dict[str, Any]:
+def _network() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
+    )
+
+
+def _trained(strategy: cs.Strategy | None, device: str = "cpu") -> dict[str, Any]:
     """Four runs of a network with batch norm on one replica (or plainly, ``strategy``
     None), between which every rule of a run is met: gradients accumulated in place into a
     filled ``.grad``, a post-accumulate-grad hook, a failed run rolled back (gradients,
     running statistics and the batch counter), an optimizer step inside ``merge_call``,
-    and a run inside that ``merge_call``'s function."""
+    and a run inside that ``merge_call``'s function. ``device``: where the replica
+    computes, its variables beside it; the values come back in host memory."""
     torch.manual_seed(0)
+    initial = _network().state_dict()  # drawn on the host: fake GPUs draw otherwise
+    x = torch.randn(5, 3).to(device)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     with scope:
-        model = torch.nn.Sequential(
-            torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1)
-        )
+        model = _network().to(device)
+        model.load_state_dict(initial)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hooked: list[torch.Tensor] = []
-    model[2].bias.register_post_accumulate_grad_hook(lambda p: hooked.append(p.grad.clone()))
-    x = torch.randn(5, 3)
+    model[2].bias.register_post_accumulate_grad_hook(
+        lambda p: hooked.append(p.grad.detach().to("cpu", copy=True))
+    )
 
     def run(fn: Any) -> Any:
         return fn() if strategy is None else strategy.run(fn)
@@ -734,26 +743,34 @@ def _trained(strategy: cs.Strategy | None) -> dict[str, Any]:
         "statistics": (statistics, rolled_back),
         "notes": notes,
         "hooked": hooked,
-        "grads": [p.grad.clone() for p in model.parameters()],
-        "weights": [p.detach().clone() for p in model.parameters()],
+        "grads": [p.grad.detach().to("cpu", copy=True) for p in model.parameters()],
+        "weights": [p.detach().to("cpu", copy=True) for p in model.parameters()],
     }
 
 
-@pytest.mark.parametrize("short", [True, False], ids=["short path", "general path"])
+@pytest.mark.parametrize(
+    ("short", "device"),
+    [(True, "cpu:0"), (False, "cpu:0"), (True, "cuda:0"), (False, "cuda:0")],
+    ids=["short path", "general path", "short path, fake GPU", "general path, fake GPU"],
+)
 def test_runs_of_one_replica_keep_the_rules_of_the_general_path(
-    short: bool, monkeypatch: pytest.MonkeyPatch
+    short: bool, device: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
+    """On a logical CPU device, and on one fake GPU holding its variables (the short path's
+    GPU branch: its GPU current, the GPU replicas' sync-point start)."""
+    if device.startswith("cuda"):
+        request.getfixturevalue("fake_gpus")
     counted = _Counted(monkeypatch)
-    strategy = strategy_of(1)
+    strategy = cs.CentralStorageStrategy([device], parameter_device=device)
     if not short:
         strategy._alone = False  # every run through the general path
-    trained = _trained(strategy)
+    trained = _trained(strategy, device)
     plain = _trained(None)
     assert counted.calls == (3 if short else 0)  # all runs but the first (and the inner one)
     assert trained["in place"] and plain["in place"]
     before, after = trained["statistics"]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    assert trained["notes"] == ["(raised in replica 0 on device cpu:0)"]
+    assert trained["notes"] == [f"(raised in replica 0 on device {device})"]
     assert len(trained["hooked"]) == len(plain["hooked"]) == 4
     for ours, theirs in zip(trained["hooked"], plain["hooked"], strict=True):
         torch.testing.assert_close(ours, theirs)
