@@ -258,7 +258,7 @@ class Strategy(abc.ABC):
         an optimizer step, whose sweep over the parameters and their state has pushed the
         run's code and data out of the CPU's caches, so each line costs several times its
         warm cost: the demo CNN's training step executed 190 lines more than plain
-        PyTorch's through the general path, 151 through this one, and took 1.04 of plain
+        PyTorch's through the general path, 148 through this one, and took 1.04 of plain
         PyTorch's time against 1.02 (``bench_models.py``'s turns)."""
         store = self._store
         merges = self._merges

@@ -414,7 +414,7 @@ class VariableStore:
         has nothing to fold but the run's own work (no metric's copies, no views: the replica
         used none): what ``close_run`` and ``fold`` do then. False, and nothing done,
         otherwise: the caller makes the general sync point."""
-        if self.fold_hooks or self.pending or any(map(_to_fold, self.replicas)):
+        if self._left_over():
             return False
         self.in_run = False
         try:
@@ -447,11 +447,13 @@ class VariableStore:
         skip it: no run in progress, no gradients of a backward after ``run``, no replica
         work or metric copies left, and no GPU replicas, whose copies may still read the
         variables. (The usual step: ``run``'s own sync point folded everything.)"""
-        return (
-            self.run is EMPTY and not self.pending and not self._on_gpus
-            and not self.fold_hooks and not any(map(_touched_of, self.replicas))
-            and not any(map(_unseen_of, self.replicas))
-        )
+        return self.run is EMPTY and not self._on_gpus and not self._left_over()
+
+    def _left_over(self) -> bool:
+        """Whether a sync point has more to do than a run's own work: gradients of a backward
+        after ``run`` on views, metrics' copies, views touched or written behind their
+        counters."""
+        return bool(self.pending or self.fold_hooks or any(map(_to_fold, self.replicas)))
 
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
