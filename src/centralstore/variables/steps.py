@@ -115,12 +115,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             store = ref()
             if store is not None:
                 store.optimized(params)
-    stores = list(filter(None, map(call, _stores)))
-    if not any(map(_viewed, stores)):
+    viewing = list(filter(_viewed, filter(None, map(call, _stores))))
+    if not viewing:
         return
     frozen = list(filterfalse(requires_grad_of, params))
     if frozen:
         frozen = list(compress(frozen, map(is_not, map(grad_of, frozen), repeat(None))))
     if frozen:
-        for store in stores:
+        for store in viewing:
             store.stamp(frozen)
