@@ -499,7 +499,9 @@ def test_replicas_that_meet_in_different_collectives_raise() -> None:
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_collective_after_run_returned_raises(replicas: int, direct: bool) -> None:
     """(One replica runs on the calling thread without the dispatcher's loop: its run
-    state is closed all the same, whether the replicas use the weight or views of it.)"""
+    state is closed all the same, whether the replicas use the weight or views of it. From
+    its second run it takes the short path, whose state and replica context serve every
+    such run: the backward of an earlier run's collective raises inside a later run too.)"""
     strategy = strategy_of(replicas, direct=direct)
     with strategy.scope():
         layer = torch.nn.Linear(1, 1)
@@ -507,9 +509,15 @@ def test_a_collective_after_run_returned_raises(replicas: int, direct: bool) -> 
     def step() -> Any:
         return context().all_reduce("SUM", layer(torch.ones(1)))
 
-    out = strategy.experimental_local_results(strategy.run(step))
+    outs = [strategy.experimental_local_results(strategy.run(step)) for _ in range(4)]
+    for out in outs[:3]:  # the first run on the general path, then (R = 1) the short one
+        with pytest.raises(RuntimeError, match="run has already returned"):
+            out[0].backward()
     with pytest.raises(RuntimeError, match="run has already returned"):
-        out[0].backward()
+        strategy.run(lambda: outs[3][0].backward())
+    assert layer.weight.grad is None  # (the failed run left .grad as it was)
+    strategy.run(lambda: step().backward())  # a collective's own backward still meets
+    assert layer.weight.grad is not None
 
 
 def test_a_worker_that_cannot_start_fails_the_run_without_a_hang() -> None:

@@ -20,7 +20,7 @@ from ._values import regroup, select
 from ._workers import Workers
 
 if TYPE_CHECKING:
-    from ._replicas import RunState
+    from ._replicas import RunState, Switch
 
 S = TypeVar("S")
 
@@ -142,11 +142,20 @@ class ReplicaContext(Generic[S]):
         result = self._merge(merge_fn, args, kwargs, several)
         return [select(result, replica) for replica in range(len(arrived))]
 
-    def _collective(self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]]) -> Any:
+    def _collective(
+        self, kind: str, value: Any, combine: Callable[[list[Any]], list[Any]],
+        switch: Switch | None = None,
+    ) -> Any:
+        """``kind`` over every replica (``switch``: for a backward, the switch of the run
+        that made the forward, which must still be in progress)."""
         state = self._state
         if state is None:  # the default replica context: no run
             return combine([value])[0]
-        return state.meet(self._replica_id, kind, value, combine)
+        return state.meet(self._replica_id, kind, value, combine, switch)
+
+    def _switch(self) -> Switch | None:
+        """What identifies the run in progress, for a collective's backward to check."""
+        return None if self._state is None else self._state.switch
 
 
 def _same_structure(specs: Sequence[Any], what: str) -> None:
@@ -163,17 +172,20 @@ class _AllReduce(torch.autograd.Function):
     def forward(
         ctx: Any, rc: ReplicaContext[Any], op: ReduceOp, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.rc, ctx.op = rc, op
+        ctx.rc, ctx.op, ctx.switch = rc, op, rc._switch()
         return _all_reduce(rc, op, spec, tensors, "all_reduce")
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        reduced = _all_reduce(ctx.rc, ctx.op, None, grads, "the backward of all_reduce")
+        reduced = _all_reduce(
+            ctx.rc, ctx.op, None, grads, "the backward of all_reduce", ctx.switch
+        )
         return (None, None, None, *reduced)
 
 
 def _all_reduce(
-    rc: ReplicaContext[Any], op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str
+    rc: ReplicaContext[Any], op: ReduceOp, spec: Any, tensors: Sequence[torch.Tensor], what: str,
+    switch: Switch | None = None,
 ) -> tuple[torch.Tensor, ...]:
     devices = rc._placement.storage_devices
 
@@ -186,7 +198,9 @@ def _all_reduce(
             tuple(t.to(devices[r], copy=r > 0) for t in totals) for r in range(len(arrived))
         ]
 
-    return rc._collective(what, (spec, tuple(tensors)), combine)  # type: ignore[no-any-return]
+    return rc._collective(  # type: ignore[no-any-return]
+        what, (spec, tuple(tensors)), combine, switch
+    )
 
 
 class _AllGather(torch.autograd.Function):
@@ -194,7 +208,7 @@ class _AllGather(torch.autograd.Function):
     def forward(
         ctx: Any, rc: ReplicaContext[Any], axis: int, spec: Any, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        ctx.rc, ctx.axis = rc, axis
+        ctx.rc, ctx.axis, ctx.switch = rc, axis, rc._switch()
         devices = rc._placement.storage_devices
 
         def combine(arrived: list[Any]) -> list[Any]:
@@ -212,7 +226,9 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        summed = _all_reduce(ctx.rc, ReduceOp.SUM, None, grads, "the backward of all_gather")
+        summed = _all_reduce(
+            ctx.rc, ReduceOp.SUM, None, grads, "the backward of all_gather", ctx.switch
+        )
         replica = ctx.rc.replica_id_in_sync_group
         slices = []
         for grad, sizes in zip(summed, ctx.sizes, strict=True):

@@ -129,9 +129,9 @@ class RunState:
 
     __slots__ = (
         "_aborted", "_alive", "_arrived", "_body", "_count", "_crew", "_done", "_gates",
-        "_generation", "_lock", "_pool", "_results", "_returned", "_running_threads", "_switch",
-        "_turn", "_waiting",
-        "any_failed", "closed", "errors", "num_replicas", "outputs", "threaded",
+        "_generation", "_lock", "_pool", "_results", "_returned", "_running_threads", "_turn",
+        "_waiting",
+        "any_failed", "closed", "errors", "num_replicas", "outputs", "switch", "threaded",
     )
 
     def __init__(
@@ -145,7 +145,7 @@ class RunState:
         self.closed = False
         self._pool = pool
         self._body = body
-        self._switch: Switch = _NO_SWITCH if switch is None else switch
+        self.switch: Switch = _NO_SWITCH if switch is None else switch
         self._crew: int | None = None
 
     def _begin_threads(self) -> None:
@@ -203,27 +203,30 @@ class RunState:
             self._aborted = True
 
     def meet(
-        self, replica: int, kind: str, value: Any, combine: Callable[[list[Any]], Sequence[Any]]
+        self, replica: int, kind: str, value: Any, combine: Callable[[list[Any]], Sequence[Any]],
+        switch: Switch | None = None,
     ) -> Any:
         """Arrive at a rendezvous with ``value``, hand the baton on, and wait until every
         replica has arrived; ``combine`` runs once, on replica 0's thread, with every
-        replica's state off, and returns one result per replica."""
-        if self.closed:
+        replica's state off, and returns one result per replica. ``switch``: the one of the
+        run that made the collective whose backward this is (a state serves every run of
+        one replica on its variables' device: ``Strategy._run_alone``)."""
+        if self.closed or (switch is not None and switch is not self.switch):
             raise RuntimeError(
                 f"{kind} needs every replica of strategy.run, but run has already returned. "
                 f"Call it (and backward through it) inside the function given to run."
             )
         if self.num_replicas == 1:  # nobody to wait for; the replica's state still comes off
-            self._switch.suspend(replica)
+            self.switch.suspend(replica)
             try:
                 return combine([value])[0]
             finally:
-                self._switch.resume(replica)
+                self.switch.resume(replica)
         starting = not self.threaded
         if starting and replica != 0:  # replicas 0..replica-1 ran one after another
             self._blame_returned(0, kind, replica)
             raise ReplicaAborted()
-        self._switch.suspend(replica)  # may raise: then this replica fails, holding the baton
+        self.switch.suspend(replica)  # may raise: then this replica fails, holding the baton
         if starting:
             self._begin_threads()
         with self._lock:
@@ -245,7 +248,7 @@ class RunState:
             ):
                 self._combine(combine)
         finally:
-            self._switch.resume(replica)
+            self.switch.resume(replica)
         if interrupt is not None:
             raise interrupt
         if self._generation == generation:  # released: another replica failed

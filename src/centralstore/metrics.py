@@ -174,7 +174,7 @@ class _ReplicaStates:
                 )
                 _swap(metric, own)
                 metric._computed = computed
-                current_store().fold_hooks.add(self)
+                current_store().fold_later(self)
 
     def fold(self, discard: bool) -> None:
         with self._lock:

@@ -97,6 +97,11 @@ class Strategy(abc.ABC):
         self._alone = (
             isinstance(self._workers, OneProcess) and self._placement.num_replicas == 1
         )
+        if self._alone:  # the run state and context entry of ``_run_alone``, reopened by each
+            state = _replicas.RunState(1, self._pool, None)
+            state.closed = True
+            context = ReplicaContext(self, self._placement, self._workers, self._merge, 0, state)
+            self._alone_entry = (state, _context.Entry(self, context, self._store))
         self._merges = 0  # sync points made by merge_call, to explain an error after one
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
@@ -259,15 +264,20 @@ class Strategy(abc.ABC):
         run's code and data out of the CPU's caches, so each line costs several times its
         warm cost: the demo CNN's training step executed 190 lines more than plain
         PyTorch's through the general path, 148 through this one, and took 1.04 of plain
-        PyTorch's time against 1.02 (``bench_models.py``'s turns)."""
+        PyTorch's time against 1.02 (``bench_models.py``'s turns). For the same reason one
+        run state and replica context serve every run of this path, reopened by each
+        (making them took about 10 us right after a sweep through memory): a collective's
+        backward checks that the run that made it is the one in progress
+        (``RunState.meet``), and a context kept from one run works in a later one as that
+        run's, the same object."""
         store = self._store
         merges = self._merges
         store.claim("strategy.run()")
         try:
             run = store.open_alone()
-            state = _replicas.RunState(1, self._pool, None, run)
-            context = ReplicaContext(self, self._placement, self._workers, self._merge, 0, state)
-            _context.push(_context.Entry(self, context, store))
+            state, entry = self._alone_entry
+            state.switch, state.closed = run, False
+            _context.push(entry)
             error = None
             try:
                 gpu = self._gpus[0]

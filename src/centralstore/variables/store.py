@@ -135,7 +135,8 @@ class VariableStore:
         self.in_run = False
         self._collecting = False  # a collection of gradients is queued after a backward
         self.pending: list[View] = []  # views with gradients that arrived outside run
-        self.fold_hooks: weakref.WeakSet[FoldHook] = weakref.WeakSet()  # held weakly
+        # held weakly, by id: a dict's emptiness is tested in C (a ``WeakSet``'s in Python)
+        self.fold_hooks: dict[int, weakref.ref[FoldHook]] = {}
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._plan: Plan | None = None  # how replicas see the records, while they stay
         self._refs: list[weakref.ref[torch.Tensor]] | None = None  # theirs, while they stay
@@ -421,7 +422,8 @@ class VariableStore:
             if self._on_gpus:
                 self._gpus_synced()
             received = self.run.commit()
-            self._next_epoch()
+            for views in self.replicas:  # (``_next_epoch``, without a call)
+                views.epoch += 1
             if received:
                 folding.run_post_accumulate_hooks(received)
         finally:
@@ -453,7 +455,17 @@ class VariableStore:
         """Whether a sync point has more to do than a run's own work: gradients of a backward
         after ``run`` on views, metrics' copies, views touched or written behind their
         counters."""
-        return bool(self.pending or self.fold_hooks or any(map(_to_fold, self.replicas)))
+        replicas = self.replicas
+        return bool(
+            self.pending or self.fold_hooks or any(map(_touched_of, replicas))
+            or any(map(_unseen_of, replicas))
+        )
+
+    def fold_later(self, hook: FoldHook) -> None:
+        """Call ``hook.fold`` at the next sync point (a metric whose replicas updated
+        copies of its state), while it lives."""
+        key, hooks = id(hook), self.fold_hooks
+        hooks[key] = weakref.ref(hook, lambda _, key=key: hooks.pop(key, None))  # type: ignore[misc]
 
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
@@ -471,8 +483,10 @@ class VariableStore:
         if self._on_gpus:
             self._gpus_synced()
         if self.fold_hooks:
-            for hook in list(self.fold_hooks):
-                hook.fold(discard)
+            for ref in list(self.fold_hooks.values()):
+                hook = ref()
+                if hook is not None:
+                    hook.fold(discard)
         received: list[torch.Tensor] = []
         if self.pending:
             with no_grad():
@@ -576,9 +590,6 @@ _touched_of = attrgetter("touched")
 _views_of = attrgetter("views")
 
 
-def _to_fold(replica: ReplicaViews) -> bool:
-    """Whether ``replica`` has views that a sync point must fold or check."""
-    return bool(replica.touched or replica.unseen)
 _unseen_of = attrgetter("unseen")
 
 
