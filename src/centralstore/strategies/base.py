@@ -102,6 +102,7 @@ class Strategy(abc.ABC):
             state.closed = True
             context = ReplicaContext(self, self._placement, self._workers, self._merge, 0, state)
             self._alone_entry = (state, _context.Entry(self, context, self._store))
+        self._short = False  # whether runs may take ``_run_alone``: alone, first run passed
         self._merges = 0  # sync points made by merge_call, to explain an error after one
         self._extended = StrategyExtended(
             self._placement, self._store, self._workers, self.reduce
@@ -208,8 +209,8 @@ class Strategy(abc.ABC):
             else:
                 inputs = [(args, kwargs)] * local
         store = self._store
-        if self._alone and self._first_use.passed and store.alone():
-            return self._run_alone(fn, *inputs[0])
+        if self._short and (own := store.open_alone("strategy.run()")) is not None:
+            return self._run_alone(own, fn, *inputs[0])
         merges = self._merges
         store.claim("strategy.run()")
         try:
@@ -239,6 +240,7 @@ class Strategy(abc.ABC):
                 next(e for e in state.errors if e is not None) if state.any_failed else None
             )
             self._first_use.stop(passed=error is None)
+            self._short = self._alone and self._first_use.passed
             self._end_run(error, outer)
         finally:
             store.release()
@@ -253,28 +255,28 @@ class Strategy(abc.ABC):
     experimental_run_v2 = run
 
     def _run_alone(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self, run: Run, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> Any:
         """``run`` of one replica on the device of every variable, in one process, after the
-        first run (which checks the modules it calls) and outside other runs
-        (``VariableStore.alone``): ``fn`` called on this thread in its replica context,
-        inside the run's transaction (``OwnRun``), then the sync point, with none of the
-        general path's dispatch between replicas, threads and modes. A run comes right after
-        an optimizer step, whose sweep over the parameters and their state has pushed the
-        run's code and data out of the CPU's caches, so each line costs several times its
-        warm cost: the demo CNN's training step executed 190 lines more than plain
-        PyTorch's through the general path, 148 through this one, and took 1.04 of plain
-        PyTorch's time against 1.02 (``bench_models.py``'s turns). For the same reason one
-        run state and replica context serve every run of this path, reopened by each
-        (making them took about 10 us right after a sweep through memory): a collective's
-        backward checks that the run that made it is the one in progress
-        (``RunState.meet``), and a context kept from one run works in a later one as that
-        run's, the same object."""
+        first run (which checks the modules it calls) and outside other runs: ``run``,
+        opened by ``VariableStore.open_alone``, which claimed the store. ``fn`` is called on
+        this thread in its replica context, inside the run's transaction (``OwnRun``), then
+        the sync point, with none of the general path's dispatch between replicas, threads
+        and modes.
+
+        A run comes right after an optimizer step, whose sweep over the parameters and their
+        state has pushed the run's code and data out of the CPU's caches, so each line and
+        each object it touches costs several times its warm cost: the demo CNN's training
+        step executed 190 lines more than plain PyTorch's through the general path, 148
+        through this one, and took 1.04 of plain PyTorch's time against 1.02
+        (``bench_models.py``'s turns). For the same reason one run state and replica
+        context serve every run of this path, reopened by each (making them took about 10 us
+        right after a sweep through memory): a collective's backward checks that the run
+        that made it is the one in progress (``RunState.meet``), and a context kept from
+        one run works in a later one as that run's, the same object."""
         store = self._store
         merges = self._merges
-        store.claim("strategy.run()")
         try:
-            run = store.open_alone()
             state, entry = self._alone_entry
             state.switch, state.closed = run, False
             _context.push(entry)

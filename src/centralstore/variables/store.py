@@ -323,7 +323,7 @@ class VariableStore:
         """Hold the store for this thread while it is ``doing`` (a run or a sync point) until
         ``release``; the same thread may nest (``run`` inside ``merge_call``), another one
         raises."""
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(False):  # (positional: keywords cost a C call more)
             user = next((t.name for t in threading.enumerate() if t.ident == self._user), "?")
             raise RuntimeError(
                 f"Thread {threading.current_thread().name!r} called {doing} while thread "
@@ -333,7 +333,7 @@ class VariableStore:
                 "wait for the other thread."
             )
         if not self._depth:  # (the thread's ident: ``current_thread()`` is Python)
-            self._user, self._doing = threading.get_ident(), doing
+            self._user, self._doing = _get_ident(), doing
         self._depth += 1
 
     def release(self) -> None:
@@ -365,10 +365,13 @@ class VariableStore:
     def open_run(self) -> Run:
         """Begin a run: the object of its mode (``runs.py``), which holds its state until its
         sync point."""
+        run: Run
         if self.placement.num_replicas == 1 and not self._foreign:  # on their device
-            return self.open_alone()
+            run = self.run = OwnRun(self) if self.records else EMPTY
+            self.in_run = True
+            return run
         if not self.records:
-            run: Run = EMPTY
+            run = EMPTY
         else:
             plan = self.plan()
             direct = DirectRun.open(self, plan)
@@ -397,16 +400,21 @@ class VariableStore:
             return self._sums.check()
         return error
 
-    def alone(self) -> bool:
-        """Whether a run would be one replica on the device of every variable (an
-        ``OwnRun``, or ``EMPTY`` without variables) with no run in progress (not inside
-        another's ``merge_call``): a run whose replica needs nothing entered, and whose
-        sync point is usually its ``Undo``'s commit alone (``close_alone``)."""
-        return self.run is EMPTY and self.placement.num_replicas == 1 and not self._foreign
-
-    def open_alone(self) -> Run:
-        """``open_run`` for one replica on the device of every variable."""
-        run = self.run = OwnRun(self) if self.records else EMPTY
+    def open_alone(self, doing: str) -> Run | None:
+        """``claim`` and ``open_run`` in one call for a strategy of one replica (the short
+        path's, ``Strategy._run_alone``), if its run would be one replica on the device of
+        every variable (an ``OwnRun``, or ``EMPTY`` without variables) with no run in
+        progress (not inside another's ``merge_call``): a run whose replica needs nothing
+        entered, and whose sync point is usually its ``Undo``'s commit alone
+        (``close_alone``). None, and nothing claimed, otherwise."""
+        if self.run is not EMPTY or self._foreign:
+            return None
+        self.claim(doing)
+        try:
+            run = self.run = OwnRun(self) if self.records else EMPTY
+        except BaseException:
+            self.release()
+            raise
         self.in_run = True
         return run
 
@@ -588,6 +596,7 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
 
 _touched_of = attrgetter("touched")
 _views_of = attrgetter("views")
+_get_ident = threading.get_ident  # (one lookup, where ``threading.get_ident`` takes two)
 
 
 _unseen_of = attrgetter("unseen")
