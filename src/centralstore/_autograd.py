@@ -10,9 +10,10 @@ passes over every variable in scope are ``map`` loops over attribute getters."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import repeat
 from operator import attrgetter, is_not
+from typing import Any
 
 import torch
 
@@ -31,8 +32,13 @@ def some(values: Iterable[torch.Tensor | None]) -> bool:
 
 def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
     """``tensor.grad = grad`` for each pair, the loop in C (a map consumed by a zero-length
-    deque). Torch's setter costs most of the time; the loop costs nothing."""
-    deque(map(setattr, tensors, repeat("grad"), grads), maxlen=0)
+    deque, one for every call: a new one costs a keyword argument's parsing). Torch's
+    setter costs most of the time; the loop costs nothing."""
+    _consume(map(setattr, tensors, repeat("grad"), grads))
+
+
+# a deque that keeps nothing, its ``extend`` safe on every thread
+_consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
 
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch.is_grad_enabled
