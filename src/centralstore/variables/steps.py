@@ -44,9 +44,10 @@ _handle: list[Any] = []
 _lock = threading.RLock()  # (reentrant: a store's finalizer may run inside ``track``)
 _params_of = itemgetter("params")
 _viewed = methodcaller("viewed")
-# each optimizer that stepped, and how many parameters it held then: its parameters are noted
-# as optimized once, and again when it holds more (``add_param_group``)
-_noted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+# each optimizer that stepped (by id, with a weak reference that removes it), and how many
+# parameters it held then: its parameters are noted as optimized once, and again when it
+# holds more (``add_param_group``); a dict, where a ``WeakKeyDictionary``'s lookup is Python
+_noted: dict[int, tuple[weakref.ref[torch.optim.Optimizer], int]] = {}
 
 
 def track(store: Store) -> None:
@@ -76,9 +77,11 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = _parameters(optimizer)
+    """A sync point of the stores that hold the optimizer's parameters and have work left
+    (a store is asked first whether it has: usually, ``run``'s own sync point did it all,
+    and the parameters need not be gathered)."""
     if _context.in_replica_of_strategy():
-        if cast(Store, _context.current().store).owns_any(params):
+        if cast(Store, _context.current().store).owns_any(_parameters(optimizer)):
             raise RuntimeError(
                 "optimizer.step() was called inside strategy.run (replica context), where it "
                 "would update the central variables once per replica. Call it after run, or "
@@ -86,9 +89,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "get_replica_context().merge_call(lambda strategy: optimizer.step())."
             )
         return
+    params = None
     for ref in _stores:
         store = ref()
-        if store is not None and store.owns_any(params) and not store.settled():
+        if store is None or store.settled():
+            continue
+        if params is None:
+            params = _parameters(optimizer)
+        if store.owns_any(params):
             store.claim("optimizer.step()")
             try:
                 store.sync()
@@ -108,19 +116,28 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     value then; the pass over every parameter cost 39 us right after a sweep through memory,
     BERT tiny's 41. The first step of an optimizer notes its parameters as optimized
     (``Central.optimized``)."""
-    params = _parameters(optimizer)
-    if _noted.get(optimizer) != len(params):
-        _noted[optimizer] = len(params)
-        for ref in _stores:
-            store = ref()
-            if store is not None:
-                store.optimized(params)
+    count = sum(map(len, map(_params_of, optimizer.param_groups)))
+    noted = _noted.get(id(optimizer))
+    if noted is None or noted[1] != count or noted[0]() is not optimizer:
+        _note(optimizer, count)
     viewing = list(filter(_viewed, filter(None, map(call, _stores))))
     if not viewing:
         return
-    frozen = list(filterfalse(requires_grad_of, params))
+    frozen = list(filterfalse(requires_grad_of, _parameters(optimizer)))
     if frozen:
         frozen = list(compress(frozen, map(is_not, map(grad_of, frozen), repeat(None))))
     if frozen:
         for store in viewing:
             store.stamp(frozen)
+
+
+def _note(optimizer: torch.optim.Optimizer, count: int) -> None:
+    """The first step of ``optimizer``, or one after it gained parameters (``count`` now):
+    the stores note its parameters as optimized."""
+    key = id(optimizer)
+    _noted[key] = (weakref.ref(optimizer, lambda _: _noted.pop(key, None)), count)
+    params = _parameters(optimizer)
+    for ref in _stores:
+        store = ref()
+        if store is not None:
+            store.optimized(params)
