@@ -94,9 +94,8 @@ class Strategy(abc.ABC):
         self._store = VariableStore(self._placement, self._workers)
         self._first_use = FirstUse(self._store.owned)
         # one replica in one process: from its second run, a run may take ``_run_alone``
-        self._alone = (
-            isinstance(self._workers, OneProcess) and self._placement.num_replicas == 1
-        )
+        self._one_process = isinstance(self._workers, OneProcess)
+        self._alone = self._one_process and self._placement.num_replicas == 1
         if self._alone:  # the run state and context entry of ``_run_alone``, reopened by each
             state = _replicas.RunState(1, self._pool, None)
             state.closed = True
@@ -217,7 +216,9 @@ class Strategy(abc.ABC):
             self._workers.begin_run(store)
             outer = store.run  # a run inside merge_call: the run it is nested in
             run = store.open_run()
-            self._first_use.start(store)
+            checking = not self._first_use.passed  # (once passed, start and stop do nothing)
+            if checking:
+                self._first_use.start(store)
             try:
                 if local == 1:  # on the calling thread, with no one to wait for in a rendezvous
                     state = _replicas.RunState(1, self._pool, None, run)
@@ -233,15 +234,21 @@ class Strategy(abc.ABC):
                     )
                     state = _replicas.execute(local, self._pool, body, _Baton(run, streams))
             except BaseException as interrupt:  # on the calling thread, between replicas
-                self._first_use.stop(passed=False)
+                if checking:
+                    self._first_use.stop(passed=False)
                 self._end_run(interrupt, outer)
                 raise
             error = (
                 next(e for e in state.errors if e is not None) if state.any_failed else None
             )
-            self._first_use.stop(passed=error is None)
-            self._short = self._alone and self._first_use.passed
-            self._end_run(error, outer)
+            if checking:
+                self._first_use.stop(passed=error is None)
+                self._short = self._alone and self._first_use.passed
+            # replicas that used the variables themselves, in one process, outside other runs:
+            # the short path's sync point where it serves (``close_alone``)
+            quiet = error is None and not run.uses_views and self._one_process and outer is EMPTY
+            if not (quiet and store.close_alone()):
+                self._end_run(error, outer)
         finally:
             store.release()
         if error is not None:

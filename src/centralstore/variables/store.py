@@ -419,11 +419,13 @@ class VariableStore:
         return run
 
     def close_alone(self) -> bool:
-        """The sync point of a run opened by ``open_alone`` whose replica returned, when it
-        has nothing to fold but the run's own work (no metric's copies, no views: the replica
-        used none): what ``close_run`` and ``fold`` do then. False, and nothing done,
-        otherwise: the caller makes the general sync point."""
-        if self._left_over():
+        """The sync point of a run in one process, outside other runs, whose replicas
+        returned having used the variables themselves (an ``OwnRun`` from ``open_alone`` or
+        ``open_run``, a ``DirectRun``), when it has nothing to fold but the run's own work (no
+        metric's copies, no views touched, no early sums): what ``close_run`` and ``fold``
+        do then, with fewer calls. False, and nothing done, otherwise: the caller makes the
+        general sync point."""
+        if self._sums is not None or self._left_over():
             return False
         self.in_run = False
         try:
