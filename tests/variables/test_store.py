@@ -739,3 +739,41 @@ def test_an_optimizer_step_stamps_frozen_variables_only_where_views_exist() -> N
     for value in seen:
         assert not torch.equal(value, before)
         torch.testing.assert_close(value, model.weight.detach())
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(replicas: int) -> None:
+    """(A metric's replica copies are folded by a hook the store holds weakly, in a dict by
+    id, and asks at every sync point while it lives: once each, however often it was
+    given; a dead one is dropped unseen. A run with hooks takes the general sync point at
+    any R.)"""
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        layer = nn.Linear(2, 1)
+    store = strategy._store
+    calls: list[tuple[str, bool]] = []
+
+    class Hook:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def fold(self, discard: bool) -> None:
+            calls.append((self.name, discard))
+
+    hooks = {name: Hook(name) for name in ("kept", "dropped")}
+
+    def step() -> None:
+        store.fold_later(hooks["kept"])
+        store.fold_later(hooks["kept"])  # (once per sync point, however often it is given)
+        store.fold_later(hooks["dropped"])
+        layer(torch.ones(2)).sum().backward()
+
+    for _ in range(2):  # the first run on the general path, the next (R = 1) on the short one
+        strategy.run(step)
+    assert calls == [("kept", False), ("dropped", False)] * 2
+    calls.clear()
+    del hooks["dropped"]
+    gc.collect()
+    assert len(store.fold_hooks) == 1
+    strategy.run(lambda: None)
+    assert calls == [("kept", False)]

@@ -475,7 +475,7 @@ class VariableStore:
         """Call ``hook.fold`` at the next sync point (a metric whose replicas updated
         copies of its state), while it lives."""
         key, hooks = id(hook), self.fold_hooks
-        hooks[key] = weakref.ref(hook, lambda _, key=key: hooks.pop(key, None))  # type: ignore[misc]
+        hooks[key] = weakref.ref(hook, lambda _: hooks.pop(key, None))
 
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
@@ -598,10 +598,8 @@ def _backward_through_run(store_ref: weakref.ref[VariableStore], grad: torch.Ten
 
 _touched_of = attrgetter("touched")
 _views_of = attrgetter("views")
-_get_ident = threading.get_ident  # (one lookup, where ``threading.get_ident`` takes two)
-
-
 _unseen_of = attrgetter("unseen")
+_get_ident = threading.get_ident  # (one lookup, where ``threading.get_ident`` takes two)
 
 
 def _forget(store_ref: weakref.ref[VariableStore], key: int, _: object) -> None:
