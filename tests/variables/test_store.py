@@ -741,6 +741,54 @@ def test_an_optimizer_step_stamps_frozen_variables_only_where_views_exist() -> N
         torch.testing.assert_close(value, model.weight.detach())
 
 
+_POST_HOOK_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks as post_hooks
+from replicas import see_views
+import centralstore as cs
+
+def trained(strategy):
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        strategy.run(lambda: model(torch.ones(2, 3)).sum().backward())
+        optimizer.step()
+    return strategy
+
+kept = [trained(cs.CentralStorageStrategy(devices)) for devices in (["cpu:0"], ["cpu:0", "cpu:1"])]
+print(len(post_hooks))
+viewing = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+see_views(viewing)
+kept.append(trained(viewing))
+print(len(post_hooks))
+del kept, viewing
+import gc; gc.collect()
+print(len(post_hooks))
+"""
+
+
+def test_optimizer_steps_pay_no_post_hook_until_some_replica_holds_views() -> None:
+    """(The post-hook stamps frozen variables for views; replicas that use the variables
+    themselves make none, so a process whose replicas all do has no post-hook. It is
+    counted in a process of its own: the suite's other strategies live in this one.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _POST_HOOK_SCRIPT, str(tests)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0", "1", "0"]
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(replicas: int) -> None:
     """(A metric's replica copies are folded by a hook the store holds weakly, in a dict by

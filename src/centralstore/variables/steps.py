@@ -3,7 +3,10 @@
 One global ``register_optimizer_step_pre_hook`` serves every store, and lives while some store
 with variables does. It syncs only the stores holding the optimizer's parameters, so
 strategies stay isolated (and, across workers, no process enters another store's exchange);
-inside ``run`` it refuses the step, which would update the variables once per replica.
+inside ``run`` it refuses the step, which would update the variables once per replica. A
+global post-hook joins it once some replica holds views (``stamp_after_steps``): they need
+the frozen variables a step updated stamped, and until then a step pays no second hook
+(10 to 20 us right after the step's sweep through memory).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class Store(Protocol):
 # The stores, held weakly, as a tuple: the hooks run at every optimizer step, where walking a
 # WeakSet (a Python generator under an iteration guard) cost more than the hooks' own work.
 _stores: tuple[weakref.ref[Store], ...] = ()
-_handle: list[Any] = []
+_handles: dict[str, Any] = {}  # "pre" while some store lives, "post" once views exist too
 _lock = threading.RLock()  # (reentrant: a store's finalizer may run inside ``track``)
 _params_of = itemgetter("params")
 _viewed = methodcaller("viewed")
@@ -58,17 +61,32 @@ def track(store: Store) -> None:
             return
         _stores = (*_stores, weakref.ref(store))
         weakref.finalize(store, _release)
-        if not _handle:
-            _handle.append(register_optimizer_step_pre_hook(_before_step))
-            _handle.append(register_optimizer_step_post_hook(_after_step))
+        if "pre" not in _handles:
+            _handles["pre"] = register_optimizer_step_pre_hook(_before_step)
+
+
+def stamp_after_steps() -> None:
+    """A replica made a view: from now on, while some store lives, optimizer steps stamp
+    the frozen variables they update (``_after_step``)."""
+    global stamping
+    with _lock:
+        if _stores and "post" not in _handles:
+            _handles["post"] = register_optimizer_step_post_hook(_after_step)
+            stamping = True
+
+
+stamping = False  # whether the post-hook is in place (read where views are made)
 
 
 def _release() -> None:
-    global _stores
+    global _stores, stamping
     with _lock:
         _stores = tuple(ref for ref in _stores if ref() is not None)
-        while not _stores and _handle:
-            _handle.pop().remove()
+        if not _stores:
+            for handle in _handles.values():
+                handle.remove()
+            _handles.clear()
+            stamping = False
 
 
 def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -79,7 +97,9 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A sync point of the stores that hold the optimizer's parameters and have work left
     (a store is asked first whether it has: usually, ``run``'s own sync point did it all,
-    and the parameters need not be gathered)."""
+    and the parameters need not be gathered). Then the first step of an optimizer notes its
+    parameters as optimized (``Central.optimized``), as does one after it gained some: for
+    the sync points after this step, as if noted after it."""
     if _context.in_replica_of_strategy():
         if cast(Store, _context.current().store).owns_any(_parameters(optimizer)):
             raise RuntimeError(
@@ -88,20 +108,24 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                 "inside the step function as "
                 "get_replica_context().merge_call(lambda strategy: optimizer.step())."
             )
-        return
-    params = None
-    for ref in _stores:
-        store = ref()
-        if store is None or store.settled():
-            continue
-        if params is None:
-            params = _parameters(optimizer)
-        if store.owns_any(params):
-            store.claim("optimizer.step()")
-            try:
-                store.sync()
-            finally:
-                store.release()
+    else:
+        params = None
+        for ref in _stores:
+            store = ref()
+            if store is None or store.settled():
+                continue
+            if params is None:
+                params = _parameters(optimizer)
+            if store.owns_any(params):
+                store.claim("optimizer.step()")
+                try:
+                    store.sync()
+                finally:
+                    store.release()
+    count = sum(map(len, map(_params_of, optimizer.param_groups)))
+    noted = _noted.get(id(optimizer))
+    if noted is None or noted[1] != count or noted[0]() is not optimizer:
+        _note(optimizer, count)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -114,12 +138,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     where some replica holds views: replicas that use the variables themselves (logical CPU
     devices, one GPU holding the variables) have none, and a view made later copies the
     value then; the pass over every parameter cost 39 us right after a sweep through memory,
-    BERT tiny's 41. The first step of an optimizer notes its parameters as optimized
-    (``Central.optimized``)."""
-    count = sum(map(len, map(_params_of, optimizer.param_groups)))
-    noted = _noted.get(id(optimizer))
-    if noted is None or noted[1] != count or noted[0]() is not optimizer:
-        _note(optimizer, count)
+    BERT tiny's 41. (In place once some replica made a view: ``stamp_after_steps``.)"""
     viewing = list(filter(_viewed, filter(None, map(call, _stores))))
     if not viewing:
         return
@@ -132,7 +151,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
 
 
 def _note(optimizer: torch.optim.Optimizer, count: int) -> None:
-    """The first step of ``optimizer``, or one after it gained parameters (``count`` now):
+    """A first step of ``optimizer``, or one after it gained parameters (``count`` now):
     the stores note its parameters as optimized."""
     key = id(optimizer)
     _noted[key] = (weakref.ref(optimizer, lambda _: _noted.pop(key, None)), count)

@@ -40,6 +40,7 @@ from torch._C import DisableTorchFunctionSubclass
 from .._aggregation import VariableAggregation
 from .._autograd import no_grad
 from .._devices import CurrentStreams
+from . import steps
 from .buckets import GradientBuckets, GradientCopy
 from .records import Central, on_read_reset
 
@@ -299,6 +300,8 @@ class ReplicaViews:
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
             self.views[record.key] = view
+            if not steps.stamping:  # (views need the frozen variables' stamps from now on)
+                steps.stamp_after_steps()
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 view.start = view.tensor.detach().clone()
@@ -320,6 +323,8 @@ class ReplicaViews:
             view = View(record, copy, private=True)
         self._make_leaf(view, view.tensor, central.requires_grad)
         self.views[record.key] = view
+        if not steps.stamping:  # (views need the frozen variables' stamps from now on)
+            steps.stamp_after_steps()
         return view
 
     def _pin(self, central: torch.Tensor) -> None:
