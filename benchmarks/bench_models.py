@@ -69,6 +69,12 @@ long (200 ms instead of 20) and vary by as much from round to round. Times are t
 CPU time by default (``--clock wall`` for wall-clock time): on a machine with several times
 more runnable threads than cores, wall-clock time measures the neighbours.
 
+The configurations without centralstore (``plain``, ``halves``, ``apart``, ...) step with
+centralstore's global optimizer-step hooks taken out of torch's tables around each timed
+step (``_bare``), as plain PyTorch steps in a process without centralstore; until the
+fifty-second session they paid those hooks too, which hid them from every ratio (10 to 50
+us a step right after the optimizer's sweep through memory, benchmarks/README.md).
+
 ``--block K`` makes each turn K consecutive steps of one configuration, the first untimed:
 the steps of a training loop, each after a step of the same model. By default every timed
 step follows another configuration's, on caches that step has filled, which a loop never
@@ -89,11 +95,12 @@ three faults of the compiled path: benchmarks/README.md.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import operator
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -105,6 +112,7 @@ from bench_train import (
     take_turns,
 )
 from torch import nn
+from torch.optim import optimizer as optim_hooks
 
 import centralstore as cs
 from centralstore.cli import at_least
@@ -261,7 +269,7 @@ def make_step(
             optimizer.step()
 
         if not config.startswith("apart"):
-            return plain_step
+            return _plain(plain_step)
         params = list(model.parameters())
 
         def apart_step() -> None:
@@ -283,7 +291,7 @@ def make_step(
                         torch._foreach_add_(_grads(params), own)
             optimizer.step()
 
-        return apart_step
+        return _plain(apart_step)
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = build()
@@ -348,7 +356,7 @@ def make_evaluation_step(model_name: str, config: str, per_replica: int) -> Call
             for xs, ys in slices[1:]:
                 total = total + per_example(model, xs, ys).sum()
 
-        return plain_step
+        return _plain(plain_step)
     strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
     with strategy.scope():
         model = build().eval()
@@ -371,10 +379,40 @@ _clock = CLOCKS["cpu"]
 
 
 def _time(step: Callable[[], None], steps: int) -> float:
-    start = _clock()
-    for _ in range(steps):
-        step()
-    return (_clock() - start) / steps * 1e3
+    with _bare() if getattr(step, "plain", False) else contextlib.nullcontext():
+        start = _clock()
+        for _ in range(steps):
+            step()
+        return (_clock() - start) / steps * 1e3
+
+
+@contextlib.contextmanager
+def _bare() -> Iterator[None]:
+    """Torch's global optimizer-step hooks without centralstore's, as in a process without
+    it (torch keeps them in module-level tables: no public call takes one out for a
+    while)."""
+    tables = (optim_hooks._global_optimizer_pre_hooks, optim_hooks._global_optimizer_post_hooks)
+    taken = [
+        (table, {k: hook for k, hook in table.items() if _ours(hook)}) for table in tables
+    ]
+    for table, ours in taken:
+        for k in ours:
+            del table[k]
+    try:
+        yield
+    finally:
+        for table, ours in taken:
+            table.update(ours)
+
+
+def _ours(hook: Callable[..., Any]) -> bool:
+    return getattr(hook, "__module__", "").startswith("centralstore.")
+
+
+def _plain(step: Callable[[], None]) -> Callable[[], None]:
+    """``step``, marked as one that ``_time`` runs without centralstore's hooks."""
+    step.plain = True  # type: ignore[attr-defined]
+    return step
 
 
 def measure(

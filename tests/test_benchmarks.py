@@ -98,3 +98,31 @@ def test_a_count_is_a_whole_number_of_at_least_its_minimum() -> None:
         at_least(1)("0")
     with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer, got '2\.5'"):
         at_least(1)("2.5")
+
+
+def test_plain_steps_are_timed_without_centralstores_optimizer_hooks(tmp_path: Path) -> None:
+    """(bench_models.py's plain configurations step as in a process without centralstore:
+    its global optimizer-step hooks are out of torch's tables while one is timed, and back
+    after. Checked in a process of its own, whose only strategy is the one made here.)"""
+    script = (
+        "import sys, torch\n"
+        "import bench_models as bm\n"
+        "from torch.optim import optimizer as o\n"
+        "import centralstore as cs\n"
+        "strategy = cs.CentralStorageStrategy(['cpu:0'])\n"
+        "with strategy.scope():\n"
+        "    layer = torch.nn.Linear(2, 1)\n"
+        "seen = []\n"
+        "def count():\n"
+        "    seen.append(sum(map(bm._ours, o._global_optimizer_pre_hooks.values())))\n"
+        "bm._time(bm._plain(lambda: count()), 1)\n"
+        "bm._time(count, 1)\n"
+        "count()\n"
+        "print(seen)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=BENCHMARKS, capture_output=True, text=True,
+        timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[0,", "1,", "1]"]
