@@ -97,9 +97,12 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A sync point of the stores that hold the optimizer's parameters and have work left
     (a store is asked first whether it has: usually, ``run``'s own sync point did it all,
-    and the parameters need not be gathered). Then the first step of an optimizer notes its
-    parameters as optimized (``Central.optimized``), as does one after it gained some: for
-    the sync points after this step, as if noted after it."""
+    and the parameters need not be gathered). Then, once some replica holds views, the first
+    step of an optimizer notes its parameters as optimized (``Central.optimized``), as does
+    one after it gained some: for the sync points after this step, as if noted after it.
+    Only the plans of replicas that see views ask (``Plan.settle_idle``); an optimizer that
+    stepped before any view existed is noted at its next step, a step later than it could
+    have been, which only delays what a plan learns."""
     if _context.in_replica_of_strategy():
         if cast(Store, _context.current().store).owns_any(_parameters(optimizer)):
             raise RuntimeError(
@@ -122,6 +125,8 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
                     store.sync()
                 finally:
                     store.release()
+    if not stamping:  # no views: no plan asks which variables are optimized
+        return
     count = sum(map(len, map(_params_of, optimizer.param_groups)))
     noted = _noted.get(id(optimizer))
     if noted is None or noted[1] != count or noted[0]() is not optimizer:
