@@ -789,13 +789,16 @@ def test_optimizer_steps_pay_no_post_hook_until_some_replica_holds_views() -> No
     assert result.stdout.split() == ["0", "1", "0"]
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "views"])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(replicas: int) -> None:
+def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(
+    replicas: int, direct: bool
+) -> None:
     """(A metric's replica copies are folded by a hook the store holds weakly, in a dict by
     id, and asks at every sync point while it lives: once each, however often it was
     given; a dead one is dropped unseen. A run with hooks takes the general sync point at
-    any R.)"""
-    strategy = strategy_of(replicas)
+    any R, whether the replicas use the variables or views of them.)"""
+    strategy = strategy_of(replicas, direct=direct)
     with strategy.scope():
         layer = nn.Linear(2, 1)
     store = strategy._store

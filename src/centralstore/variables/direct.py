@@ -26,8 +26,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import attrgetter, call, is_not, itemgetter
-from typing import Any, Protocol
+from operator import attrgetter, itemgetter
+from typing import Protocol
 
 import torch
 
@@ -40,7 +40,7 @@ from .._autograd import some as _any
 from .._autograd import version_of as _version
 from .direct_buffers import Written
 from .folding import HeldHooks, add_in_order, all_dense, plus
-from .records import Central
+from .records import Central, alive
 from .views import EXACT_CLASSES
 
 _NO_HOOKS = HeldHooks([])  # shared: it holds nothing, and releasing it is skipped
@@ -243,12 +243,8 @@ class Undo:
     def __init__(self, refs: list[weakref.ref[torch.Tensor]], copier: Copier) -> None:
         """``refs``: the weak references of every variable, a list that stays the same
         object while the variables do (the store's)."""
-        # (Every run of one replica makes one: the helpers' calls are written out, each
-        # costing a few microseconds right after an optimizer step.)
         self._copies: Copies | None = None
-        tensors: list[Any] = list(map(call, refs))  # (``alive``)
-        if not all(map(is_not, tensors, repeat(None))):
-            tensors = [tensor for tensor in tensors if tensor is not None]
+        tensors = alive(refs)
         flags = list(map(_requires_grad, tensors))
         if all(flags):  # a model of parameters only: passes in C
             learned = tensors
@@ -259,10 +255,10 @@ class Undo:
                 self._copies = copier.copy(state)
         self._tensors = learned
         self._old: list[torch.Tensor | None] = list(map(_grad, learned))
-        self._held = any(map(is_not, self._old, repeat(None)))  # some .grad set aside
+        self._held = _any(self._old)  # whether some .grad was set aside
         if self._held:
             set_grads(learned, repeat(None))
-        self._hooks = HeldHooks(learned) if any(map(_hooks, learned)) else _NO_HOOKS
+        self._hooks = _held_hooks(learned)
 
     def commit(self) -> list[torch.Tensor]:
         """Keep the run's work: its gradients are added to the set-aside ones, in place (a

@@ -432,8 +432,7 @@ class VariableStore:
             if self._on_gpus:
                 self._gpus_synced()
             received = self.run.commit()
-            for views in self.replicas:  # (``_next_epoch``, without a call)
-                views.epoch += 1
+            self._next_epoch()
             if received:
                 folding.run_post_accumulate_hooks(received)
         finally:

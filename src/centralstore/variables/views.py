@@ -299,9 +299,7 @@ class ReplicaViews:
             view = View(record, copy, private=True)
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
-            self.views[record.key] = view
-            if not steps.stamping:  # (views need the frozen variables' stamps from now on)
-                steps.stamp_after_steps()
+            self._keep(record, view)
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 view.start = view.tensor.detach().clone()
@@ -322,9 +320,7 @@ class ReplicaViews:
             self.copied(central)
             view = View(record, copy, private=True)
         self._make_leaf(view, view.tensor, central.requires_grad)
-        self.views[record.key] = view
-        if not steps.stamping:  # (views need the frozen variables' stamps from now on)
-            steps.stamp_after_steps()
+        self._keep(record, view)
         return view
 
     def _pin(self, central: torch.Tensor) -> None:
@@ -386,6 +382,13 @@ class ReplicaViews:
         if self._unwaited:
             self._copies.synchronize()
             self._unwaited = False
+
+    def _keep(self, record: Central, view: View) -> None:
+        """``view`` is the replica's view of ``record`` from now on; optimizer steps stamp
+        the frozen variables they update once some view exists (``steps.py``)."""
+        self.views[record.key] = view
+        if not steps.stamping:
+            steps.stamp_after_steps()
 
     def _make_leaf(self, view: View, tensor: torch.Tensor, requires_grad: bool) -> None:
         """Let ``tensor`` collect gradients for ``view``'s variable, handed to the receiver
