@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from paths import PATHS, run_on, strategy_on
 from replicas import strategy_of
 from torch import nn
 
@@ -355,16 +356,30 @@ def test_merge_call_optimizer_step_inside_the_step_function() -> None:
         torch.testing.assert_close(seen, oracle.weight.detach())
 
 
-def test_optimizer_step_inside_a_replica_raises() -> None:
-    strategy = strategy_of(2)
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_optimizer_step_inside_a_replica_raises(path: str, replicas: int) -> None:
+    """Refused on every path, the one-replica short path included (a run has passed first),
+    with the variables and their gradients as before the run; the step after it works."""
+    strategy = strategy_on(path, replicas)
     model, optimizer = linear_model(strategy)
+    x = cs.PerReplica([torch.ones(1, 3)] * replicas) if replicas > 1 else torch.ones(1, 3)
 
-    def step() -> None:
-        model(torch.ones(1, 3)).sum().backward()
+    def backward(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+
+    def step(xs: torch.Tensor) -> None:
+        backward(xs)
         optimizer.step()
 
+    run_on(path, strategy, backward, (x,))
+    grad, weight = model.weight.grad.clone(), model.weight.detach().clone()
     with pytest.raises(RuntimeError, match="merge_call"):
-        strategy.run(step)
+        run_on(path, strategy, step, (x,))
+    torch.testing.assert_close(model.weight.grad, grad, rtol=0, atol=0)
+    torch.testing.assert_close(model.weight.detach(), weight, rtol=0, atol=0)
+    optimizer.step()
+    torch.testing.assert_close(model.weight.detach(), weight - 0.1 * grad)
 
 
 def test_autocast_bfloat16_inside_run() -> None:

@@ -97,34 +97,36 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """A sync point of the stores that hold the optimizer's parameters and have work left
     (a store is asked first whether it has: usually, ``run``'s own sync point did it all,
-    and the parameters need not be gathered). Then, once some replica holds views, the first
-    step of an optimizer notes its parameters as optimized (``Central.optimized``), as does
-    one after it gained some: for the sync points after this step, as if noted after it.
-    Only the plans of replicas that see views ask (``Plan.settle_idle``); an optimizer that
-    stepped before any view existed is noted at its next step, a step later than it could
-    have been, which only delays what a plan learns."""
-    if _context.in_replica_of_strategy():
-        if cast(Store, _context.current().store).owns_any(_parameters(optimizer)):
-            raise RuntimeError(
-                "optimizer.step() was called inside strategy.run (replica context), where it "
-                "would update the central variables once per replica. Call it after run, or "
-                "inside the step function as "
-                "get_replica_context().merge_call(lambda strategy: optimizer.step())."
-            )
-    else:
-        params = None
-        for ref in _stores:
-            store = ref()
-            if store is None or store.settled():
-                continue
-            if params is None:
-                params = _parameters(optimizer)
-            if store.owns_any(params):
-                store.claim("optimizer.step()")
-                try:
-                    store.sync()
-                finally:
-                    store.release()
+    and nothing else is looked at, not even the thread's context). Inside a replica, where
+    its store's run is in progress, the step is refused instead. Then, once some replica
+    holds views, the first step of an optimizer notes its parameters as optimized
+    (``Central.optimized``), as does one after it gained some: for the sync points after
+    this step, as if noted after it. Only the plans of replicas that see views ask
+    (``Plan.settle_idle``); an optimizer that stepped before any view existed is noted at
+    its next step, a step later than it could have been, which only delays what a plan
+    learns."""
+    params = None
+    for ref in _stores:
+        store = ref()
+        if store is None or store.settled():
+            continue
+        if params is None:
+            params = _parameters(optimizer)
+            if _context.in_replica_of_strategy():  # no sync point in a replica
+                if cast(Store, _context.current().store).owns_any(params):
+                    raise RuntimeError(
+                        "optimizer.step() was called inside strategy.run (replica context), "
+                        "where it would update the central variables once per replica. Call "
+                        "it after run, or inside the step function as "
+                        "get_replica_context().merge_call(lambda strategy: optimizer.step())."
+                    )
+                break
+        if store.owns_any(params):
+            store.claim("optimizer.step()")
+            try:
+                store.sync()
+            finally:
+                store.release()
     if not stamping:  # no views: no plan asks which variables are optimized
         return
     count = sum(map(len, map(_params_of, optimizer.param_groups)))
