@@ -164,8 +164,14 @@ def test_mixing_strategies_inside_merge_call_raises() -> None:
     ],
 )
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_cross_replica_calls_in_a_replica_raise(call: Any, name: str, replicas: int) -> None:
+@pytest.mark.parametrize("after_a_run", [False, True])
+def test_cross_replica_calls_in_a_replica_raise(
+    call: Any, name: str, replicas: int, after_a_run: bool
+) -> None:
+    """In a strategy's first run and in later ones (one replica's take the short path)."""
     strategy = strategy_of(replicas)
+    if after_a_run:
+        strategy.run(lambda: None)
     with pytest.raises(RuntimeError, match="merge_call") as info:
         strategy.run(lambda: call(strategy))
     assert f"strategy.{name} was called in replica context" in str(info.value)

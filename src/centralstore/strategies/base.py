@@ -42,8 +42,8 @@ from ..variables.unscoped import FirstUse
 from .extended import StrategyExtended
 
 
-def _cross_replica_only(call: str) -> None:
-    if _context.in_replica_of_strategy():
+def _cross_replica_only(call: str, stack: list[_context.Entry] | None = None) -> None:
+    if _context.in_replica_of_strategy(stack):
         raise RuntimeError(
             f"strategy.{call} was called in replica context (inside strategy.run). It is a "
             f"cross-replica call: to run cross-replica code from a replica, use "
@@ -190,7 +190,9 @@ class Strategy(abc.ABC):
           1: 1
         })
         """
-        _cross_replica_only("run()")
+        stack = _context.stack()
+        if stack:  # (empty outside every scope: the usual training loop)
+            _cross_replica_only("run()", stack)
         if not isinstance(args, (list, tuple)):
             raise ValueError(
                 f"args must be a list or a tuple of positional arguments for fn. Received: "
@@ -209,7 +211,7 @@ class Strategy(abc.ABC):
                 inputs = [(args, kwargs)] * local
         store = self._store
         if self._short and (own := store.open_alone("strategy.run()")) is not None:
-            return self._run_alone(own, fn, *inputs[0])
+            return self._run_alone(own, fn, *inputs[0], stack)
         merges = self._merges
         store.claim("strategy.run()")
         try:
@@ -262,7 +264,8 @@ class Strategy(abc.ABC):
     experimental_run_v2 = run
 
     def _run_alone(
-        self, run: Run, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self, run: Run, fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+        stack: list[_context.Entry],
     ) -> Any:
         """``run`` of one replica on the device of every variable, in one process, after the
         first run (which checks the modules it calls) and outside other runs: ``run``,
@@ -280,13 +283,14 @@ class Strategy(abc.ABC):
         context serve every run of this path, reopened by each (making them took about 10 us
         right after a sweep through memory): a collective's backward checks that the run
         that made it is the one in progress (``RunState.meet``), and a context kept from
-        one run works in a later one as that run's, the same object."""
+        one run works in a later one as that run's, the same object. And ``run`` reads the
+        thread's context stack once (``stack``) for its check and this path's push and pop."""
         store = self._store
         merges = self._merges
         try:
             state, entry = self._alone_entry
             state.switch, state.closed = run, False
-            _context.push(entry)
+            stack.append(entry)
             error = None
             try:
                 gpu = self._gpus[0]
@@ -299,7 +303,7 @@ class Strategy(abc.ABC):
                 error = raised
             finally:
                 state.closed = True
-                _context.pop()
+                stack.pop()
             if error is not None or not store.close_alone():
                 self._end_run(error, EMPTY)
         finally:
