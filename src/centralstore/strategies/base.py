@@ -279,7 +279,7 @@ class Strategy(abc.ABC):
         each object it touches costs several times its warm cost: the demo CNN's training
         step executed 190 lines more than plain PyTorch's through the general path, 148
         through this one when it came (1.04 of plain PyTorch's time against 1.02 in
-        ``bench_models.py``'s turns), 126 now. For the same reason one run state and replica
+        ``bench_models.py``'s turns), 118 now. For the same reason one run state and replica
         context serve every run of this path, reopened by each (making them took about 10 us
         right after a sweep through memory): a collective's backward checks that the run
         that made it is the one in progress (``RunState.meet``), and a context kept from
