@@ -168,7 +168,8 @@ def test_mixing_strategies_inside_merge_call_raises() -> None:
 def test_cross_replica_calls_in_a_replica_raise(
     call: Any, name: str, replicas: int, after_a_run: bool
 ) -> None:
-    """In a strategy's first run and in later ones (one replica's take the short path)."""
+    """In a strategy's first run and in later ones (where one replica's runs take the short
+    path)."""
     strategy = strategy_of(replicas)
     if after_a_run:
         strategy.run(lambda: None)
