@@ -935,3 +935,36 @@ def test_gpu_replicas_find_their_own_copies_of_parameters_and_buffers_at_every_r
         strategy.run(step, args=(to_replicas(torch.randn(6, 3), devices),))
     assert seen == [(device,) * 7 for device in devices] * 3
     assert by_slot == [4, 3] * 2  # the first run makes every view, none one by one later
+
+
+@pytest.mark.fake_gpus(2)
+@pytest.mark.parametrize("parameter_device", ["cpu", "cuda:0"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_optimizer_step_inside_a_gpu_replica_is_refused(
+    fake_gpus: Any, replicas: int, parameter_device: str,
+) -> None:
+    """As on logical devices (``tests/variables/test_store.py``): after a run has passed (one
+    GPU holding its variables then takes the short path), a step inside a replica raises,
+    the variables and their gradients stay as before the run, and the step after it works."""
+    devices = ["cuda:0", "cuda:1"][:replicas]
+    strategy = cs.CentralStorageStrategy(devices, parameter_device=parameter_device)
+    with strategy.scope():
+        model = nn.Linear(3, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = to_replicas(torch.ones(2 * replicas, 3), tuple(devices))
+
+    def backward(xs: torch.Tensor) -> None:
+        model(xs).sum().backward()
+
+    def step(xs: torch.Tensor) -> None:
+        backward(xs)
+        optimizer.step()
+
+    strategy.run(backward, args=(x,))
+    kept = model.weight.detach().cpu().clone(), model.weight.grad.cpu().clone()
+    with pytest.raises(RuntimeError, match="merge_call"):
+        strategy.run(step, args=(x,))
+    assert torch.equal(model.weight.detach().cpu(), kept[0])
+    assert torch.equal(model.weight.grad.cpu(), kept[1])
+    optimizer.step()
+    torch.testing.assert_close(model.weight.detach().cpu(), kept[0] - 0.1 * kept[1])
