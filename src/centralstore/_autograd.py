@@ -31,9 +31,9 @@ def some(values: Iterable[torch.Tensor | None]) -> bool:
 
 
 def set_grads(tensors: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
-    """``tensor.grad = grad`` for each pair, the loop in C (a map consumed by a zero-length
-    deque, one for every call: a new one costs a keyword argument's parsing). Torch's
-    setter costs most of the time; the loop costs nothing."""
+    """``tensor.grad = grad`` for each pair, the loop in C (a map consumed by one
+    zero-length deque kept for every call: making one per call costs a keyword argument's
+    parsing). Torch's setter costs most of the time; the loop costs nothing."""
     _consume(map(setattr, tensors, repeat("grad"), grads))
 
 
