@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+from paths import PATHS, run_on, strategy_on
 
 import centralstore as cs
 from centralstore import _context
@@ -165,16 +166,17 @@ def test_mixing_strategies_inside_merge_call_raises() -> None:
 )
 @pytest.mark.parametrize("replicas", [1, 2])
 @pytest.mark.parametrize("after_a_run", [False, True])
+@pytest.mark.parametrize("path", PATHS)
 def test_cross_replica_calls_in_a_replica_raise(
-    call: Any, name: str, replicas: int, after_a_run: bool
+    call: Any, name: str, replicas: int, after_a_run: bool, path: str
 ) -> None:
-    """In a strategy's first run and in later ones (where one replica's runs take the short
-    path)."""
-    strategy = strategy_of(replicas)
+    """On every path, in a strategy's first run and in later ones (where one replica's runs
+    take the short path)."""
+    strategy = strategy_on(path, replicas)
     if after_a_run:
-        strategy.run(lambda: None)
+        run_on(path, strategy, lambda: None)
     with pytest.raises(RuntimeError, match="merge_call") as info:
-        strategy.run(lambda: call(strategy))
+        run_on(path, strategy, lambda: call(strategy))
     assert f"strategy.{name} was called in replica context" in str(info.value)
     assert info.value.__notes__ == ["(raised in replica 0 on device cpu:0)"]
     assert strategy.run(lambda: 5) == 5
