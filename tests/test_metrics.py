@@ -136,6 +136,31 @@ def test_replicas_on_threads_fold_in_replica_order() -> None:
     assert metric.compute().tolist() == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
 
 
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_training_after_an_evaluation_finds_the_store_settled(replicas: int) -> None:
+    """(The sync point that folds a metric's copies forgets the metric: training runs after
+    an evaluation that updated one take the short path at R = 1 and leave nothing for the
+    optimizer's step to sync; the metric's next update folds as before.)"""
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        layer = torch.nn.Linear(2, 1)
+        metric = torchmetrics.SumMetric()
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    store = strategy._store
+
+    def train() -> None:
+        layer(torch.ones(2)).sum().backward()
+
+    for evaluation in range(2):
+        strategy.run(metric.update, args=(torch.tensor([1.0, 2.0]),))
+        assert store.fold_hooks == {}
+        for _ in range(2):
+            strategy.run(train)
+            assert store.settled()
+            optimizer.step()
+        assert float(metric.compute()) == 3.0 * replicas * (evaluation + 1)
+
+
 def test_a_custom_reduction_is_refused() -> None:
     class Custom(torchmetrics.Metric):  # type: ignore[misc]
         def __init__(self) -> None:

@@ -804,16 +804,15 @@ def test_optimizer_steps_pay_no_post_hook_until_some_replica_holds_views() -> No
     assert result.stdout.split() == ["0", "1", "0"]
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "views"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(
-    replicas: int, direct: bool
-) -> None:
-    """(A metric's replica copies are folded by a hook the store holds weakly, in a dict by
-    id, and asks at every sync point while it lives: once each, however often it was
-    given; a dead one is dropped unseen. A run with hooks takes the general sync point at
-    any R, whether the replicas use the variables or views of them.)"""
-    strategy = strategy_of(replicas, direct=direct)
+def test_fold_hooks_fold_once_at_the_next_sync_point_only(replicas: int, path: str) -> None:
+    """(A metric gives the store its fold hook at each update inside a replica. The next
+    sync point calls each hook once, however often it was given, and drops it: a later run
+    that updates nothing calls none and leaves the store settled, so that at R = 1 it takes
+    the short path and optimizer steps skip the sync point. A failed run calls its hooks
+    with ``discard``.)"""
+    strategy = strategy_on(path, replicas)
     with strategy.scope():
         layer = nn.Linear(2, 1)
     store = strategy._store
@@ -826,20 +825,23 @@ def test_fold_hooks_are_held_weakly_and_called_once_per_sync_point(
         def fold(self, discard: bool) -> None:
             calls.append((self.name, discard))
 
-    hooks = {name: Hook(name) for name in ("kept", "dropped")}
+    hooks = [Hook("first"), Hook("second")]
 
-    def step() -> None:
-        store.fold_later(hooks["kept"])
-        store.fold_later(hooks["kept"])  # (once per sync point, however often it is given)
-        store.fold_later(hooks["dropped"])
+    def step(fail: bool = False) -> None:
+        for hook in (*hooks, hooks[0]):
+            store.fold_later(hook)
         layer(torch.ones(2)).sum().backward()
+        if fail:
+            raise ValueError("the step failed")
 
     for _ in range(2):  # the first run on the general path, the next (R = 1) on the short one
-        strategy.run(step)
-    assert calls == [("kept", False), ("dropped", False)] * 2
-    calls.clear()
-    del hooks["dropped"]
-    gc.collect()
-    assert len(store.fold_hooks) == 1
-    strategy.run(lambda: None)
-    assert calls == [("kept", False)]
+        run_on(path, strategy, step)
+        assert sorted(calls) == [("first", False), ("second", False)]
+        assert store.fold_hooks == {}
+        calls.clear()
+    run_on(path, strategy, lambda: None)
+    assert calls == [] and store.settled()
+    with pytest.raises(ValueError, match="the step failed"):
+        run_on(path, strategy, step, args=(True,))
+    assert sorted(calls) == [("first", True), ("second", True)]
+    assert store.fold_hooks == {} and store.settled()

@@ -79,8 +79,8 @@ class Exchange(Protocol):
 
 class FoldHook(Protocol):
     """Replica state kept outside central variables (``centralstore.metrics``: metric
-    states that are lists, or reduce by max, min or concatenation), folded at each sync
-    point of the store in replica order, or dropped when the run failed (``discard``)."""
+    states that are lists, or reduce by max, min or concatenation), folded at the store's
+    next sync point in replica order, or dropped when the run failed (``discard``)."""
 
     def fold(self, discard: bool) -> None: ...
 
@@ -135,8 +135,8 @@ class VariableStore:
         self.in_run = False
         self._collecting = False  # a collection of gradients is queued after a backward
         self.pending: list[View] = []  # views with gradients that arrived outside run
-        # held weakly, by id: a dict's emptiness is tested in C (a ``WeakSet``'s in Python)
-        self.fold_hooks: dict[int, weakref.ref[FoldHook]] = {}
+        # the hooks given since the last sync point, by id (each folds once per sync point)
+        self.fold_hooks: dict[int, FoldHook] = {}
         self._foreign: set[int] = set()  # keys of variables off the first compute device
         self._plan: Plan | None = None  # how replicas see the records, while they stay
         self._refs: list[weakref.ref[torch.Tensor]] | None = None  # theirs, while they stay
@@ -471,10 +471,11 @@ class VariableStore:
         )
 
     def fold_later(self, hook: FoldHook) -> None:
-        """Call ``hook.fold`` at the next sync point (a metric whose replicas updated
-        copies of its state), while it lives."""
-        key, hooks = id(hook), self.fold_hooks
-        hooks[key] = weakref.ref(hook, lambda _: hooks.pop(key, None))
+        """Call ``hook.fold`` at the next sync point, once however often it is given (a
+        metric whose replicas updated copies of its state; it gives itself again at its next
+        update). Only that sync point: a hook held longer would send every later run and
+        optimizer step, metric or not, down the general sync point."""
+        self.fold_hooks[id(hook)] = hook
 
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
@@ -491,11 +492,9 @@ class VariableStore:
         and whose hooks fire for the variables any worker had a gradient for."""
         if self._on_gpus:
             self._gpus_synced()
-        if self.fold_hooks:
-            for ref in list(self.fold_hooks.values()):
-                hook = ref()
-                if hook is not None:
-                    hook.fold(discard)
+        given = self.fold_hooks
+        while given:  # (one that raises leaves the others for the next sync point)
+            given.popitem()[1].fold(discard)
         received: list[torch.Tensor] = []
         if self.pending:
             with no_grad():
