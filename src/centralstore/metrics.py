@@ -160,20 +160,18 @@ class _ReplicaStates:
             _check_reductions(metric)
             replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
             copy = self._copies.get(replica) or _fresh(metric, args, kwargs)
-            names = list(metric._defaults)
-            own = _Copy({n: getattr(metric, n) for n in names}, metric._update_count)
-            computed = metric._computed
+            attributes = vars(metric)
+            computed = attributes["_computed"]
+            own = _copy_of(metric)
             _swap(metric, copy)
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-                self._copies[replica] = _Copy(
-                    {n: getattr(metric, n) for n in names}, metric._update_count
-                )
+                self._copies[replica] = _copy_of(metric)
                 _swap(metric, own)
-                metric._computed = computed
+                attributes["_computed"] = computed
                 current_store().fold_later(self)
 
     def fold(self, discard: bool) -> None:
@@ -186,14 +184,27 @@ class _ReplicaStates:
         with no_grad():
             for name in metric._defaults:
                 _fold_state(metric, name, [c.states[name] for c in ordered])
-        metric._update_count += max(c.count for c in ordered)
-        metric._computed = None
+        attributes = vars(metric)
+        attributes["_update_count"] += max(c.count for c in ordered)
+        attributes["_computed"] = None
+
+
+# A metric's states, its update count and its computed value are plain attributes of the
+# instance (``add_state`` makes no buffer of them): they are read and written in its
+# ``__dict__``, past ``nn.Module.__setattr__``'s checks for parameters, buffers and modules,
+# which cost more than the rest of a swap.
+
+
+def _copy_of(metric: Any) -> _Copy:
+    """The metric's states and update count as they are now."""
+    attributes = vars(metric)
+    return _Copy({n: attributes[n] for n in metric._defaults}, attributes["_update_count"])
 
 
 def _swap(metric: Any, copy: _Copy) -> None:
-    for name, value in copy.states.items():
-        setattr(metric, name, value)
-    metric._update_count = copy.count
+    attributes = vars(metric)
+    attributes.update(copy.states)
+    attributes["_update_count"] = copy.count
 
 
 def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
@@ -207,7 +218,9 @@ def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
     return _Copy(states, 0)
 
 
-def _reduction(metric: Any, name: str) -> str | None:
+@functools.cache
+def _known_reductions() -> dict[Callable[..., Any], str]:
+    """torchmetrics' functions of the reductions that fold, with their names."""
     from torchmetrics.utilities import (
         dim_zero_cat,
         dim_zero_max,
@@ -216,16 +229,22 @@ def _reduction(metric: Any, name: str) -> str | None:
         dim_zero_sum,
     )
 
-    known = {
+    return {
         dim_zero_sum: "sum", dim_zero_mean: "mean", dim_zero_max: "max", dim_zero_min: "min",
         dim_zero_cat: "cat",
     }
-    return known.get(metric._reductions[name])
+
+
+def _reduction(metric: Any, name: str) -> str | None:
+    return _known_reductions().get(metric._reductions[name])
 
 
 def _check_reductions(metric: Any) -> None:
+    known = _known_reductions()
+    if all(map(known.__contains__, metric._reductions.values())):
+        return
     for name, fx in metric._reductions.items():
-        if _reduction(metric, name) is None:
+        if fx not in known:
             raise ValueError(
                 f"The state {name!r} of {type(metric).__name__} reduces by a custom "
                 "dist_reduce_fx, which cannot fold the replicas' copies inside "
@@ -246,7 +265,11 @@ def _fold_state(metric: Any, name: str, parts: list[Any]) -> None:
         return
     parts = [part.to(central.device) for part in parts]
     if kind == "sum":
-        merged = central + functools.reduce(torch.add, parts)
+        total = functools.reduce(torch.add, parts)
+        if total.shape == central.shape and total.dtype == central.dtype:
+            central.add_(total)  # what ``central + total`` gives, without the copy back
+            return
+        merged = central + total
     elif kind == "max":
         merged = functools.reduce(torch.maximum, parts, central)
     elif kind == "min":
