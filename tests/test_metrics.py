@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from paths import PATHS, run_on, strategy_on
 from replicas import replica_id, strategy_of
 
 import centralstore as cs
@@ -159,6 +160,72 @@ def test_training_after_an_evaluation_finds_the_store_settled(replicas: int) -> 
             assert store.settled()
             optimizer.step()
         assert float(metric.compute()) == 3.0 * replicas * (evaluation + 1)
+
+
+def collection() -> Any:
+    """Two compute groups: macro accuracy, precision and recall share their states (equal
+    after any update); top-3 accuracy has states of the same names that differ."""
+    from torchmetrics.classification import (
+        MulticlassAccuracy,
+        MulticlassPrecision,
+        MulticlassRecall,
+    )
+
+    return torchmetrics.MetricCollection({
+        "accuracy": MulticlassAccuracy(3, average="macro"),
+        "precision": MulticlassPrecision(3, average="macro"),
+        "recall": MulticlassRecall(3, average="macro"),
+        "top 2": MulticlassAccuracy(3, top_k=2, average="micro"),
+    })
+
+
+def split(replicas: int, *tensors: torch.Tensor) -> Any:
+    """Each tensor in ``replicas`` slices as ``PerReplica`` values (the tensors as they are
+    at R = 1)."""
+    if replicas == 1:
+        return tensors
+    return tuple(cs.PerReplica(list(t.tensor_split(replicas))) for t in tensors)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_collection_forms_its_compute_groups_from_the_whole_batch(
+    path: str, replicas: int
+) -> None:
+    """(torchmetrics groups a collection's metrics whose states are equal after their first
+    update; inside a replica the metrics' own states are untouched then, so the groups form
+    at the sync point, from the folded states.)"""
+    strategy = strategy_on(path, replicas)
+    with strategy.scope():
+        metrics = collection()
+    reference = collection()
+    for logits, y in batches([12, 9, 6]):
+        probabilities = logits.softmax(-1)
+        run_on(path, strategy, metrics.update, args=split(replicas, probabilities, y))
+        reference.update(probabilities, y)
+        torch.testing.assert_close(metrics.compute(), reference.compute())
+        assert metrics.compute_groups == reference.compute_groups
+    assert reference.compute_groups == {0: ["accuracy", "precision", "recall"], 1: ["top 2"]}
+
+
+def test_a_collection_whose_first_run_fails_forms_its_groups_at_the_next() -> None:
+    strategy = strategy_of(2)
+    with strategy.scope():
+        metrics = collection()
+    reference = collection()
+    (logits, y), (other, z) = batches([6, 4])
+
+    def failing(probabilities: torch.Tensor, target: torch.Tensor) -> None:
+        metrics.update(probabilities, target)
+        raise ValueError("the step failed after its update")
+
+    with pytest.raises(ValueError, match="the step failed"):
+        strategy.run(failing, args=split(2, logits.softmax(-1), y))
+    assert not metrics._groups_checked
+    strategy.run(metrics.update, args=split(2, other.softmax(-1), z))
+    reference.update(other.softmax(-1), z)
+    torch.testing.assert_close(metrics.compute(), reference.compute())
+    assert metrics.compute_groups == reference.compute_groups
 
 
 def test_a_custom_reduction_is_refused() -> None:

@@ -16,8 +16,9 @@ several processes:
 
 The update count grows by one per step, as on one device. A run that fails leaves no trace
 in the metric: its copies are dropped. Custom reductions (a function, or None) cannot be
-folded this way and raise. Across worker processes, torchmetrics' own synchronization in
-``compute`` combines the workers' metrics.
+folded this way and raise. A ``MetricCollection`` updated first inside a replica forms its
+compute groups at the sync point, from the folded states (``_FirstGroups``). Across worker
+processes, torchmetrics' own synchronization in ``compute`` combines the workers' metrics.
 
 The integration installs itself when a strategy's scope is entered after torchmetrics was
 imported, and acts only inside a replica; ``install``/``uninstall`` do it by hand. It needs
@@ -49,8 +50,9 @@ from .strategies.context import get_replica_context, has_strategy
 from .variables.store import current_store
 
 EXTRA = "pip install 'centralstore[metrics]'"
-_applied: list[tuple[str, Any]] = []  # (attribute of torchmetrics.Metric, its original)
+_applied: list[tuple[type, str, Any]] = []  # (torchmetrics class, attribute, its original)
 _states: dict[int, _ReplicaStates] = {}  # id(metric) -> its replicas' copies
+_groups: dict[int, _FirstGroups] = {}  # id(collection) -> its groups' forming, at a sync point
 
 
 def activate() -> None:
@@ -67,7 +69,7 @@ def install() -> None:
     if _applied:
         return
     try:
-        from torchmetrics import Metric
+        from torchmetrics import Metric, MetricCollection
     except ModuleNotFoundError as error:
         if error.name != "torchmetrics":
             raise
@@ -77,6 +79,7 @@ def install() -> None:
             name="torchmetrics",
         ) from None
     original_wrap, original_forward = Metric._wrap_update, Metric.forward
+    original_collection_update = MetricCollection.update
 
     def _wrap_update(self: Any, update: Callable[..., Any]) -> Callable[..., Any]:
         wrapped = original_wrap(self, update)
@@ -96,21 +99,26 @@ def install() -> None:
             )
         return original_forward(self, *args, **kwargs)
 
-    for name, replacement in (("_wrap_update", _wrap_update), ("forward", forward)):
-        _applied.append((name, vars(Metric)[name]))
-        setattr(Metric, name, replacement)
+    def update(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not self._groups_checked and self._enable_compute_groups and _in_replica():
+            _first_groups_of(self).update(args, kwargs)
+        else:
+            original_collection_update(self, *args, **kwargs)
+
+    for cls, name, replacement in (
+        (Metric, "_wrap_update", _wrap_update), (Metric, "forward", forward),
+        (MetricCollection, "update", update),
+    ):
+        _applied.append((cls, name, vars(cls)[name]))
+        setattr(cls, name, replacement)
 
 
 def uninstall() -> None:
-    """Restore torchmetrics' ``Metric``. Metrics created while it was installed keep their
-    replica-aware ``update``."""
-    if not _applied:
-        return
-    from torchmetrics import Metric
-
+    """Restore torchmetrics' ``Metric`` and ``MetricCollection``. Metrics created while it
+    was installed keep their replica-aware ``update``."""
     while _applied:
-        name, original = _applied.pop()
-        setattr(Metric, name, original)
+        cls, name, original = _applied.pop()
+        setattr(cls, name, original)
 
 
 def installed() -> bool:
@@ -129,6 +137,53 @@ def _states_of(metric: Any) -> _ReplicaStates:
         states = _states[key] = _ReplicaStates(metric)
         weakref.finalize(metric, _states.pop, key, None)
     return states
+
+
+def _first_groups_of(collection: Any) -> _FirstGroups:
+    key = id(collection)
+    groups = _groups.get(key)
+    if groups is None:
+        groups = _groups[key] = _FirstGroups(collection)
+        weakref.finalize(collection, _groups.pop, key, None)
+    return groups
+
+
+class _FirstGroups:
+    """A ``MetricCollection``'s compute groups, formed at the sync point after its first
+    update inside a replica (the store's fold hook).
+
+    torchmetrics forms them right after the first update, by comparing the metrics' states:
+    those equal share one state from then on, and only the first of each group is updated.
+    Inside a replica the states it would compare are the metric's own, which its update left
+    as they were (the update went to the replica's copy), so every metric of the same state
+    names would look alike and share states that differ. So the first update inside a
+    replica updates every metric, as torchmetrics' does, and the sync point folds the
+    metrics' copies first, then forms the groups from the folded states: from the whole
+    batch, as one device would."""
+
+    def __init__(self, collection: Any) -> None:
+        self._collection = weakref.ref(collection)
+
+    def update(self, args: Any, kwargs: Any) -> None:
+        collection: Any = self._collection()  # alive: it is the one being updated
+        for metric in collection.values(copy_state=False):
+            metric.update(*args, **metric._filter_kwargs(**kwargs))
+        current_store().fold_later(self)
+
+    def fold(self, discard: bool) -> None:
+        collection = self._collection()
+        if collection is None:
+            return
+        for metric in collection.values(copy_state=False):
+            states = _states.get(id(metric))
+            if states is not None:  # (its own hook then finds nothing left to fold)
+                states.fold(discard)
+        if discard or collection._groups_checked:
+            return
+        collection._merge_compute_groups()
+        collection._state_is_copy = False
+        collection._compute_groups_create_state_ref()
+        collection._groups_checked = True
 
 
 class _Copy:

@@ -97,3 +97,35 @@ def test_torchmetrics_metrics_accumulate_over_replicas() -> None:
     _, many_run = fit(3, Metered())
     for key in ("train_mse", "val_mse"):  # float32 metric states
         assert metrics(many_run)[key] == pytest.approx(metrics(one_run)[key], abs=1e-6), key
+
+
+def test_a_metric_collection_accumulates_over_replicas() -> None:
+    """(A Lightning module's usual collection, updated in ``training_step`` and logged with
+    ``log_dict``: it groups mean squared error with its root, as on one device.)"""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Metered(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_metrics = torchmetrics.MetricCollection({
+                "mse": torchmetrics.MeanSquaredError(),
+                "rmse": torchmetrics.MeanSquaredError(squared=False),
+                "mae": torchmetrics.MeanAbsoluteError(),
+            }, prefix="train_")
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            self.train_metrics.update(self(x), y)
+            self.log_dict(self.train_metrics, on_step=False, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    from lightning_models import fit, metrics
+
+    torch.manual_seed(0)
+    one, one_run = fit(0, Metered(), max_epochs=1)  # (the epoch of the groups' first update)
+    torch.manual_seed(0)
+    many, many_run = fit(3, Metered(), max_epochs=1)
+    assert many.train_metrics.compute_groups == one.train_metrics.compute_groups
+    assert len(one.train_metrics.compute_groups) == 2
+    for key in ("train_mse", "train_rmse", "train_mae"):  # float32 metric states
+        assert metrics(many_run)[key] == pytest.approx(metrics(one_run)[key], abs=1e-6), key
