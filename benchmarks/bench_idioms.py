@@ -21,6 +21,10 @@ small network per idiom, so that an idiom that costs more than the run's fixed c
   LSTM               an embedding, a two-layer ``nn.LSTM`` and a linear head on 16 tokens
   sparse embedding   an ``EmbeddingBag(20000, 64, sparse=True)`` and a head, plain SGD
   channels last      two convolutions with ``BatchNorm2d``, in ``torch.channels_last``
+  metric             the MLP, a torchmetrics ``MeanMetric`` of the loss updated after each
+                     backward (Lightning's ``self.train_loss(loss)``): inside a replica it
+                     updates the replica's copy, which the sync point folds in (needs
+                     torchmetrics, a test extra; left out without it)
 
 at P examples per replica (8 by default). Configurations, as in ``bench_models.py``: ``plain``
 (one device, a batch of P), ``plain again`` (a second instance: the run's noise), ``cs R=1``
@@ -193,6 +197,7 @@ class Idiom:
     clip: bool = False  # clip_grad_norm_ after the backward passes
     ema: bool = False  # an AveragedModel updated after the optimizer step
     autocast: bool = False  # the forward under autocast to bfloat16
+    metric: bool = False  # a torchmetrics MeanMetric of the loss, updated after each backward
 
 
 IDIOMS = {
@@ -211,7 +216,25 @@ IDIOMS = {
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
     ),
     "channels last": Idiom(build=_channels_last, inputs=_images),
+    "metric": Idiom(metric=True),
 }
+
+
+def mean_metric() -> Any:
+    import torchmetrics
+
+    return torchmetrics.MeanMetric()
+
+
+def available(name: str) -> bool:
+    """Whether idiom ``name`` can run here (the metric's needs torchmetrics)."""
+    if not IDIOMS[name].metric:
+        return True
+    try:
+        import torchmetrics  # noqa: F401
+    except ModuleNotFoundError:
+        return False
+    return True
 
 
 def make_step(
@@ -242,6 +265,7 @@ def make_step(
         average = (
             AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999)) if idiom.ema else None
         )
+        metric = mean_metric() if idiom.metric else None
     precision: Callable[[], AbstractContextManager[Any]] = (
         functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
         if idiom.autocast else nullcontext
@@ -255,7 +279,10 @@ def make_step(
     forward_and_loss = compiled(loss, config) if compile_ else loss
 
     def backward(xs: torch.Tensor, ys: torch.Tensor) -> None:
-        forward_and_loss(xs, ys).backward()
+        value = forward_and_loss(xs, ys)
+        value.backward()
+        if metric is not None:
+            metric.update(value.detach())
 
     def one_by_one() -> None:
         for xs, ys in slices:
@@ -351,6 +378,7 @@ def gpu_bytes(name: str, per_replica: int) -> dict[str, float]:
                 AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999)) if idiom.ema
                 else None
             )
+            metric = mean_metric() if idiom.metric else None
         arguments = tuple(
             cs.PerReplica([part.to(device) for part, device in zip(
                 whole.tensor_split(len(devices)), devices, strict=True
@@ -360,7 +388,10 @@ def gpu_bytes(name: str, per_replica: int) -> dict[str, float]:
 
         def backward(xs: torch.Tensor, ys: torch.Tensor) -> None:
             logits = model(xs)
-            (F.cross_entropy(logits.float(), ys, reduction="sum") / len(x)).backward()
+            value = F.cross_entropy(logits.float(), ys, reduction="sum") / len(x)
+            value.backward()
+            if metric is not None:
+                metric.update(value.detach())
 
         def step() -> None:
             optimizer.zero_grad()
@@ -392,6 +423,9 @@ def gpu_bytes_table(names: list[str], per_replica: int) -> None:
     print(f"{'idiom':<17} {'parameters':>11} {'to GPUs':>10} {'/ R x parameters':>17} "
           f"{'to host':>10} {'/ R x trained':>14}")
     for name in names:
+        if not available(name):
+            print(f"{name:<17} {'(needs torchmetrics: pip install torchmetrics)':>64}")
+            continue
         if IDIOMS[name].autocast:
             print(f"{name:<17} {'(autocast to bfloat16 on the CPU: not a GPU replica idiom)':>64}")
             continue
@@ -427,6 +461,9 @@ def main() -> None:
     print(f"{'idiom':<17} {'config':<12} {'ms/step':>8} {'ratio':>7} {'quartiles':>15} "
           f"{'against':<8} {'+us':>6} {'target':>6}")
     for name in options.idioms:
+        if not available(name):
+            print(f"{name:<17} (needs torchmetrics: pip install torchmetrics)", flush=True)
+            continue
         times = measure(
             name, options.per_replica, options.rounds, options.steps, options.compiled
         )

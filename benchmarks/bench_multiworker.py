@@ -491,7 +491,7 @@ def _idiom_steps(
     program keeps one): the strategy, what it trains, its step, and what makes a DDP
     instance's step."""
     import torch.nn.functional as F
-    from bench_idioms import IDIOMS
+    from bench_idioms import IDIOMS, mean_metric
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     idiom = IDIOMS[name]
@@ -524,6 +524,7 @@ def _idiom_steps(
     with strategy.scope():
         model = idiom.build()
         trained, optimizer, ema = trainer(model, model)
+        metric = mean_metric() if idiom.metric else None
     inputs = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
 
     def replica_step(xs: torch.Tensor, ys: torch.Tensor) -> None:
@@ -531,6 +532,8 @@ def _idiom_steps(
             logits = model(xs)
         loss = F.cross_entropy(logits.float(), ys, reduction="sum") / IDIOM_BATCH
         loss.backward()  # type: ignore[no-untyped-call]
+        if metric is not None:
+            metric.update(loss.detach())
 
     def cs_step() -> None:
         optimizer.zero_grad()
@@ -544,6 +547,7 @@ def _idiom_steps(
         torch.manual_seed(1)
         ddp = nn.parallel.DistributedDataParallel(idiom.build())
         ddp_trained, ddp_optimizer, ddp_ema = trainer(ddp, ddp.module)
+        ddp_metric = mean_metric() if idiom.metric else None
 
         def ddp_step() -> None:
             ddp_optimizer.zero_grad()
@@ -552,6 +556,8 @@ def _idiom_steps(
             # DDP averages over the workers: each worker's sum over the global batch, times W
             loss = F.cross_entropy(logits.float(), ys, reduction="sum") * world / IDIOM_BATCH
             loss.backward()  # type: ignore[no-untyped-call]
+            if ddp_metric is not None:
+                ddp_metric.update(loss.detach())
             finish(ddp_trained, ddp_optimizer, ddp_ema, ddp.module)
 
         return ddp_step
@@ -708,12 +714,12 @@ def main() -> None:
 
 def idioms_table(names: list[str], steps: int, rounds: int, threads: int) -> None:
     """``--idioms``: each idiom at W = 2 x R = 1 against DDP, and what a step sends."""
-    from bench_idioms import IDIOMS
+    from bench_idioms import IDIOMS, available
 
     unknown = sorted(set(names) - set(IDIOMS))
     if unknown:
         raise SystemExit(f"unknown idioms {unknown}: choose from {list(IDIOMS)}")
-    names = names or list(IDIOMS)
+    names = [name for name in names or list(IDIOMS) if available(name)]
     print(f"bench_idioms.py's idioms at W=2 x R=1 against DistributedDataParallel in the same "
           f"2 gloo processes ({threads} thr each), global batch {IDIOM_BATCH}, in drawn "
           f"turns: median of {rounds} rounds of {steps} steps; what a step of this strategy "

@@ -44,8 +44,8 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
         ("bench_train.py", ["--rounds", "1", "--steps", "2", "--models", "mlp", "--no-memory"],
          ["cs R=2"]),
         ("bench_overhead.py", ["--models", "cnn"], ["cnn    cs R=2"]),
-        ("bench_idioms.py", ["--rounds", "1", "--steps", "1", "--idioms", "none", "EMA"],
-         ["none              cs R=2", "EMA               cs R=1"]),
+        ("bench_idioms.py", ["--rounds", "1", "--steps", "1", "--idioms", "none", "EMA", "metric"],
+         ["none              cs R=2", "EMA               cs R=1", "metric            cs R=2"]),
     ],
 )
 def test_a_script_prints_its_table(
