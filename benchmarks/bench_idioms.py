@@ -83,6 +83,12 @@ from torch.nn.utils.parametrizations import weight_norm
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint
 
+try:  # imported before any scope is entered, as a program does: the scope installs the
+    # integration that makes a metric's updates inside a replica fold at the sync point
+    import torchmetrics
+except ModuleNotFoundError:  # (the metric idiom is left out)
+    torchmetrics = None
+
 import centralstore as cs
 from centralstore.cli import at_least
 
@@ -221,20 +227,14 @@ IDIOMS = {
 
 
 def mean_metric() -> Any:
-    import torchmetrics
-
+    """The metric idiom's: a torchmetrics ``MeanMetric`` (of the loss)."""
+    assert torchmetrics is not None
     return torchmetrics.MeanMetric()
 
 
 def available(name: str) -> bool:
     """Whether idiom ``name`` can run here (the metric's needs torchmetrics)."""
-    if not IDIOMS[name].metric:
-        return True
-    try:
-        import torchmetrics  # noqa: F401
-    except ModuleNotFoundError:
-        return False
-    return True
+    return torchmetrics is not None or not IDIOMS[name].metric
 
 
 def make_step(

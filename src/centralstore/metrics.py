@@ -264,10 +264,13 @@ def _swap(metric: Any, copy: _Copy) -> None:
 
 def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
     """Default states on the device of the replica's first input tensor (else the metric's)."""
-    tensors = (t for t in _tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-    device = next((t.device for t in tensors), metric.device)
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)  # (the usual case)
+    if first is None:
+        tensors = (t for t in _tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        first = next(tensors, None)
+    device = metric.device if first is None else first.device
     states: dict[str, Any] = {
-        name: default.detach().clone().to(device) if isinstance(default, torch.Tensor) else []
+        name: default.to(device, copy=True) if isinstance(default, torch.Tensor) else []
         for name, default in metric._defaults.items()
     }
     return _Copy(states, 0)
@@ -318,7 +321,8 @@ def _fold_state(metric: Any, name: str, parts: list[Any]) -> None:
         for part in parts:
             central.extend(item.to(metric.device) for item in part)
         return
-    parts = [part.to(central.device) for part in parts]
+    device = central.device
+    parts = [part if part.device == device else part.to(device) for part in parts]
     if kind == "sum":
         total = functools.reduce(torch.add, parts)
         if total.shape == central.shape and total.dtype == central.dtype:

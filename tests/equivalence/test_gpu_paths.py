@@ -20,6 +20,7 @@ from replicas import context, local
 from torch import nn
 
 import centralstore as cs
+from centralstore import _tree
 from centralstore.variables import views
 
 
@@ -968,3 +969,53 @@ def test_an_optimizer_step_inside_a_gpu_replica_is_refused(
     assert torch.equal(model.weight.grad.cpu(), kept[1])
     optimizer.step()
     torch.testing.assert_close(model.weight.detach().cpu(), kept[0] - 0.1 * kept[1])
+
+
+def test_torchmetrics_updated_in_gpu_replicas_fold_as_one_device(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """torchmetrics metrics and a collection with compute groups, updated in each GPU
+    replica: each replica's copy of the states lives on its GPU, and the sync point folds
+    the copies into the metric where it lives (``centralstore.metrics``)."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    import centralstore.metrics
+
+    centralstore.metrics.install()
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision
+
+    def metrics() -> dict[str, Any]:
+        return {
+            "sum": torchmetrics.MeanMetric(),
+            "max": torchmetrics.MaxMetric(),
+            "cat": torchmetrics.CatMetric(),
+            "collection": torchmetrics.MetricCollection({
+                "accuracy": MulticlassAccuracy(3, average="macro"),
+                "precision": MulticlassPrecision(3, average="macro"),
+                "top 2": MulticlassAccuracy(3, top_k=2, average="micro"),
+            }),
+        }
+
+    def update(found: dict[str, Any], values: torch.Tensor, scores: torch.Tensor,
+               labels: torch.Tensor) -> None:
+        for name in ("sum", "max", "cat"):
+            found[name].update(values)
+        found["collection"].update(scores, labels)
+
+    strategy = strategy_for(fake_gpu_placement)
+    with strategy.scope():
+        found = metrics()
+    expected = metrics()
+    generator = torch.Generator().manual_seed(0)
+    devices = fake_gpu_placement.compute_devices
+    for rows in (6, 4, 8):
+        values = torch.randn(rows, generator=generator)
+        scores = torch.randn(rows, 3, generator=generator).softmax(-1)
+        labels = torch.randint(0, 3, (rows,), generator=generator)
+        parts = [to_replicas(t, devices) for t in (values, scores, labels)]
+        strategy.run(update, args=(found, *parts))
+        update(expected, values, scores, labels)
+        for name in expected:  # (the metrics live where the scope makes tensors)
+            torch.testing.assert_close(
+                _tree.map_leaves(torch.Tensor.cpu, found[name].compute()), expected[name].compute()
+            )
+    assert found["collection"].compute_groups == expected["collection"].compute_groups
