@@ -806,17 +806,22 @@ def test_optimizer_steps_pay_no_post_hook_until_some_replica_holds_views() -> No
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_fold_hooks_fold_once_at_the_next_sync_point_only(replicas: int, path: str) -> None:
+def test_fold_hooks_fold_once_at_the_next_sync_point_only(
+    replicas: int, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """(A metric gives the store its fold hook at each update inside a replica. The next
     sync point calls each hook once, however often it was given, and drops it: a later run
-    that updates nothing calls none and leaves the store settled, so that at R = 1 it takes
-    the short path and optimizer steps skip the sync point. A failed run calls its hooks
-    with ``discard``.)"""
+    that updates nothing calls none and leaves the store settled, and optimizer steps skip
+    the sync point. A run whose replicas use the variables themselves keeps the short sync
+    point when it gave hooks. A failed run calls its hooks with ``discard``.)"""
     strategy = strategy_on(path, replicas)
     with strategy.scope():
         layer = nn.Linear(2, 1)
     store = strategy._store
     calls: list[tuple[str, bool]] = []
+    closed: list[bool] = []  # what each short path's sync point did (False: the general one)
+    close_alone = store.close_alone
+    monkeypatch.setattr(store, "close_alone", lambda: closed.append(close_alone()) or closed[-1])
 
     class Hook:
         def __init__(self, name: str) -> None:
@@ -839,6 +844,8 @@ def test_fold_hooks_fold_once_at_the_next_sync_point_only(replicas: int, path: s
         assert sorted(calls) == [("first", False), ("second", False)]
         assert store.fold_hooks == {}
         calls.clear()
+    # (the replicas on views of R = 2 fold at the general sync point, every run)
+    assert closed == ([] if (replicas, path) == (2, "views") else [True, True])
     run_on(path, strategy, lambda: None)
     assert calls == [] and store.settled()
     with pytest.raises(ValueError, match="the step failed"):

@@ -431,6 +431,8 @@ class VariableStore:
         try:
             if self._on_gpus:
                 self._gpus_synced()
+            if self.fold_hooks:
+                self._fold_given(False)
             received = self.run.commit()
             self._next_epoch()
             if received:
@@ -458,16 +460,18 @@ class VariableStore:
         skip it: no run in progress, no gradients of a backward after ``run``, no replica
         work or metric copies left, and no GPU replicas, whose copies may still read the
         variables. (The usual step: ``run``'s own sync point folded everything.)"""
-        return self.run is EMPTY and not self._on_gpus and not self._left_over()
+        return (
+            self.run is EMPTY and not self._on_gpus and not self.fold_hooks
+            and not self._left_over()
+        )
 
     def _left_over(self) -> bool:
-        """Whether a sync point has more to do than a run's own work: gradients of a backward
-        after ``run`` on views, metrics' copies, views touched or written behind their
-        counters."""
+        """Whether a sync point has more to do than a run's own work and metrics' copies:
+        gradients of a backward after ``run`` on views, views touched or written behind
+        their counters."""
         replicas = self.replicas
         return bool(
-            self.pending or self.fold_hooks or any(map(_touched_of, replicas))
-            or any(map(_unseen_of, replicas))
+            self.pending or any(map(_touched_of, replicas)) or any(map(_unseen_of, replicas))
         )
 
     def fold_later(self, hook: FoldHook) -> None:
@@ -476,6 +480,12 @@ class VariableStore:
         update). Only that sync point: a hook held longer would send every later run and
         optimizer step, metric or not, down the general sync point."""
         self.fold_hooks[id(hook)] = hook
+
+    def _fold_given(self, discard: bool) -> None:
+        """Call the fold hooks given since the last sync point, and forget them."""
+        given = self.fold_hooks
+        while given:  # (one that raises leaves the others for the next sync point)
+            given.popitem()[1].fold(discard)
 
     def sync(self) -> None:
         """The sync point of an optimizer step over these variables (``steps.py``); the
@@ -492,9 +502,7 @@ class VariableStore:
         and whose hooks fire for the variables any worker had a gradient for."""
         if self._on_gpus:
             self._gpus_synced()
-        given = self.fold_hooks
-        while given:  # (one that raises leaves the others for the next sync point)
-            given.popitem()[1].fold(discard)
+        self._fold_given(discard)
         received: list[torch.Tensor] = []
         if self.pending:
             with no_grad():
