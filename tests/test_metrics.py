@@ -162,6 +162,24 @@ def test_training_after_an_evaluation_finds_the_store_settled(replicas: int) -> 
         assert float(metric.compute()) == 3.0 * replicas * (evaluation + 1)
 
 
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_a_forward_caches_the_whole_batch_value(name: str, path: str, replicas: int) -> None:
+    """(Each replica's forward returns its slice's value; the metric's ``_forward_cache``,
+    which Lightning logs as the step's value, is the whole batch's, as one device's.)"""
+    strategy = strategy_on(path, replicas)
+    with strategy.scope():
+        metric = METRICS[name]()
+    reference = METRICS[name]()
+    for logits, y in batches([9, 6, 12]):  # (no empty slice: a forward of nothing raises)
+        inputs = arguments(name, logits, y)
+        run_on(path, strategy, metric, args=split(replicas, *inputs))
+        expected = reference(*inputs)
+        torch.testing.assert_close(metric._forward_cache, expected)
+    torch.testing.assert_close(metric.compute(), reference.compute())
+
+
 def collection() -> Any:
     """Two compute groups: macro accuracy, precision and recall share their states (equal
     after any update); top-3 accuracy has states of the same names that differ."""

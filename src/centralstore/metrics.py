@@ -14,11 +14,14 @@ several processes:
 * ``"mean"`` averages the replicas' values of the step and merges that into the running
   value as ``Metric.merge_state`` does (exact when the slices are equal).
 
-The update count grows by one per step, as on one device. A run that fails leaves no trace
-in the metric: its copies are dropped. Custom reductions (a function, or None) cannot be
-folded this way and raise. A ``MetricCollection`` updated first inside a replica forms its
-compute groups at the sync point, from the folded states (``_FirstGroups``). Across worker
-processes, torchmetrics' own synchronization in ``compute`` combines the workers' metrics.
+The update count grows by one per step, as on one device. A forward (``metric(preds,
+target)``) returns its replica's slice's value; the step's value it caches, which Lightning
+logs with ``on_step=True``, is the whole batch's when every replica made one forward in the
+run. A run that fails leaves no trace in the metric: its copies are dropped. Custom
+reductions (a function, or None) cannot be folded this way and raise. A
+``MetricCollection`` updated first inside a replica forms its compute groups at the sync
+point, from the folded states (``_FirstGroups``). Across worker processes, torchmetrics'
+own synchronization in ``compute`` combines the workers' metrics.
 
 The integration installs itself when a strategy's scope is entered after torchmetrics was
 imported, and acts only inside a replica; ``install``/``uninstall`` do it by hand. It needs
@@ -95,7 +98,7 @@ def install() -> None:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _in_replica():
             return _states_of(self).isolated(
-                functools.partial(original_forward, self), args, kwargs
+                functools.partial(original_forward, self), args, kwargs, forward=True
             )
         return original_forward(self, *args, **kwargs)
 
@@ -198,22 +201,35 @@ class _Copy:
 
 class _ReplicaStates:
     """The replicas' copies of one metric's states, and their fold at a sync point (the
-    store's fold hook)."""
+    store's fold hook).
+
+    A forward's value is its replica's slice's, as each replica's output is; the metric's
+    ``_forward_cache``, the step's value that Lightning logs with ``on_step=True``, is the
+    whole batch's when every replica made one forward in the run and nothing else: the sync
+    point of several replicas computes it from their copies (each holds just its slice
+    then), as one device's forward computes it from the batch alone. Otherwise (several
+    forwards in a run) it stays the last replica's."""
 
     def __init__(self, metric: Any) -> None:
         self._metric = weakref.ref(metric)
         self._lock = threading.RLock()
         self._depth = 0  # > 0 while a replica's copy is swapped in (forward calls update)
         self._copies: dict[int, _Copy] = {}
+        self._forwards: set[int] = set()  # the replicas whose copy a forward updated
 
-    def isolated(self, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` on the calling replica's copy of the states."""
+    def isolated(
+        self, fn: Callable[..., Any], args: Any, kwargs: Any, forward: bool = False
+    ) -> Any:
+        """``fn(*args, **kwargs)`` on the calling replica's copy of the states (``forward``:
+        ``fn`` is the metric's forward)."""
         with self._lock:
             if self._depth:
                 return fn(*args, **kwargs)
             metric: Any = self._metric()  # alive: it is the one being updated
             _check_reductions(metric)
             replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
+            if forward:
+                self._forwards.add(replica)
             copy = self._copies.get(replica) or _fresh(metric, args, kwargs)
             attributes = vars(metric)
             computed = attributes["_computed"]
@@ -232,16 +248,46 @@ class _ReplicaStates:
     def fold(self, discard: bool) -> None:
         with self._lock:
             copies, self._copies = self._copies, {}
+            forwards, self._forwards = self._forwards, set()
         metric = self._metric()
         if discard or metric is None or not copies:
             return
         ordered = [copies[replica] for replica in sorted(copies)]
+        batch = None  # (one replica's forward has cached the batch's value already)
+        if len(ordered) > 1 and forwards.issuperset(copies) and all(
+            c.count == 1 for c in ordered
+        ):
+            batch = _batch_value(metric, ordered)
         with no_grad():
             for name in metric._defaults:
                 _fold_state(metric, name, [c.states[name] for c in ordered])
         attributes = vars(metric)
         attributes["_update_count"] += max(c.count for c in ordered)
         attributes["_computed"] = None
+        if batch is not None:
+            attributes["_forward_cache"] = batch
+
+
+def _batch_value(metric: Any, ordered: list[_Copy]) -> Any:
+    """The metric's value over the copies ``ordered`` alone (this run's slices, in replica
+    order), computed as its forward computes a batch's: without synchronizing processes."""
+    attributes = vars(metric)
+    own, computed = _copy_of(metric), attributes["_computed"]
+    kept = {name: attributes[name] for name in ("_to_sync", "_should_unsync")}
+    _swap(metric, _fresh(metric, (), {}))
+    try:
+        with no_grad():
+            for name in metric._defaults:
+                _fold_state(metric, name, [c.states[name] for c in ordered])
+        attributes["_update_count"] = 1
+        attributes["_computed"] = None
+        attributes["_to_sync"] = metric.dist_sync_on_step
+        attributes["_should_unsync"] = False
+        return metric.compute()
+    finally:
+        _swap(metric, own)
+        attributes.update(kept)
+        attributes["_computed"] = computed
 
 
 # A metric's states, its update count and its computed value are plain attributes of the

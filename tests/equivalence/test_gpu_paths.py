@@ -975,8 +975,9 @@ def test_torchmetrics_updated_in_gpu_replicas_fold_as_one_device(
     fake_gpu_placement: FakePlacement,
 ) -> None:
     """torchmetrics metrics and a collection with compute groups, updated in each GPU
-    replica: each replica's copy of the states lives on its GPU, and the sync point folds
-    the copies into the metric where it lives (``centralstore.metrics``)."""
+    replica (one by its forward): each replica's copy of the states lives on its GPU, and
+    the sync point folds the copies into the metric where it lives, and computes the step's
+    value of the forward from them (``centralstore.metrics``)."""
     torchmetrics = pytest.importorskip("torchmetrics")
     import centralstore.metrics
 
@@ -997,7 +998,8 @@ def test_torchmetrics_updated_in_gpu_replicas_fold_as_one_device(
 
     def update(found: dict[str, Any], values: torch.Tensor, scores: torch.Tensor,
                labels: torch.Tensor) -> None:
-        for name in ("sum", "max", "cat"):
+        found["sum"](values)  # (its forward: the step's value is cached)
+        for name in ("max", "cat"):
             found[name].update(values)
         found["collection"].update(scores, labels)
 
@@ -1018,4 +1020,6 @@ def test_torchmetrics_updated_in_gpu_replicas_fold_as_one_device(
             torch.testing.assert_close(
                 _tree.map_leaves(torch.Tensor.cpu, found[name].compute()), expected[name].compute()
             )
+        step = found["sum"]._forward_cache
+        torch.testing.assert_close(step.cpu(), expected["sum"]._forward_cache)
     assert found["collection"].compute_groups == expected["collection"].compute_groups

@@ -129,3 +129,29 @@ def test_a_metric_collection_accumulates_over_replicas() -> None:
     assert len(one.train_metrics.compute_groups) == 2
     for key in ("train_mse", "train_rmse", "train_mae"):  # float32 metric states
         assert metrics(many_run)[key] == pytest.approx(metrics(one_run)[key], abs=1e-6), key
+
+
+def test_a_metric_logged_on_step_reports_the_whole_batch() -> None:
+    """(``self.log(name, metric, on_step=True)`` logs the metric's forward value of the
+    step: over the whole batch, as on one device, not the last replica's slice.)"""
+    torchmetrics = pytest.importorskip("torchmetrics")
+
+    class Metered(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.train_mse = torchmetrics.MeanSquaredError()
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            x, y = batch
+            self.train_mse(self(x), y)
+            self.log("train_mse", self.train_mse, on_step=True, on_epoch=True)
+            return super().training_step(batch, batch_idx)
+
+    from lightning_models import fit, metrics
+
+    torch.manual_seed(0)
+    _, one_run = fit(0, Metered(), rows=20, shuffle=False)  # (batches of 5: 2, 2, 1 a replica)
+    torch.manual_seed(0)
+    _, many_run = fit(3, Metered(), rows=20, shuffle=False)
+    for key in ("train_mse_step", "train_mse_epoch"):  # float32 metric states
+        assert metrics(many_run)[key] == pytest.approx(metrics(one_run)[key], abs=1e-6), key
