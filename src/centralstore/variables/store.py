@@ -477,8 +477,8 @@ class VariableStore:
     def fold_later(self, hook: FoldHook) -> None:
         """Call ``hook.fold`` at the next sync point, once however often it is given (a
         metric whose replicas updated copies of its state; it gives itself again at its next
-        update). Only that sync point: a hook held longer would send every later run and
-        optimizer step, metric or not, down the general sync point."""
+        update). Only that sync point: a hook held longer would be called at every later
+        one, and would make every optimizer step sync."""
         self.fold_hooks[id(hook)] = hook
 
     def _fold_given(self, discard: bool) -> None:
