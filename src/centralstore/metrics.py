@@ -270,7 +270,9 @@ class _ReplicaStates:
 
 def _batch_value(metric: Any, ordered: list[_Copy]) -> Any:
     """The metric's value over the copies ``ordered`` alone (this run's slices, in replica
-    order), computed as its forward computes a batch's: without synchronizing processes."""
+    order), computed as its forward computes a batch's, and never synchronized across
+    processes, even with ``dist_sync_on_step``: a sync point's collective here could wait
+    for a worker whose run failed, which folds nothing."""
     attributes = vars(metric)
     own, computed = _copy_of(metric), attributes["_computed"]
     kept = {name: attributes[name] for name in ("_to_sync", "_should_unsync")}
@@ -281,7 +283,7 @@ def _batch_value(metric: Any, ordered: list[_Copy]) -> Any:
                 _fold_state(metric, name, [c.states[name] for c in ordered])
         attributes["_update_count"] = 1
         attributes["_computed"] = None
-        attributes["_to_sync"] = metric.dist_sync_on_step
+        attributes["_to_sync"] = False
         attributes["_should_unsync"] = False
         return metric.compute()
     finally:
