@@ -976,6 +976,79 @@ def sparse_scenario(local: int, placement: str | None = None) -> dict[str, Any]:
     return out
 
 
+METRIC_ROWS = [8, 6, 12]  # a worker's global batches; every replica gets rows
+
+
+def metric_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Worker ``rank``'s batches for ``metrics_scenario``: scores of 3 classes and labels."""
+    generator = torch.Generator().manual_seed(11 + rank)
+    return [
+        (torch.randn(n, 3, generator=generator).softmax(-1),
+         torch.randint(0, 3, (n,), generator=generator))
+        for n in METRIC_ROWS
+    ]
+
+
+def metrics_scenario(local: int) -> dict[str, Any]:
+    """torchmetrics metrics made in the scope, updated in every run of a training step: a
+    collection with two compute groups and a mean of the loss, called as a function (its
+    forward). Each worker folds its own replicas; ``compute`` combines the workers through
+    torchmetrics' own synchronization. Per run, the mean's cached step value (this worker's
+    batch); at the end, every metric's computed value and the collection's groups."""
+    import torchmetrics
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision
+
+    import centralstore.metrics
+
+    centralstore.metrics.install()
+    rank = int(os.environ["RANK"])
+    strategy = worker_strategy(*placed(None, local))
+    torch.manual_seed(2)
+    with strategy.scope():
+        head = nn.Linear(3, 3)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        collection = torchmetrics.MetricCollection({
+            "accuracy": MulticlassAccuracy(3, average="macro"),
+            "precision": MulticlassPrecision(3, average="macro"),
+            "top 2": MulticlassAccuracy(3, top_k=2, average="micro"),
+        })
+        loss_mean = torchmetrics.MeanMetric()
+
+    def step(scores: torch.Tensor, labels: torch.Tensor) -> None:
+        collection.update(scores, labels)
+        loss = nn.functional.cross_entropy(head(scores), labels)
+        loss.backward()
+        loss_mean(scores.max(-1).values)  # (a value the weights do not move)
+
+    steps = []
+    for scores, labels in metric_batches(rank):
+        optimizer.zero_grad()
+        strategy.run(step, args=_metric_args(strategy, scores, labels))
+        optimizer.step()
+        steps.append(loss_mean._forward_cache.clone())
+    return {
+        "steps": steps,
+        "collection": {k: v.clone() for k, v in collection.compute().items()},
+        "groups": collection.compute_groups,
+        "mean": loss_mean.compute().clone(),
+    }
+
+
+def _metric_args(
+    strategy: cs.Strategy, scores: torch.Tensor, labels: torch.Tensor
+) -> tuple[Any, Any]:
+    """``scores`` and ``labels`` (this worker's batch) cut into its replicas' slices, in
+    order (a worker's replicas have consecutive ids)."""
+    local = len(strategy.extended.worker_devices)
+    cut = [t.tensor_split(local) for t in (scores, labels)]
+    return tuple(
+        strategy.experimental_distribute_values_from_function(
+            lambda ctx, parts=parts: parts[ctx.replica_id_in_sync_group % local]
+        )
+        for parts in cut
+    )
+
+
 def _host(tensor: torch.Tensor | None) -> torch.Tensor:
     assert tensor is not None
     return tensor.to("cpu", copy=True)
@@ -1419,6 +1492,8 @@ def main() -> None:
         results = statistics_scenario(*placed(None, int(sys.argv[3])))
     elif scenario == "gpus":
         results = gpus_scenario(sys.argv[3])
+    elif scenario == "metrics":
+        results = metrics_scenario(int(sys.argv[3]))
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -560,6 +560,36 @@ def test_buckets_pack_into_the_buffers_of_the_step_before(
             assert torch.equal(then, after), rank
 
 
+@pytest.mark.parametrize("local", [1, 2])
+def test_torchmetrics_across_workers_equal_one_device(tmp_path: Path, local: int) -> None:
+    """torchmetrics metrics in the scope, updated in a training step on two workers
+    (``_mw_worker.metrics_scenario``): each worker folds its replicas at its sync points, a
+    collection forms its compute groups from the folded states, a forward caches this
+    worker's batch's value for the step, and ``compute``, which torchmetrics synchronizes
+    across the workers, equals one device's over both workers' batches."""
+    pytest.importorskip("torchmetrics")
+    import torchmetrics
+    from torchmetrics.classification import MulticlassAccuracy, MulticlassPrecision
+
+    results = launch(tmp_path, 2, "metrics", str(tmp_path), str(local))
+    collection = torchmetrics.MetricCollection({
+        "accuracy": MulticlassAccuracy(3, average="macro"),
+        "precision": MulticlassPrecision(3, average="macro"),
+        "top 2": MulticlassAccuracy(3, top_k=2, average="micro"),
+    })
+    mean = torchmetrics.MeanMetric()
+    for rank in range(2):
+        for (scores, labels), step in zip(
+            helper.metric_batches(rank), results[rank]["steps"], strict=True
+        ):
+            collection.update(scores, labels)
+            torch.testing.assert_close(step, mean(scores.max(-1).values))
+    for rank in range(2):
+        torch.testing.assert_close(results[rank]["collection"], collection.compute())
+        torch.testing.assert_close(results[rank]["mean"], mean.compute())
+        assert results[rank]["groups"] == {0: ["accuracy", "precision"], 1: ["top 2"]}
+
+
 @pytest.mark.parametrize(  # (local 0: the placement's replicas)
     "local, placement", [(1, None), (2, None), (0, "two-gpus-params-on-host")]
 )
