@@ -4,6 +4,7 @@ metric written as a module with plain buffers, aggregated by SUM (docs/keras.md)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -177,6 +178,28 @@ def test_a_forward_caches_the_whole_batch_value(name: str, path: str, replicas: 
         run_on(path, strategy, metric, args=split(replicas, *inputs))
         expected = reference(*inputs)
         torch.testing.assert_close(metric._forward_cache, expected)
+    torch.testing.assert_close(metric.compute(), reference.compute())
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_compiled_step_updates_a_metric_as_one_device(replicas: int) -> None:
+    """(torch.compile traces a replica's update through the integration: it must not warn
+    about centralstore's code, and the metric folds as when eager.)"""
+    strategy = strategy_of(replicas)
+    with strategy.scope():
+        metric = METRICS["sum (accuracy)"]()
+    reference = METRICS["sum (accuracy)"]()
+
+    @torch.compile
+    def step(logits: torch.Tensor, y: torch.Tensor) -> None:
+        metric.update(logits.softmax(-1), y)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for logits, y in batches([8, 6]):
+            strategy.run(step, args=split(replicas, logits, y))
+            reference.update(logits.softmax(-1), y)
+    assert not [str(w.message) for w in caught if "centralstore" in str(w.message)]
     torch.testing.assert_close(metric.compute(), reference.compute())
 
 

@@ -324,21 +324,26 @@ def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
     return _Copy(states, 0)
 
 
-@functools.cache
+_KNOWN: dict[Callable[..., Any], str] = {}  # filled at the first use (not a functools.cache,
+# which torch.compile warns about when it traces a replica's update)
+
+
 def _known_reductions() -> dict[Callable[..., Any], str]:
     """torchmetrics' functions of the reductions that fold, with their names."""
-    from torchmetrics.utilities import (
-        dim_zero_cat,
-        dim_zero_max,
-        dim_zero_mean,
-        dim_zero_min,
-        dim_zero_sum,
-    )
+    if not _KNOWN:
+        from torchmetrics.utilities import (
+            dim_zero_cat,
+            dim_zero_max,
+            dim_zero_mean,
+            dim_zero_min,
+            dim_zero_sum,
+        )
 
-    return {
-        dim_zero_sum: "sum", dim_zero_mean: "mean", dim_zero_max: "max", dim_zero_min: "min",
-        dim_zero_cat: "cat",
-    }
+        _KNOWN.update({
+            dim_zero_sum: "sum", dim_zero_mean: "mean", dim_zero_max: "max",
+            dim_zero_min: "min", dim_zero_cat: "cat",
+        })
+    return _KNOWN
 
 
 def _reduction(metric: Any, name: str) -> str | None:
