@@ -324,8 +324,9 @@ def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
     return _Copy(states, 0)
 
 
-_KNOWN: dict[Callable[..., Any], str] = {}  # filled at the first use (not a functools.cache,
-# which torch.compile warns about when it traces a replica's update)
+# Filled at the first use: a ``functools.cache`` would do, but torch.compile warns about one
+# when it traces a replica's update.
+_KNOWN: dict[Callable[..., Any], str] = {}
 
 
 def _known_reductions() -> dict[Callable[..., Any], str]:
