@@ -43,7 +43,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -90,21 +90,21 @@ def install() -> None:
         @functools.wraps(update)
         def replica_aware(*args: Any, **kwargs: Any) -> Any:
             if _in_replica():
-                return _states_of(self).isolated(wrapped, args, kwargs)
+                return _kept_for(_states, self, _ReplicaStates).isolated(wrapped, args, kwargs)
             return wrapped(*args, **kwargs)
 
         return replica_aware
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _in_replica():
-            return _states_of(self).isolated(
+            return _kept_for(_states, self, _ReplicaStates).isolated(
                 functools.partial(original_forward, self), args, kwargs, forward=True
             )
         return original_forward(self, *args, **kwargs)
 
     def update(self: Any, *args: Any, **kwargs: Any) -> None:
         if not self._groups_checked and self._enable_compute_groups and _in_replica():
-            _first_groups_of(self).update(args, kwargs)
+            _kept_for(_groups, self, _FirstGroups).update(args, kwargs)
         else:
             original_collection_update(self, *args, **kwargs)
 
@@ -133,22 +133,18 @@ def _in_replica() -> bool:
     return has_strategy() and get_replica_context() is not None
 
 
-def _states_of(metric: Any) -> _ReplicaStates:
-    key = id(metric)
-    states = _states.get(key)
-    if states is None:
-        states = _states[key] = _ReplicaStates(metric)
-        weakref.finalize(metric, _states.pop, key, None)
-    return states
+_Kept = TypeVar("_Kept")
 
 
-def _first_groups_of(collection: Any) -> _FirstGroups:
-    key = id(collection)
-    groups = _groups.get(key)
-    if groups is None:
-        groups = _groups[key] = _FirstGroups(collection)
-        weakref.finalize(collection, _groups.pop, key, None)
-    return groups
+def _kept_for(table: dict[int, _Kept], owner: Any, make: Callable[[Any], _Kept]) -> _Kept:
+    """``table``'s entry for ``owner`` (by id): ``make(owner)`` at its first use, dropped
+    when ``owner`` dies (metrics and collections are modules: no weak dictionary keys)."""
+    key = id(owner)
+    kept = table.get(key)
+    if kept is None:
+        kept = table[key] = make(owner)
+        weakref.finalize(owner, table.pop, key, None)
+    return kept
 
 
 class _FirstGroups:
