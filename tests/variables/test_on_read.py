@@ -12,6 +12,7 @@ from paths import each_path, run_on, strategy_on
 from replicas import context, local, replica_id
 
 import centralstore as cs
+from centralstore.variables import folding
 
 ON_READ = cs.VariableSynchronization.ON_READ
 # three runs in which replica r adds r + 1 to its copy by assign(var + x), from 0
@@ -136,6 +137,80 @@ def test_a_write_through_a_keyword_or_a_list_reaches_the_copy(path: str, call: s
 
     run_on(path, strategy, step)
     assert variable.tolist() == [1.5, 1.5]  # the copies 1 and 2, averaged
+
+
+@each_path
+def test_copies_count_from_their_last_sync_point_over_failures_and_merges(path: str) -> None:
+    """A copy's start is kept from one epoch to the next while it equals the copy (the
+    copy's version counter has not moved since the sync point that folded it): each change
+    still counts once, after a failed run and across a merge's sync point."""
+    strategy = strategy_on(path)
+    variable = on_read(strategy, "SUM")
+    for _ in range(2):
+        run_on(path, strategy, lambda: add_own(variable))
+    assert float(variable) == 6.0  # copies 2 and 4
+
+    def fails() -> None:
+        add_own(variable)
+        if replica_id() == 1:
+            raise RuntimeError("replica 1 fails")
+
+    with pytest.raises(RuntimeError, match="replica 1 fails"):
+        run_on(path, strategy, fails)
+    run_on(path, strategy, lambda: add_own(variable))
+    assert float(variable) == 9.0  # copies 3 and 6
+
+    def merged() -> float:
+        add_own(variable)  # copies 4 and 8: folded by the merge's sync point
+        seen: float = context().merge_call(lambda s: float(variable))
+        add_own(variable)  # copies 5 and 10
+        return seen
+
+    assert set(local(strategy, run_on(path, strategy, merged))) == {12.0}
+    assert float(variable) == 15.0
+    seen = run_on(path, strategy, lambda: variable.clone())
+    assert [float(c) for c in local(strategy, seen)] == [5.0, 10.0]
+
+
+@each_path
+def test_a_kernel_write_in_a_later_run_counts_from_the_copy_folded_before(path: str) -> None:
+    strategy = strategy_on(path)
+    mean = on_read(strategy, "SUM", torch.zeros(2))
+
+    def step(scale: float) -> None:
+        x = torch.full((4, 2), scale * (replica_id() + 1.0))
+        torch.nn.functional.batch_norm(x, mean, torch.ones(2), training=True, momentum=1.0)
+
+    run_on(path, strategy, lambda: step(1.0))
+    run_on(path, strategy, lambda: step(2.0))
+    assert mean.tolist() == [6.0, 6.0]  # copies 2 and 4, each written behind its counter
+
+
+@pytest.mark.parametrize("aggregation", ["SUM", "MEAN"])
+def test_metrics_written_alike_reduce_to_the_bits_of_one_variable_at_a_time(
+    aggregation: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas that write the same ON_READ variables in the same order (a Keras model's
+    metrics) have their copies reduced together (``folding._reduce_aligned``): the same
+    arithmetic, bit for bit, as the reduction of one variable at a time."""
+    generator = torch.Generator().manual_seed(0)
+    increments = torch.rand(4, 2, 3, generator=generator)  # (run, replica, variable)
+
+    def reduced() -> list[float]:
+        strategy = strategy_on("direct")
+        variables = [on_read(strategy, aggregation, 0.1 * k) for k in range(3)]
+
+        def step(run: int) -> None:
+            for k, variable in enumerate(variables):
+                variable.add_(increments[run, replica_id(), k])
+
+        for run in range(4):
+            strategy.run(step, args=(run,))
+        return [float(v) for v in variables]
+
+    together = reduced()
+    monkeypatch.setattr(folding, "_reduce_aligned", lambda *args: False)
+    assert reduced() == together
 
 
 def test_an_integer_sum_splits_exactly_over_three_replicas() -> None:

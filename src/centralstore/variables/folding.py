@@ -285,6 +285,7 @@ _layout_of = attrgetter("layout")
 _on_read_of = attrgetter("record.on_read")
 _aggregation_of = attrgetter("record.aggregation")
 _record_ref_of = attrgetter("record.ref")
+_record_of = attrgetter("record")
 _is_floating_point = torch.Tensor.is_floating_point
 
 
@@ -456,7 +457,7 @@ def apply_writes(touched: list[list[View]], num_replicas: int, offset: int = 0) 
             ne, map(_version_of, map(_tensor_of, views)), map(_start_version_of, views)
         )))  # view.written() of each, in C
         writes.append((replica, list(compress(views, written))))
-    if not writes or _apply_aligned([views for _, views in writes], num_replicas):
+    if not writes or _apply_aligned([views for _, views in writes], num_replicas, len(touched)):
         return
     writers: dict[int, list[View]] = {}
     on_read: dict[int, list[tuple[int, View]]] = {}
@@ -544,20 +545,21 @@ def _combinable(
     )
 
 
-def _apply_aligned(writes: list[list[View]], num_replicas: int) -> bool:
+def _apply_aligned(writes: list[list[View]], num_replicas: int, local_replicas: int) -> bool:
     """``apply_writes`` in passes in C when every replica that wrote wrote the same
-    variables in the same order (each replica's batch norms, every step), none ON_READ or
-    dying, each one that ``_apply_together`` combines, or there is one replica; False,
-    with nothing applied, otherwise."""
+    variables in the same order (each replica's batch norms, every step), none dying, each
+    one that ``_apply_together`` combines, or there is one replica; or, all ON_READ, their
+    copies' changes that ``_reduce_aligned`` takes. False, with nothing applied, otherwise."""
     first = writes[0]
     keys = list(map(_key_of, first))
-    if any(list(map(_key_of, views)) != keys for views in writes[1:]) or any(
-        map(_on_read_of, first)
-    ):
+    if any(list(map(_key_of, views)) != keys for views in writes[1:]):
         return False
     centrals = list(map(call, map(_record_ref_of, first)))
     if not all(map(is_not, centrals, repeat(None))):
         return False
+    on_read = list(map(_on_read_of, first))
+    if any(on_read):
+        return all(on_read) and _reduce_aligned(writes, centrals, local_replicas)
     if num_replicas == 1:  # its values, as written, brought in one copy per dtype
         values = list(map(_tensor_of, first))
         torch._foreach_copy_(centrals, _brought(centrals, values))
@@ -678,19 +680,75 @@ def _reduce_all_copies(every: list[list[tuple[int, View]]], local_replicas: int)
         key = (record.aggregation, central.dtype, central.device, tuple(map(_first, copies)))
         together.setdefault(key, []).append((central, record, list(map(_second, copies))))
     for (aggregation, _, _, replicas), entries in together.items():
-        centrals = [central for central, _, _ in entries]
-        total: list[torch.Tensor] = []
-        for k in range(len(replicas)):  # each replica's changes, in replica order
-            views = [copies[k] for _, _, copies in entries]  # (read under ``no_grad``)
-            both = _brought(centrals * 2, [*map(_tensor_of, views), *map(_start_of, views)])
-            terms = list(torch._foreach_sub(both[:len(views)], both[len(views):]))
-            total = list(torch._foreach_add(total, terms)) if total else terms
-        if total:
-            if aggregation is _MEAN:
-                total = list(torch._foreach_div(total, local_replicas))
-            torch._foreach_add_(centrals, total)
-        for central, record, _ in entries:
-            record.synced = (central._version, central.data_ptr())
+        _reduce_together(
+            aggregation, [central for central, _, _ in entries],
+            [record for _, record, _ in entries],
+            [[copies[k] for _, _, copies in entries] for k in range(len(replicas))],
+            local_replicas,
+        )
+
+
+def _reduce_aligned(
+    writes: list[list[View]], centrals: list[torch.Tensor], local_replicas: int
+) -> bool:
+    """``_reduce_all_copies`` in passes in C for replicas that each wrote the copies of the
+    same ON_READ variables, ``centrals``, in the same order (a Keras model's metrics, at
+    every step), all of one aggregation that adds (SUM, or MEAN of floating point), one
+    dtype and one device, of a plain class, each copy started: one group of
+    ``_reduce_together``, as the variable-by-variable sort would make it. False, with
+    nothing done, otherwise."""
+    aggregations = set(map(_aggregation_of, writes[0]))
+    if len(aggregations) != 1 or len(set(map(_dtype_of, centrals))) != 1 or len(
+        set(map(_device_of, centrals))
+    ) != 1:
+        return False
+    (aggregation,) = aggregations
+    plain = _plain_classes()
+    if (  # ``_combinable`` of each (one dtype: the first's stands for all)
+        aggregation is _ONLY_FIRST or not _combinable(aggregation, centrals[0], plain)
+        or not all(map(plain.__contains__, map(type, centrals)))
+        or not all(map(is_, map(_layout_of, centrals), repeat(torch.strided)))
+        or not all(all(map(is_not, map(_start_of, views), repeat(None))) for views in writes)
+    ):
+        return False
+    _reduce_together(aggregation, centrals, list(map(_record_of, writes[0])), writes,
+                     local_replicas)
+    return True
+
+
+def _reduce_together(
+    aggregation: VariableAggregation, centrals: list[torch.Tensor], records: list[Central],
+    each: list[list[View]], local_replicas: int,
+) -> None:
+    """The changes of the copies of ``centrals`` (``records``' variables) that each replica
+    in ``each`` made (its views of them, in their order, in replica order), of one
+    aggregation that adds, dtype and device: ``_reduce_copies``' arithmetic in a few kernels
+    for all of them. Each replica's copies and starts come from its device in one copy per
+    dtype, its changes are one ``_foreach_sub``, and their sums in replica order move the
+    central values."""
+    total: list[torch.Tensor] = []
+    for views in each:  # (read under ``no_grad``)
+        both = _brought(centrals * 2, [*map(_tensor_of, views), *map(_start_of, views)])
+        terms = list(torch._foreach_sub(both[:len(views)], both[len(views):]))
+        total = list(torch._foreach_add(total, terms)) if total else terms
+    if total:
+        if aggregation is _MEAN:
+            total = list(torch._foreach_div(total, local_replicas))
+        torch._foreach_add_(centrals, total)
+    for views in each:  # (one replica's copies live on its device)
+        _restart(views)
+    for central, record in zip(centrals, records, strict=True):
+        record.synced = (central._version, central.data_ptr())
+
+
+def _restart(views: list[View]) -> None:
+    """The copies' changes are folded: each start takes its copy's value, so that the next
+    epoch counts the copy's writes from here without a clone of it
+    (``ReplicaViews._validate_on_read``)."""
+    tensors = list(map(_tensor_of, views))
+    torch._foreach_copy_(list(map(_start_of, views)), tensors)
+    for view, tensor in zip(views, tensors, strict=True):
+        view.start_at = tensor._version
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
@@ -709,17 +767,21 @@ def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
     aggregation = record.aggregation
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
         copies = [(replica, view) for replica, view in copies if replica == 0]
+    started = [(view, view.start) for _, view in copies if view.start is not None]
     terms = [
         write_term(
-            aggregation, view.start.to(central.device), view.tensor.to(central.device),
+            aggregation, start.to(central.device), view.tensor.to(central.device),
             1, False, False,
         )
-        for _, view in copies if view.start is not None
+        for view, start in started
     ]
     if terms:
         central.copy_(
             written_value(aggregation, central, sum_in_order(terms), local_replicas, False)
         )
+        for view, start in started:  # (a tensor subclass, a sparse or boolean copy: alone)
+            start.copy_(view.tensor)
+            view.start_at = view.tensor._version
     record.synced = (central._version, central.data_ptr())
 
 
@@ -746,6 +808,7 @@ def discard(touched: list[list[View]]) -> None:
                 if view.start is not None:
                     with no_grad():
                         view.tensor.copy_(view.start)
+                    view.start_at = view.tensor._version
             elif view.private:
                 view.central_version = -1
     finish(touched)

@@ -115,8 +115,8 @@ class View:
 
     __slots__ = (
         "__weakref__", "alias", "assigned", "central_ptr", "central_version", "epoch",
-        "generation", "pending", "private", "record", "stamp", "start", "start_version",
-        "tensor",
+        "generation", "pending", "private", "record", "stamp", "start", "start_at",
+        "start_version", "tensor",
     )
 
     def __init__(self, record: Central, tensor: torch.Tensor, private: bool) -> None:
@@ -132,9 +132,11 @@ class View:
         self.epoch = -1
         self.pending: list[GradientCopy] = []  # gradients on their way to host memory
         # ON_READ: the generation of the record this copy belongs to, and its value when the
-        # epoch began (its write since then is the difference)
+        # epoch began (its write since then is the difference), kept from epoch to epoch
+        # while it equals the copy: until the copy's version counter leaves ``start_at``
         self.generation = -1
         self.start: torch.Tensor | None = None
+        self.start_at = -1
 
     def written(self) -> bool:
         return self.private and (self.assigned or self.tensor._version != self.start_version)
@@ -280,7 +282,9 @@ class ReplicaViews:
         """The replica's copy of an ON_READ variable, kept across runs and sync points. A
         central value written since the copies last agreed with it (in cross-replica
         context) starts a new generation: every replica's copy begins again from it, by
-        TensorFlow's rule (``records.on_read_reset``)."""
+        TensorFlow's rule (``records.on_read_reset``). The copy's start, its value when the
+        epoch begins, is the one the last sync point left (``folding._restart``) while the
+        copy's version counter has not moved since; a clone of it otherwise."""
         stamp = (central._version, central.data_ptr())
         if record.synced != stamp or record.reset is None:
             with no_grad(), torch.inference_mode(False):
@@ -300,13 +304,16 @@ class ReplicaViews:
             view.generation = record.generation
             self._make_leaf(view, copy, central.requires_grad)
             self._keep(record, view)
-        if torch.is_inference_mode_enabled():
-            with torch.inference_mode(False):
-                view.start = view.tensor.detach().clone()
-        elif view.tensor.requires_grad:
-            view.start = view.tensor.detach().clone()
-        else:  # (a metric's copy: its clone records nothing, and a detach is an operation)
-            view.start = view.tensor.clone()
+        tensor = view.tensor
+        if view.start is None or tensor._version != view.start_at:  # the copy moved since
+            if torch.is_inference_mode_enabled():
+                with torch.inference_mode(False):
+                    view.start = tensor.detach().clone()
+            elif tensor.requires_grad:
+                view.start = tensor.detach().clone()
+            else:  # (a metric's copy: its clone records nothing, and a detach is an operation)
+                view.start = tensor.clone()
+            view.start_at = tensor._version
         return self._current(view, central)
 
     def _create(self, record: Central, central: torch.Tensor) -> View:
