@@ -136,7 +136,7 @@ def _in_replica() -> bool:
 _Kept = TypeVar("_Kept")
 
 
-def _kept_for(table: dict[int, _Kept], owner: Any, make: Callable[[Any], _Kept]) -> _Kept:
+def _find_kept(table: dict[int, _Kept], owner: Any, make: Callable[[Any], _Kept]) -> _Kept:
     """``table``'s entry for ``owner`` (by id): ``make(owner)`` at its first use, dropped
     when ``owner`` dies (metrics and collections are modules: no weak dictionary keys)."""
     key = id(owner)
@@ -145,6 +145,15 @@ def _kept_for(table: dict[int, _Kept], owner: Any, make: Callable[[Any], _Kept])
         kept = table[key] = make(owner)
         weakref.finalize(owner, table.pop, key, None)
     return kept
+
+
+# torch.compile leaves the tables to Python: traced, the first use's ``weakref.finalize``
+# read the registry of every finalizer while the collector could change it ("dictionary
+# changed size during iteration", now and then), and each lookup would guard on a table
+# that grows with every metric. (torch's lazy ``disable``, as ``views._on_views``.)
+_kept_for: Callable[[dict[int, Any], Any, Callable[[Any], Any]], Any] = (
+    torch._disable_dynamo(_find_kept)  # type: ignore[attr-defined]
+)
 
 
 class _FirstGroups:
