@@ -79,9 +79,13 @@ class Step(abc.ABC):
         self.strategy = strategy
 
     def replicated(self, data: list[Any]) -> tuple[Any, int]:
-        """The step's global batch as a PerReplica of slices, and its number of examples."""
+        """The step's global batch as a PerReplica of slices, and its number of examples.
+        One replica in sync takes the batch as it is: its one slice would be the whole."""
         batch = data[0]
-        slices = split(batch, self.strategy.num_replicas_in_sync)
+        replicas = self.strategy.num_replicas_in_sync
+        if replicas == 1:
+            return batch, rows(batch)
+        slices = split(batch, replicas)
         per_replica = self.strategy.experimental_distribute_values_from_function(
             lambda context: slices[context.replica_id_in_sync_group]
         )
