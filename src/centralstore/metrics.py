@@ -149,8 +149,8 @@ def _find_kept(table: dict[int, _Kept], owner: Any, make: Callable[[Any], _Kept]
 
 # torch.compile leaves the tables to Python: traced, the first use's ``weakref.finalize``
 # read the registry of every finalizer while the collector could change it ("dictionary
-# changed size during iteration", now and then), and each lookup would guard on a table
-# that grows with every metric. (torch's lazy ``disable``, as ``views._on_views``.)
+# changed size during iteration", once in a full suite). (torch's lazy ``disable``, as
+# ``views._on_views``: it imports torch._dynamo only when a compilation calls it.)
 _kept_for: Callable[[dict[int, Any], Any, Callable[[Any], Any]], Any] = (
     torch._disable_dynamo(_find_kept)  # type: ignore[attr-defined]
 )
