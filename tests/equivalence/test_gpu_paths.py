@@ -542,6 +542,44 @@ def test_metric_variables_reduce_on_gpus_as_on_logical_devices(
         assert torch.equal(read["gpus"][name], read["logical"][name]), name
 
 
+def test_metrics_written_alike_on_gpus_reduce_as_on_logical_devices(
+    fake_gpu_placement: FakePlacement,
+) -> None:
+    """Four float SUM variables that every GPU replica writes in the same order, as a Keras
+    model's loss tracker and accuracy are, over runs, a failed run and the run after it:
+    reduced together (``folding._reduce_aligned``), each copy counted from the start the
+    previous fold left it, as on logical CPU devices."""
+
+    def step(variables: list[torch.Tensor], fail: bool) -> None:
+        own = context().replica_id_in_sync_group + 1
+        for k, variable in enumerate(variables):
+            _add_in_place(variable, 0.5 * own + k)
+        if fail and own == 2:
+            raise RuntimeError("replica 1 fails")
+
+    read: dict[str, list[torch.Tensor]] = {}
+    for where, strategy in (
+        ("gpus", strategy_for(fake_gpu_placement)),
+        ("logical", cs.CentralStorageStrategy(["cpu:0", "cpu:1"])),
+    ):
+        with strategy.scope():
+            variables = [
+                cs.Variable(0.0, aggregation="SUM", trainable=False,
+                            synchronization=cs.VariableSynchronization.ON_READ)
+                for _ in range(4)
+            ]
+        for fail in (False, False, True, False):
+            if fail:
+                with pytest.raises(RuntimeError, match="replica 1 fails"):
+                    strategy.run(step, args=(variables, fail))
+            else:
+                strategy.run(step, args=(variables, fail))
+        read[where] = [v.detach().cpu() for v in variables]
+    assert [float(v) for v in read["logical"]] == [4.5, 10.5, 16.5, 22.5]  # 3 x (1.5 + 2k)
+    for gpus, logical in zip(read["gpus"], read["logical"], strict=True):
+        assert torch.equal(gpus, logical)
+
+
 OPTIMIZERS = [
     name for name in dir(torch.optim)
     if isinstance(getattr(torch.optim, name), type)
