@@ -747,8 +747,7 @@ def _restart(views: list[View]) -> None:
     (``ReplicaViews._validate_on_read``)."""
     tensors = list(map(_tensor_of, views))
     torch._foreach_copy_(list(map(_start_of, views)), tensors)
-    for view, tensor in zip(views, tensors, strict=True):
-        view.start_at = tensor._version
+    deque(map(setattr, views, repeat("start_at"), map(_version_of, tensors)), maxlen=0)
 
 
 def _reduce_copies(copies: list[tuple[int, View]], local_replicas: int) -> None:
