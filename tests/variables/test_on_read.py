@@ -34,6 +34,13 @@ def add_own(variable: torch.Tensor) -> torch.Tensor:
     return variable.clone()
 
 
+def add_own_then_fail(variable: torch.Tensor) -> None:
+    """``add_own``, then replica 1 raises: the run fails after every replica wrote."""
+    add_own(variable)
+    if replica_id() == 1:
+        raise RuntimeError("replica 1 fails")
+
+
 @each_path
 @pytest.mark.parametrize("aggregation", sorted(AFTER_RUNS))
 def test_reads_outside_run_see_the_copies_reduced(path: str, aggregation: str) -> None:
@@ -77,13 +84,8 @@ def test_a_failed_run_leaves_the_copies_as_before(path: str) -> None:
     variable = on_read(strategy, "SUM")
     run_on(path, strategy, lambda: add_own(variable))
 
-    def fails() -> None:
-        add_own(variable)
-        if replica_id() == 1:
-            raise RuntimeError("replica 1 fails")
-
     with pytest.raises(RuntimeError, match="replica 1 fails"):
-        run_on(path, strategy, fails)
+        run_on(path, strategy, lambda: add_own_then_fail(variable))
     assert float(variable) == 3.0
     seen = run_on(path, strategy, lambda: variable.clone())
     assert [float(c) for c in local(strategy, seen)] == [1.0, 2.0]
@@ -150,13 +152,8 @@ def test_copies_count_from_their_last_sync_point_over_failures_and_merges(path: 
         run_on(path, strategy, lambda: add_own(variable))
     assert float(variable) == 6.0  # copies 2 and 4
 
-    def fails() -> None:
-        add_own(variable)
-        if replica_id() == 1:
-            raise RuntimeError("replica 1 fails")
-
     with pytest.raises(RuntimeError, match="replica 1 fails"):
-        run_on(path, strategy, fails)
+        run_on(path, strategy, lambda: add_own_then_fail(variable))
     run_on(path, strategy, lambda: add_own(variable))
     assert float(variable) == 9.0  # copies 3 and 6
 
@@ -186,9 +183,10 @@ def test_a_kernel_write_in_a_later_run_counts_from_the_copy_folded_before(path: 
     assert mean.tolist() == [6.0, 6.0]  # copies 2 and 4, each written behind its counter
 
 
+@each_path
 @pytest.mark.parametrize("aggregation", ["SUM", "MEAN"])
 def test_metrics_written_alike_reduce_to_the_bits_of_one_variable_at_a_time(
-    aggregation: str, monkeypatch: pytest.MonkeyPatch
+    path: str, aggregation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Replicas that write the same ON_READ variables in the same order (a Keras model's
     metrics) have their copies reduced together (``folding._reduce_aligned``): the same
@@ -197,7 +195,7 @@ def test_metrics_written_alike_reduce_to_the_bits_of_one_variable_at_a_time(
     increments = torch.rand(4, 2, 3, generator=generator)  # (run, replica, variable)
 
     def reduced() -> list[float]:
-        strategy = strategy_on("direct")
+        strategy = strategy_on(path)
         variables = [on_read(strategy, aggregation, 0.1 * k) for k in range(3)]
 
         def step(run: int) -> None:
@@ -205,7 +203,7 @@ def test_metrics_written_alike_reduce_to_the_bits_of_one_variable_at_a_time(
                 variable.add_(increments[run, replica_id(), k])
 
         for run in range(4):
-            strategy.run(step, args=(run,))
+            run_on(path, strategy, step, args=(run,))
         return [float(v) for v in variables]
 
     together = reduced()
