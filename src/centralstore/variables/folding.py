@@ -566,13 +566,7 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int, local_replicas: 
         return True
     aggregations = list(map(_aggregation_of, first))
     dtypes = list(map(_dtype_of, centrals))
-    if not all(map(all, zip(  # ``_combinable`` of each, in passes in C
-        map(_BATCHED.__contains__, aggregations),
-        map(_plain_classes().__contains__, map(type, centrals)),
-        map(is_, map(_layout_of, centrals), repeat(torch.strided)),
-        map(is_not, dtypes, repeat(torch.bool)),
-        map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
-    ))):
+    if not _all_combinable(aggregations, centrals, dtypes):
         return False
     assigned = list(map(any, zip(*[list(map(_assigned_of, views)) for views in writes])))
     counts = list(map((len(writes), 1).__getitem__, map(is_, aggregations, repeat(_ONLY_FIRST))))
@@ -585,6 +579,20 @@ def _apply_aligned(writes: list[list[View]], num_replicas: int, local_replicas: 
             for views in writes[:count]
         ])
     return True
+
+
+def _all_combinable(
+    aggregations: list[VariableAggregation], centrals: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+) -> bool:
+    """``_combinable`` of each variable (``dtypes``: theirs), in passes in C."""
+    return all(map(all, zip(
+        map(_BATCHED.__contains__, aggregations),
+        map(_plain_classes().__contains__, map(type, centrals)),
+        map(is_, map(_layout_of, centrals), repeat(torch.strided)),
+        map(is_not, dtypes, repeat(torch.bool)),
+        map(or_, map(_is_floating_point, centrals), map(is_not, aggregations, repeat(_MEAN))),
+    )))
 
 
 def _apply_together(
@@ -697,20 +705,16 @@ def _reduce_aligned(
     dtype and one device, of a plain class, each copy started: one group of
     ``_reduce_together``, as the variable-by-variable sort would make it. False, with
     nothing done, otherwise."""
-    aggregations = set(map(_aggregation_of, writes[0]))
-    if len(aggregations) != 1 or len(set(map(_dtype_of, centrals))) != 1 or len(
-        set(map(_device_of, centrals))
-    ) != 1:
-        return False
-    (aggregation,) = aggregations
-    plain = _plain_classes()
-    if (  # ``_combinable`` of each (one dtype: the first's stands for all)
-        aggregation is _ONLY_FIRST or not _combinable(aggregation, centrals[0], plain)
-        or not all(map(plain.__contains__, map(type, centrals)))
-        or not all(map(is_, map(_layout_of, centrals), repeat(torch.strided)))
+    aggregations = list(map(_aggregation_of, writes[0]))
+    dtypes = list(map(_dtype_of, centrals))
+    if (
+        len(set(aggregations)) != 1 or aggregations[0] is _ONLY_FIRST
+        or len(set(dtypes)) != 1 or len(set(map(_device_of, centrals))) != 1
+        or not _all_combinable(aggregations, centrals, dtypes)
         or not all(all(map(is_not, map(_start_of, views), repeat(None))) for views in writes)
     ):
         return False
+    aggregation = aggregations[0]
     _reduce_together(aggregation, centrals, list(map(_record_of, writes[0])), writes,
                      local_replicas)
     return True
