@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from paths import PATHS, run_on, strategy_on
-from replicas import replica_id, strategy_of
+from replicas import context, replica_id, strategy_of
 
 import centralstore as cs
 import centralstore.metrics
@@ -120,6 +120,79 @@ def test_a_failed_run_leaves_no_trace() -> None:
         strategy.run(step)
     strategy.run(lambda: metric.update(torch.tensor([10.0 + replica_id()])))
     assert metric.compute().tolist() == [10.0, 11.0]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("name", sorted(METRICS))
+def test_a_failed_run_puts_back_every_state_and_the_update_count(
+    name: str, path: str, replicas: int
+) -> None:
+    """(One replica updates the metric's own states, and the first update after a sync point
+    keeps what a failure puts back; several update copies, which a failure drops: either
+    way the failed run leaves no trace, in place states, rebound ones and lists alike.)"""
+    strategy = strategy_on(path, replicas)
+    with strategy.scope():
+        metric = METRICS[name]()
+    reference = METRICS[name]()
+    (logits, y), (other, z), (more, w) = batches([6, 4, 8])
+
+    def failing(*inputs: torch.Tensor) -> None:
+        metric.update(*inputs)
+        metric.update(*inputs)
+        if replica_id() == replicas - 1:
+            raise ValueError("the last replica fails after its updates")
+
+    run_on(path, strategy, metric.update, args=split(replicas, *arguments(name, logits, y)))
+    reference.update(*arguments(name, logits, y))
+    with pytest.raises(ValueError, match="the last replica fails"):
+        run_on(path, strategy, failing, args=split(replicas, *arguments(name, other, z)))
+    assert metric._update_count == reference._update_count == 1
+    torch.testing.assert_close(metric.compute(), reference.compute())
+    run_on(path, strategy, metric.update, args=split(replicas, *arguments(name, more, w)))
+    reference.update(*arguments(name, more, w))
+    torch.testing.assert_close(metric.compute(), reference.compute())
+    assert metric._update_count == 2
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_one_replica_reads_its_own_updates_as_one_device(path: str) -> None:
+    """(A process's only replica, computing where the states live, updates them directly: a
+    read after its update in the same step sees it, as on one device.)"""
+    strategy = strategy_on(path, 1)
+    with strategy.scope():
+        metric = torchmetrics.MeanMetric()
+    reference = torchmetrics.MeanMetric()
+
+    def step(values: torch.Tensor) -> torch.Tensor:
+        metric.update(values)
+        return metric.compute()
+
+    for values in (torch.tensor([1.0, 2.0]), torch.tensor([6.0])):
+        reference.update(values)
+        torch.testing.assert_close(run_on(path, strategy, step, args=(values,)),
+                                   reference.compute())
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_merge_commits_the_updates_before_it_and_a_failure_after_drops_the_rest(
+    path: str, replicas: int
+) -> None:
+    strategy = strategy_on(path, replicas)
+    with strategy.scope():
+        metric = torchmetrics.CatMetric()
+
+    def step() -> None:
+        metric.update(torch.tensor([float(replica_id())]))
+        context().merge_call(lambda strategy: None)
+        metric.update(torch.tensor([10.0 + replica_id()]))
+        raise ValueError("the step fails after its merge")
+
+    with pytest.raises(ValueError, match="fails after its merge"):
+        run_on(path, strategy, step)
+    assert metric.compute().reshape(-1).tolist() == [float(r) for r in range(replicas)]
+    assert metric._update_count == 1
 
 
 def test_replicas_on_threads_fold_in_replica_order() -> None:

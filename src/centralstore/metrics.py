@@ -14,7 +14,11 @@ several processes:
 * ``"mean"`` averages the replicas' values of the step and merges that into the running
   value as ``Metric.merge_state`` does (exact when the slices are equal).
 
-The update count grows by one per step, as on one device. A forward (``metric(preds,
+The update count grows by one per step, as on one device. A process's only replica
+that computes where the metric's states live (one replica on the CPU or on the GPU that holds
+them) has nothing to isolate: it updates the states themselves, as one device does, and the
+first update after a sync point keeps a copy of them (and of the update count) that a failed
+run puts back; the sync point folds nothing. A forward (``metric(preds,
 target)``) returns its replica's slice's value; the step's value it caches, which Lightning
 logs with ``on_step=True``, is the whole batch's when every replica made one forward in the
 run. A run that fails leaves no trace in the metric: its copies are dropped. Custom
@@ -221,17 +225,28 @@ class _ReplicaStates:
         self._depth = 0  # > 0 while a replica's copy is swapped in (forward calls update)
         self._copies: dict[int, _Copy] = {}
         self._forwards: set[int] = set()  # the replicas whose copy a forward updated
+        self._before: _Before | None = None  # the states before this interval's own updates
 
     def isolated(
         self, fn: Callable[..., Any], args: Any, kwargs: Any, forward: bool = False
     ) -> Any:
         """``fn(*args, **kwargs)`` on the calling replica's copy of the states (``forward``:
-        ``fn`` is the metric's forward)."""
+        ``fn`` is the metric's forward), or on the states themselves for a process's only
+        replica computing where they live (``_alone``)."""
         with self._lock:
             if self._depth:
                 return fn(*args, **kwargs)
             metric: Any = self._metric()  # alive: it is the one being updated
             _check_reductions(metric)
+            if _alone(metric, args, kwargs):
+                if self._before is None:  # the interval's first update: what a failure restores
+                    self._before = _Before(metric)
+                    current_store().fold_later(self)
+                self._depth += 1
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self._depth -= 1
             replica = get_replica_context().replica_id_in_sync_group  # type: ignore[union-attr]
             if forward:
                 self._forwards.add(replica)
@@ -254,7 +269,10 @@ class _ReplicaStates:
         with self._lock:
             copies, self._copies = self._copies, {}
             forwards, self._forwards = self._forwards, set()
+            before, self._before = self._before, None
         metric = self._metric()
+        if discard and before is not None and metric is not None:
+            before.restore(metric)
         if discard or metric is None or not copies:
             return
         ordered = [copies[replica] for replica in sorted(copies)]
@@ -315,13 +333,68 @@ def _swap(metric: Any, copy: _Copy) -> None:
     attributes["_update_count"] = copy.count
 
 
-def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
-    """Default states on the device of the replica's first input tensor (else the metric's)."""
+def _input_device(args: Any, kwargs: Any) -> torch.device | None:
+    """The device of the replica's first input tensor, if it gives one."""
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)  # (the usual case)
     if first is None:
         tensors = (t for t in _tree.leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         first = next(tensors, None)
-    device = metric.device if first is None else first.device
+    return None if first is None else first.device
+
+
+def _alone(metric: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the replica calling is its process's only one and its inputs are where the
+    metric and its states are (or it gives none): it can update the states as one device
+    does. (Elsewhere its copies live where the inputs do, and fold into the metric's device:
+    a "cat" state's items too.)"""
+    if current_store().placement.local_replicas != 1:
+        return False
+    device = _input_device(args, kwargs)
+    if device is None:
+        return True
+    if device != metric.device:
+        return False
+    attributes = vars(metric)
+    states = (attributes[name] for name in metric._defaults)
+    return all(state.device == device for state in states if isinstance(state, torch.Tensor))
+
+
+class _Before:
+    """A metric's states, update count and computed value before the updates that a process's
+    only replica made to them since the last sync point: what a failed run puts back (in
+    place, where a metric of a compute group shares a state with others)."""
+
+    __slots__ = ("computed", "count", "states")
+
+    def __init__(self, metric: Any) -> None:
+        attributes = vars(metric)
+        with no_grad():
+            self.states = {
+                name: (state, state.clone() if isinstance(state, torch.Tensor) else list(state))
+                for name in metric._defaults
+                for state in (attributes[name],)
+            }
+        self.count = attributes["_update_count"]
+        self.computed = attributes["_computed"]
+
+    def restore(self, metric: Any) -> None:
+        attributes = vars(metric)
+        with no_grad():
+            for name, (state, value) in self.states.items():
+                if isinstance(state, list):
+                    state[:] = value
+                else:
+                    state.copy_(value)
+                attributes[name] = state
+        attributes["_update_count"] = self.count
+        attributes["_computed"] = self.computed
+
+
+def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
+    """Default states on the device of the replica's first input tensor (else the metric's)."""
+    device = _input_device(args, kwargs)
+    if device is None:
+        device = metric.device
     states: dict[str, Any] = {
         name: default.to(device, copy=True) if isinstance(default, torch.Tensor) else []
         for name, default in metric._defaults.items()

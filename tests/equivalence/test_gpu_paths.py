@@ -1061,3 +1061,41 @@ def test_torchmetrics_updated_in_gpu_replicas_fold_as_one_device(
         step = found["sum"]._forward_cache
         torch.testing.assert_close(step.cpu(), expected["sum"]._forward_cache)
     assert found["collection"].compute_groups == expected["collection"].compute_groups
+
+
+@pytest.mark.fake_gpus(1)
+@pytest.mark.parametrize("parameter_device", ["cpu", "cuda:0"])
+def test_torchmetrics_of_one_gpu_replica_fold_or_update_in_place_as_one_device(
+    fake_gpus: Any, parameter_device: str,
+) -> None:
+    """One GPU replica: where the metric lives on its GPU (the scope's device), it updates the
+    states themselves, and a failed run puts them back; where they live on the host, it
+    updates copies on its GPU, which the sync point folds. Both count as one device."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    import centralstore.metrics
+
+    centralstore.metrics.install()
+    strategy = cs.CentralStorageStrategy(["cuda:0"], parameter_device=parameter_device)
+    with strategy.scope():
+        found = {"mean": torchmetrics.MeanMetric(), "cat": torchmetrics.CatMetric()}
+    expected = {"mean": torchmetrics.MeanMetric(), "cat": torchmetrics.CatMetric()}
+    assert all(str(s.device) == parameter_device for s in (found["mean"].mean_value,))
+
+    def update(metrics: dict[str, Any], values: torch.Tensor, fail: bool = False) -> None:
+        metrics["mean"](values)  # (its forward)
+        metrics["cat"].update(values)
+        if fail:
+            raise ValueError("the replica fails after its updates")
+
+    generator = torch.Generator().manual_seed(0)
+    for rows, fail in ((6, False), (4, True), (8, False)):
+        values = torch.randn(rows, generator=generator)
+        if fail:
+            with pytest.raises(ValueError, match="fails after its updates"):
+                strategy.run(update, args=(found, values.to("cuda:0"), True))
+        else:
+            strategy.run(update, args=(found, values.to("cuda:0")))
+            update(expected, values)
+        for name in expected:
+            torch.testing.assert_close(found[name].compute().cpu(), expected[name].compute())
+            assert found[name]._update_count == expected[name]._update_count
