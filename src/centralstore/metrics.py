@@ -47,6 +47,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, TypeVar
 
 import torch
@@ -54,6 +55,7 @@ import torch
 from . import _tree
 from ._autograd import no_grad
 from .strategies.context import get_replica_context, has_strategy
+from .variables.folding import brought_to
 from .variables.store import current_store
 
 EXTRA = "pip install 'centralstore[metrics]'"
@@ -199,13 +201,15 @@ class _FirstGroups:
 
 
 class _Copy:
-    """One replica's copy of a metric's states since the last sync point."""
+    """One replica's copy of a metric's states since the last sync point, made on
+    ``device`` when that is not the metric's (else None: the metric's own states too)."""
 
-    __slots__ = ("count", "states")
+    __slots__ = ("count", "device", "states")
 
-    def __init__(self, states: dict[str, Any], count: int) -> None:
+    def __init__(self, states: dict[str, Any], count: int, device: torch.device | None) -> None:
         self.states = states
         self.count = count
+        self.device = device
 
 
 class _ReplicaStates:
@@ -260,7 +264,7 @@ class _ReplicaStates:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-                self._copies[replica] = _copy_of(metric)
+                self._copies[replica] = _copy_of(metric, copy.device)
                 _swap(metric, own)
                 attributes["_computed"] = computed
                 current_store().fold_later(self)
@@ -276,6 +280,8 @@ class _ReplicaStates:
         if discard or metric is None or not copies:
             return
         ordered = [copies[replica] for replica in sorted(copies)]
+        if any(map(_away, ordered)):
+            _bring(metric, ordered)
         batch = None  # (one replica's forward has cached the batch's value already)
         if len(ordered) > 1 and forwards.issuperset(copies) and all(
             c.count == 1 for c in ordered
@@ -321,10 +327,14 @@ def _batch_value(metric: Any, ordered: list[_Copy]) -> Any:
 # which cost more than the rest of a swap.
 
 
-def _copy_of(metric: Any) -> _Copy:
-    """The metric's states and update count as they are now."""
+_away = attrgetter("device")  # (a copy's device, None at home: any() reads it in C)
+
+
+def _copy_of(metric: Any, device: torch.device | None = None) -> _Copy:
+    """The metric's states and update count as they are now (``device``: those of a
+    replica's copy made there)."""
     attributes = vars(metric)
-    return _Copy({n: attributes[n] for n in metric._defaults}, attributes["_update_count"])
+    return _Copy({n: attributes[n] for n in metric._defaults}, attributes["_update_count"], device)
 
 
 def _swap(metric: Any, copy: _Copy) -> None:
@@ -391,15 +401,52 @@ class _Before:
 
 
 def _fresh(metric: Any, args: Any, kwargs: Any) -> _Copy:
-    """Default states on the device of the replica's first input tensor (else the metric's)."""
+    """Default states on the device of the replica's first input tensor (else the metric's):
+    on another device than the metric's (a GPU replica's, of a metric on the host) the
+    defaults go in one copy per dtype (``folding.brought_to``)."""
     device = _input_device(args, kwargs)
-    if device is None:
-        device = metric.device
-    states: dict[str, Any] = {
-        name: default.to(device, copy=True) if isinstance(default, torch.Tensor) else []
-        for name, default in metric._defaults.items()
+    home = metric.device  # (where its defaults are: torchmetrics moves them with it)
+    if device is None or device == home:
+        states: dict[str, Any] = {
+            name: default.clone() if isinstance(default, torch.Tensor) else []
+            for name, default in metric._defaults.items()
+        }
+        return _Copy(states, 0, None)
+    defaults = metric._defaults
+    names = [name for name, default in defaults.items() if isinstance(default, torch.Tensor)]
+    tensors = [defaults[name] for name in names]
+    if _strided(tensors):
+        moved = brought_to(device, tensors)
+        fresh = [t.clone() if t is default else t for t, default in zip(moved, tensors)]
+    else:
+        fresh = [tensor.to(device, copy=True) for tensor in tensors]
+    made = iter(fresh)
+    states = {
+        name: next(made) if isinstance(default, torch.Tensor) else []
+        for name, default in defaults.items()
     }
-    return _Copy(states, 0)
+    return _Copy(states, 0, device)
+
+
+def _bring(metric: Any, ordered: list[_Copy]) -> None:
+    """The copies' tensor states, from their replicas' devices to where the metric's are,
+    in one copy per dtype and replica (``folding.brought_to``), where ``_fold_state`` would
+    move each alone: from a GPU to the host, a wait for the GPU each."""
+    attributes = vars(metric)
+    names = [name for name in metric._defaults if isinstance(attributes[name], torch.Tensor)]
+    targets = {attributes[name].device for name in names}
+    if len(targets) != 1:
+        return
+    target = targets.pop()
+    for copy in ordered:
+        values = [copy.states[name] for name in names]
+        if all(isinstance(value, torch.Tensor) for value in values) and _strided(values):
+            copy.states.update(zip(names, brought_to(target, values)))
+
+
+def _strided(tensors: list[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` is dense (``brought_to`` joins their elements)."""
+    return all(tensor.layout is torch.strided for tensor in tensors)
 
 
 # Filled at the first use: a ``functools.cache`` would do, but torch.compile warns about one

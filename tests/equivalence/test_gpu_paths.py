@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -1099,3 +1100,60 @@ def test_torchmetrics_of_one_gpu_replica_fold_or_update_in_place_as_one_device(
         for name in expected:
             torch.testing.assert_close(found[name].compute().cpu(), expected[name].compute())
             assert found[name]._update_count == expected[name]._update_count
+
+
+def _copies(fake_gpus: Any) -> Counter[str]:
+    """The copies to and from the GPUs made so far, by kind (every stream's together)."""
+    counts: Counter[str] = Counter()
+    for (what, _), n in fake_gpus.calls.items():
+        if what in ("copy to device", "copy to host"):
+            counts[what] += n
+    return counts
+
+
+@pytest.mark.fake_gpus(2)
+def test_torchmetrics_copies_travel_in_one_copy_per_dtype_and_replica(fake_gpus: Any) -> None:
+    """The states of a metric on the host reach each GPU replica, and its copies come back,
+    in one copy per dtype (``folding.brought_to``), not one per state: a mean's two float
+    states and an accuracy's four integer counts cost each replica two copies each way,
+    besides those torchmetrics' own updates make; the metrics still count as one device."""
+    torchmetrics = pytest.importorskip("torchmetrics")
+    from torchmetrics.classification import MulticlassAccuracy
+
+    import centralstore.metrics
+
+    centralstore.metrics.install()
+    devices = ("cuda:0", "cuda:1")
+
+    def metrics() -> dict[str, Any]:
+        return {"mean": torchmetrics.MeanMetric(), "accuracy": MulticlassAccuracy(3)}
+
+    def update(found: dict[str, Any], values: torch.Tensor, scores: torch.Tensor,
+               labels: torch.Tensor) -> None:
+        found["mean"].update(values)
+        found["accuracy"].update(scores, labels)
+
+    strategy = cs.CentralStorageStrategy(list(devices), parameter_device="cpu")
+    with strategy.scope():
+        found = metrics()
+    expected, alone = metrics(), {k: m.to("cuda:0") for k, m in metrics().items()}
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        values = torch.randn(8, generator=generator)
+        scores = torch.randn(8, 3, generator=generator).softmax(-1)
+        labels = torch.randint(0, 3, (8,), generator=generator)
+        parts = [to_replicas(t, devices) for t in (values, scores, labels)]
+        halves = [t[:4].to("cuda:0") for t in (values, scores, labels)]
+        before = _copies(fake_gpus)
+        strategy.run(update, args=(found, *parts))
+        ran = _copies(fake_gpus) - before
+        before = _copies(fake_gpus)
+        update(alone, *halves)  # torchmetrics' own copies, for one replica's slice
+        own = _copies(fake_gpus) - before
+        update(expected, values, scores, labels)
+        dtypes = 2  # (the mean's float32 states, the accuracy's int64 counts)
+        assert ran == Counter(
+            {"copy to device": 2 * dtypes, "copy to host": 2 * (dtypes + own["copy to host"])}
+        ), step
+        for name in expected:
+            torch.testing.assert_close(found[name].compute(), expected[name].compute())

@@ -647,11 +647,21 @@ def _brought(centrals: list[torch.Tensor], values: list[torch.Tensor]) -> list[t
     dtype on one other device (a GPU replica's) come in one copy: a copy each would cost
     its start each time, and from a GPU to the host a wait for the GPU each time."""
     devices = list(map(_device_of, values))
-    target = centrals[0].device if centrals else None
     if devices == list(map(_device_of, centrals)):
         return values
     if len(set(map(_device_of, centrals))) > 1:
         return [value.to(central.device) for central, value in zip(centrals, values)]
+    return brought_to(centrals[0].device, values, devices)
+
+
+def brought_to(
+    target: torch.device, values: list[torch.Tensor], devices: list[torch.device] | None = None
+) -> list[torch.Tensor]:
+    """``values`` on ``target`` (``devices``: theirs, if known): those there already as they
+    are, those of one dtype on one other device in one copy, viewed in pieces of their
+    shapes (``_brought``'s transfers, for a caller without tensors on ``target``)."""
+    if devices is None:
+        devices = list(map(_device_of, values))
     kinds = list(zip(devices, map(_dtype_of, values)))
     brought = list(values)
     for device, dtype in dict.fromkeys(kinds):
