@@ -48,8 +48,10 @@ the bytes each idiom's training step copies to two GPU replicas whose variables 
 memory, and back, against what the model must take there at least (each replica's copy of
 its parameters) and bring back (each replica's gradients of the trained ones). A variable
 sent though no replica reads it shows as more: an EMA copy of the model in the scope read
-2.000 of the model's bytes until the fiftieth session. (The autocast idiom is left out: its
-``autocast("cpu")`` does not apply to GPU replicas.)
+2.000 of the model's bytes until the fiftieth session. ``copies`` and ``back`` count the
+copies that carry those bytes each way (each costs a transfer's start, and one to the host a
+wait for its GPU). (The autocast idiom is left out: its ``autocast("cpu")`` does not apply to
+GPU replicas.)
 
 ``--compiled`` compiles each configuration's forward and loss (``torch.compile``, static
 shapes, a code object per configuration: ``bench_models.compiled``) and keeps its instances
@@ -69,6 +71,7 @@ import functools
 import operator
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -404,11 +407,13 @@ def gpu_bytes(name: str, per_replica: int) -> dict[str, float]:
 
         for _ in range(GPU_STEPS):
             step()
-        before = gpus.moved.copy()
+        before, calls = gpus.moved.copy(), gpus.calls.copy()
         step()
         moved = gpus.moved - before
+        made = Counter(what for (what, _) in (gpus.calls - calls).elements())
     return {
         "to GPUs": moved["copy to device"], "to host": moved["copy to host"],
+        "copies to GPUs": made["copy to device"], "copies to host": made["copy to host"],
         "parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
         "trained": sum(p.numel() * p.element_size() for p in trainable),
         "replicas": len(devices),
@@ -421,7 +426,7 @@ def gpu_bytes_table(names: list[str], per_replica: int) -> None:
           f"host memory, and back, after {GPU_STEPS} steps; {per_replica} examples per "
           "replica\n")
     print(f"{'idiom':<17} {'parameters':>11} {'to GPUs':>10} {'/ R x parameters':>17} "
-          f"{'to host':>10} {'/ R x trained':>14}")
+          f"{'to host':>10} {'/ R x trained':>14} {'copies':>8} {'back':>5}")
     for name in names:
         if not available(name):
             print(f"{name:<17} {'(needs torchmetrics: pip install torchmetrics)':>64}")
@@ -433,8 +438,8 @@ def gpu_bytes_table(names: list[str], per_replica: int) -> None:
         replicas = row["replicas"]
         print(f"{name:<17} {row['parameters']:>11,.0f} {row['to GPUs']:>10,.0f} "
               f"{row['to GPUs'] / (replicas * row['parameters']):>16.3f}x "
-              f"{row['to host']:>10,.0f} {row['to host'] / (replicas * row['trained']):>13.3f}x",
-              flush=True)
+              f"{row['to host']:>10,.0f} {row['to host'] / (replicas * row['trained']):>13.3f}x "
+              f"{row['copies to GPUs']:>8.0f} {row['copies to host']:>5.0f}", flush=True)
 
 
 def main() -> None:
