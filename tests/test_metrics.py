@@ -322,8 +322,9 @@ def test_a_collection_forms_its_compute_groups_from_the_whole_batch(
     assert reference.compute_groups == {0: ["accuracy", "precision", "recall"], 1: ["top 2"]}
 
 
-def test_a_collection_whose_first_run_fails_forms_its_groups_at_the_next() -> None:
-    strategy = strategy_of(2)
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_collection_whose_first_run_fails_forms_its_groups_at_the_next(replicas: int) -> None:
+    strategy = strategy_of(replicas)
     with strategy.scope():
         metrics = collection()
     reference = collection()
@@ -334,10 +335,14 @@ def test_a_collection_whose_first_run_fails_forms_its_groups_at_the_next() -> No
         raise ValueError("the step failed after its update")
 
     with pytest.raises(ValueError, match="the step failed"):
-        strategy.run(failing, args=split(2, logits.softmax(-1), y))
+        strategy.run(failing, args=split(replicas, logits.softmax(-1), y))
     assert not metrics._groups_checked
-    strategy.run(metrics.update, args=split(2, other.softmax(-1), z))
+    strategy.run(metrics.update, args=split(replicas, other.softmax(-1), z))
     reference.update(other.softmax(-1), z)
+    torch.testing.assert_close(metrics.compute(), reference.compute())
+    assert metrics.compute_groups == reference.compute_groups
+    with pytest.raises(ValueError, match="the step failed"):  # (the groups share states now)
+        strategy.run(failing, args=split(replicas, logits.softmax(-1), y))
     torch.testing.assert_close(metrics.compute(), reference.compute())
     assert metrics.compute_groups == reference.compute_groups
 
