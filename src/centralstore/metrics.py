@@ -378,12 +378,12 @@ class _Before:
 
     def __init__(self, metric: Any) -> None:
         attributes = vars(metric)
+        self.states: dict[str, tuple[Any, Any]] = {}  # name -> (the state, its value)
         with no_grad():
-            self.states = {
-                name: (state, state.clone() if isinstance(state, torch.Tensor) else list(state))
-                for name in metric._defaults
-                for state in (attributes[name],)
-            }
+            for name in metric._defaults:
+                state = attributes[name]
+                value = state.clone() if isinstance(state, torch.Tensor) else list(state)
+                self.states[name] = (state, value)
         self.count = attributes["_update_count"]
         self.computed = attributes["_computed"]
 
