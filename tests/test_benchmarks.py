@@ -60,14 +60,16 @@ def test_a_script_prints_its_table(
 def test_gpu_replicas_are_sent_the_model_once_each(tmp_path: Path) -> None:
     """``bench_idioms.py --gpu-bytes`` on the fake GPUs: a step copies each replica the
     model's parameters once and brings back each replica's gradients, an EMA copy in the
-    scope included (2.000x before the idle variables' slots were left unfilled)."""
+    scope included (2.000x before the idle variables' slots were left unfilled), in three
+    copies to each replica (the two 256 x 256 weights alone, the smaller parameters
+    together) and one back (the gradients' bucket)."""
     result = bench("bench_idioms.py", "--gpu-bytes", "--idioms", "none", "EMA", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[3:] if line}
     for name in ("none", "EMA"):
-        assert rows[name][1:] == ["603,176", "1,206,352", "1.000x", "1,206,352", "1.000x"], (
-            result.stdout
-        )
+        assert rows[name][1:] == [
+            "603,176", "1,206,352", "1.000x", "1,206,352", "1.000x", "6", "2"
+        ], result.stdout
 
 
 def test_the_idioms_across_workers_send_what_they_train(tmp_path: Path) -> None:
