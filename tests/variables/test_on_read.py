@@ -34,6 +34,12 @@ def add_own(variable: torch.Tensor) -> torch.Tensor:
     return variable.clone()
 
 
+def copies_seen(path: str, strategy: cs.Strategy, variable: torch.Tensor) -> list[float]:
+    """The value of ``variable`` that each replica reads in a run: its own copy."""
+    seen = run_on(path, strategy, lambda: variable.clone())
+    return [float(c) for c in local(strategy, seen)]
+
+
 def add_own_then_fail(variable: torch.Tensor) -> None:
     """``add_own``, then replica 1 raises: the run fails after every replica wrote."""
     add_own(variable)
@@ -53,8 +59,7 @@ def test_reads_outside_run_see_the_copies_reduced(path: str, aggregation: str) -
     assert float(variable) == AFTER_RUNS[aggregation]
     with torch.no_grad():
         variable.copy_(torch.tensor(10.0))  # cross-replica: every copy is set
-    seen = run_on(path, strategy, lambda: variable.clone())
-    assert tuple(float(c) for c in local(strategy, seen)) == COPIES_AFTER_ASSIGN[aggregation]
+    assert tuple(copies_seen(path, strategy, variable)) == COPIES_AFTER_ASSIGN[aggregation]
     run_on(path, strategy, lambda: add_own(variable))
     assert float(variable) == AFTER_ASSIGN[aggregation]
 
@@ -87,8 +92,7 @@ def test_a_failed_run_leaves_the_copies_as_before(path: str) -> None:
     with pytest.raises(RuntimeError, match="replica 1 fails"):
         run_on(path, strategy, lambda: add_own_then_fail(variable))
     assert float(variable) == 3.0
-    seen = run_on(path, strategy, lambda: variable.clone())
-    assert [float(c) for c in local(strategy, seen)] == [1.0, 2.0]
+    assert copies_seen(path, strategy, variable) == [1.0, 2.0]
 
 
 @each_path
@@ -165,8 +169,7 @@ def test_copies_count_from_their_last_sync_point_over_failures_and_merges(path: 
 
     assert set(local(strategy, run_on(path, strategy, merged))) == {12.0}
     assert float(variable) == 15.0
-    seen = run_on(path, strategy, lambda: variable.clone())
-    assert [float(c) for c in local(strategy, seen)] == [5.0, 10.0]
+    assert copies_seen(path, strategy, variable) == [5.0, 10.0]
 
 
 @each_path
