@@ -4,6 +4,7 @@ distributed run must match, and the distance between two models' weights."""
 from __future__ import annotations
 
 import io
+import time
 
 import pytest
 import torch
@@ -67,3 +68,32 @@ def test_max_abs_difference_is_the_largest_over_every_tensor() -> None:
 def test_the_reference_runs_on_the_first_compute_device() -> None:
     strategy = cs.CentralStorageStrategy(["cpu:1", "cpu:0"])
     assert one_device.reference_device(strategy) == torch.device("cpu")
+
+
+def _stepped(training: job.Training, pause: float) -> tuple[int, job.Run]:
+    """Drive ``training`` as ``job.interleaved`` does, pausing ``pause`` s after each of its
+    steps (where the other trainings take theirs); how many steps it yielded, and its run."""
+    for steps, result in enumerate(training):
+        if result is not None:
+            return steps, result
+        time.sleep(pause)
+    raise AssertionError("the training ended without its run")
+
+
+def test_each_training_yields_after_every_step_and_times_only_its_own_steps() -> None:
+    """Two epochs of 3 steps (40 examples in batches of 16): both trainings hand over after
+    each step, so that ``run`` takes turns step by step, and their epoch times leave out the
+    pauses between steps (6 x 0.2 s here), as they leave out the other trainings' steps."""
+    data = small_digits(train=40, test=8)
+    settings = job.Settings(epochs=2, batch_size=16)
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    initial, distributed = train.distributed_training(
+        strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
+    )
+    plain = one_device.one_device_epochs(initial, data, settings, torch.device("cpu"), 2)
+    for training in (distributed, plain):
+        steps, run = _stepped(training, pause=0.2)
+        assert steps == 6
+        assert len(run.epoch_seconds) == 2 and all(s > 0 for s in run.epoch_seconds)
+        assert sum(run.epoch_seconds) == pytest.approx(run.train_seconds)
+        assert run.train_seconds < 0.2  # not one pause in it

@@ -28,7 +28,7 @@ def show_epochs(stream: io.StringIO, epochs: int, steps: int) -> str:
         shown = report.progress(epoch, epochs, steps, stream)
         for step in range(1, steps + 1):
             shown.step(loss=1.0 / step, accuracy=step / steps)
-        shown.close(test_accuracy=0.5 + epoch / 100)
+        shown.close(test_accuracy=0.5 + epoch / 100, seconds=1.5 + epoch)
     return stream.getvalue()
 
 
@@ -37,9 +37,9 @@ def test_progress_off_a_terminal_is_one_plain_line_per_epoch() -> None:
     assert "\r" not in text
     lines = text.splitlines()
     assert len(lines) == 10
-    assert lines[0].startswith("epoch  1/10: 4/4 steps in ")
-    assert lines[0].endswith(" s, loss=0.2500, acc=1.0000, test_acc=0.5000")
-    assert lines[9].startswith("epoch 10/10: 4/4 steps in ")
+    # the time is the epoch's own steps' (the comparisons' between them left out)
+    assert lines[0] == "epoch  1/10: 4/4 steps in 1.5 s, loss=0.2500, acc=1.0000, test_acc=0.5000"
+    assert lines[9].startswith("epoch 10/10: 4/4 steps in 10.5 s, ")
     assert lines[9].endswith(", test_acc=0.5900")
 
 

@@ -264,7 +264,7 @@ class _StopAt:
         if (self._epoch, self._steps) == self._stop:
             raise Interrupt
 
-    def close(self, test_accuracy: float) -> None:
+    def close(self, test_accuracy: float, seconds: float) -> None:
         pass
 
 

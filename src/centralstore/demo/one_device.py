@@ -26,10 +26,10 @@ from centralstore.input.split import split_sizes
 
 from .job import (
     Digits,
-    Epochs,
     History,
     Run,
     Settings,
+    Training,
     make_model,
     make_optimizer,
     train_batches,
@@ -48,10 +48,12 @@ def one_device_epochs(
     settings: Settings,
     device: torch.device,
     slices: int = 1,
-) -> Epochs:
-    """The same training as plain PyTorch on one device, an epoch at a time
+) -> Training:
+    """The same training as plain PyTorch on one device, a step at a time
     (``job.interleaved``; ``job.finish`` runs it whole): same initial weights, same global
     batches in the same order, the mean loss over each global batch, no strategy at all.
+    Each step is timed on its own (fetching its batch included), so that an epoch's time
+    leaves out whatever runs between two steps.
 
     With ``slices`` > 1, each global batch is cut into that many consecutive slices by the
     split rule (32 + 32 for 64 over two), each slice makes its own forward pass and its own
@@ -64,11 +66,16 @@ def one_device_epochs(
     loader = train_batches(data, settings.batch_size, settings.seed)
     optimizer, schedule = make_optimizer(model, settings.epochs * len(loader))
     history = History()
-    seconds, epoch_seconds = 0.0, []
+    epoch_seconds: list[float] = []
     for _ in range(settings.epochs):
-        loss_sum, correct, seen = 0.0, 0, 0
-        start = time.perf_counter()
-        for images, labels in _to(device, loader):
+        loss_sum, correct, seen, seconds = 0.0, 0, 0, 0.0
+        batches = _to(device, loader)
+        while True:
+            start = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                break
+            images, labels = batch
             optimizer.zero_grad()
             if slices == 1:
                 logits = model(images)
@@ -82,17 +89,16 @@ def one_device_epochs(
             loss_sum += batch_loss * len(labels)
             correct += batch_correct
             seen += len(labels)
-        epoch_seconds.append(time.perf_counter() - start)
-        seconds += epoch_seconds[-1]
+            seconds += time.perf_counter() - start
+            yield None
+        epoch_seconds.append(seconds)
         history.loss.append(loss_sum / seen)
         history.accuracy.append(correct / seen)
         with torch.no_grad():
             predictions = model(data.test_images.to(device)).argmax(1).cpu()
         history.test_accuracy.append(float((predictions == data.test_labels).float().mean()))
-        if len(epoch_seconds) < settings.epochs:
-            yield None
     samples = settings.epochs * len(data.train_labels)
-    yield Run(model, history, seconds, samples, epoch_seconds=epoch_seconds)
+    yield Run(model, history, sum(epoch_seconds), samples, epoch_seconds=epoch_seconds)
 
 
 def _slice_passes(

@@ -7,7 +7,6 @@ Kept apart from the training (``train.py``) so that the training reads as traini
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO, final
@@ -37,8 +36,9 @@ class Progress(Protocol):
     def step(self, loss: float, accuracy: float) -> None:
         """One step done; ``loss`` and ``accuracy`` are the epoch's running means."""
 
-    def close(self, test_accuracy: float) -> None:
-        """The epoch is trained and evaluated."""
+    def close(self, test_accuracy: float, seconds: float) -> None:
+        """The epoch is trained, in ``seconds`` of its own steps (the comparisons' steps
+        between them left out), and evaluated."""
 
 
 def progress(epoch: int, epochs: int, steps: int, stream: TextIO) -> Progress:
@@ -54,7 +54,8 @@ def progress(epoch: int, epochs: int, steps: int, stream: TextIO) -> Progress:
 
 @final
 class _Bar:
-    """A tqdm bar with the running loss and accuracy, and the test accuracy once known."""
+    """A tqdm bar with the running loss and accuracy, and the test accuracy once known. Its
+    clock is the wall's: the comparisons' steps, taken between the epoch's, count in it."""
 
     def __init__(self, label: str, steps: int, stream: TextIO) -> None:
         from tqdm import tqdm
@@ -67,7 +68,7 @@ class _Bar:
         self._bar.set_postfix_str(f"loss={loss:.4f}, acc={accuracy:.4f}", refresh=False)
         self._bar.update(1)
 
-    def close(self, test_accuracy: float) -> None:
+    def close(self, test_accuracy: float, seconds: float) -> None:
         self._bar.set_postfix_str(f"{self._bar.postfix}, test_acc={test_accuracy:.4f}")
         self._bar.close()
 
@@ -75,18 +76,16 @@ class _Bar:
 @final
 class _Line:
     """One line when the epoch ends: ``epoch 1/12: 23/23 steps in 0.4 s, loss=..., acc=...,
-    test_acc=...``."""
+    test_acc=...``, the time that of the epoch's own steps."""
 
     def __init__(self, label: str, steps: int, stream: TextIO) -> None:
         self._label, self._steps, self._stream = label, steps, stream
         self._done, self._loss, self._accuracy = 0, float("nan"), float("nan")
-        self._started = time.perf_counter()
 
     def step(self, loss: float, accuracy: float) -> None:
         self._done, self._loss, self._accuracy = self._done + 1, loss, accuracy
 
-    def close(self, test_accuracy: float) -> None:
-        seconds = time.perf_counter() - self._started
+    def close(self, test_accuracy: float, seconds: float) -> None:
         print(
             f"{self._label}: {self._done}/{self._steps} steps in {seconds:.1f} s, "
             f"loss={self._loss:.4f}, acc={self._accuracy:.4f}, test_acc={test_accuracy:.4f}",

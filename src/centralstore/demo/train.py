@@ -17,7 +17,7 @@ import copy
 import io
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 import torch
@@ -29,9 +29,9 @@ import centralstore as cs
 from . import backup, report
 from .job import (
     Digits,
-    Epochs,
     Run,
     Settings,
+    Training,
     finish,
     global_size,
     held_out_batches,
@@ -55,8 +55,8 @@ def train_distributed(
 
     ``progress(epoch, steps)`` makes each epoch's progress display.
     """
-    initial, epochs = distributed_training(strategy, data, settings, progress)
-    return finish(epochs), initial
+    initial, training = distributed_training(strategy, data, settings, progress)
+    return finish(training), initial
 
 
 def distributed_training(
@@ -64,10 +64,11 @@ def distributed_training(
     data: Digits,
     settings: Settings,
     progress: Callable[[int, int], report.Progress],
-) -> tuple[dict[str, torch.Tensor], Epochs]:
-    """``train_distributed`` an epoch at a time (``job.interleaved``): the model is built
+) -> tuple[dict[str, torch.Tensor], Training]:
+    """``train_distributed`` a step at a time (``job.interleaved``): the model is built
     (or restored from a checkpoint) at once, so that the initial weights are known before
-    the first epoch."""
+    the first step. Each step is timed on its own (fetching its batch included), so that an
+    epoch's time leaves out whatever runs between two steps."""
     torch.manual_seed(settings.seed)
     loader = train_batches(data, settings.batch_size, settings.seed)
     with strategy.scope():  # the variables live once, on the parameter device
@@ -95,20 +96,24 @@ def distributed_training(
         loss.backward()  # type: ignore[no-untyped-call]
         return loss.detach(), (logits.argmax(1) == labels).sum()
 
-    def epochs() -> Epochs:
+    def steps() -> Training:
         for epoch in range(state.epoch, settings.epochs):
-            train_epoch(epoch)
-            if epoch < settings.epochs - 1:
-                yield None
+            yield from train_epoch(epoch)
         samples = settings.epochs * len(data.train_labels)
         yield Run(
             model, state.history, state.seconds, samples, resumed, list(state.epoch_seconds)
         )
 
-    def train_epoch(epoch: int) -> None:
+    def train_epoch(epoch: int) -> Iterator[None]:
         bar = progress(epoch, len(dataset))
-        start = time.perf_counter()
-        for images, labels in state.begin_epoch(dataset):
+        began = state.seconds
+        batches = state.begin_epoch(dataset)
+        while True:
+            start = time.perf_counter()
+            step = next(batches, None)
+            if step is None:
+                break
+            images, labels = step
             batch = global_size(strategy, labels)
             optimizer.zero_grad()
             loss, hits = strategy.run(train_step, args=(images, labels, batch))
@@ -119,17 +124,16 @@ def distributed_training(
             state.seen += batch
             state.steps += 1
             bar.step(state.loss_sum / state.seen, state.correct / state.seen)
+            state.seconds += time.perf_counter() - start
             if checkpoints is not None and state.steps % backup.CHECKPOINT_EVERY == 0:
-                now = time.perf_counter()
-                state.seconds, start = state.seconds + now - start, now
                 checkpoints.save()  # every worker calls it; the chief writes
-        state.seconds += time.perf_counter() - start
+            yield None
         state.end_epoch(evaluate(strategy, model, test_dataset))
-        bar.close(state.history.test_accuracy[-1])
+        bar.close(state.history.test_accuracy[-1], state.seconds - began)
         if checkpoints is not None:
             checkpoints.save()
 
-    return state.initial, epochs()
+    return state.initial, steps()
 
 
 def evaluate(strategy: cs.Strategy, model: nn.Module, dataset: Any) -> float:
@@ -158,7 +162,7 @@ def run(
     replicas' slices one after the other), print the report with the steady-state speeds,
     write ``curves.png`` and ``summary.json`` into ``settings.out``. Returns the summary.
 
-    The three trainings take turns epoch by epoch (``job.interleaved``), so that their
+    The three trainings take turns step by step (``job.interleaved``), so that their
     speeds are measured on the machine in the same state.
 
     The report goes to ``out``, the progress of each epoch to ``err`` (``sys.stdout`` and
@@ -177,7 +181,7 @@ def run(
     progress_stream = sys.stderr if err is None else err
     data = load_digits(settings.seed)
     console.header(strategy, settings, len(data.train_labels), len(data.test_labels))
-    initial, epochs = distributed_training(
+    initial, training = distributed_training(
         strategy,
         data,
         settings,
@@ -185,7 +189,7 @@ def run(
     )
     device = reference_device(strategy)
     replicas = strategy.num_replicas_in_sync
-    trainings = [epochs]
+    trainings = [training]
     if settings.compare:  # plain PyTorch on one device, an epoch of each training in turn
         trainings.append(one_device_epochs(initial, data, settings, device))
         if replicas > 1:  # the replicas' passes without centralstore: what it costs itself
