@@ -105,12 +105,29 @@ def test_split_flat_gives_each_replica_its_components_in_one_pass() -> None:
     assert _values.split_flat(plain, {}, 3) == [(plain, {})] * 3
 
 
+@pytest.mark.parametrize("scalar", [64, 0.5, True, "train", None])
+def test_split_flat_hands_every_replica_a_python_scalar_as_it_is(scalar: object) -> None:
+    """A step's global batch size, step number or flag beside its per-replica batch: each
+    replica gets the scalar itself, as ``select`` would give it."""
+    x, t = torch.zeros(2), torch.ones(1)
+    per_replica = cs.PerReplica([x, t])
+    parts = _values.split_flat((per_replica, scalar), {}, 2)
+    assert parts == [(tuple(_values.select((per_replica, scalar), r)), {}) for r in (0, 1)]
+    assert parts is not None and parts[1][0][0] is t and parts[1][0][1] is scalar
+    assert _values.split_flat((t, scalar), {}, 2) == [((t, scalar), {})] * 2
+
+
+_Point = namedtuple("_Point", "x y")
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs"),
     [
         ((cs.PerReplica([1, 2, 3]),), {}),  # a wrong count: the general walk's check names it
         (([cs.PerReplica([1, 2])],), {}),  # nested
-        ((cs.PerReplica([1, 2]), 3.0), {}),  # a leaf that is not a tensor
+        ((cs.PerReplica([1, 2]), 3 + 0j), {}),  # a leaf that is neither tensor nor scalar
+        ((cs.PerReplica([1, 2]), torch.nn.Parameter(torch.ones(1))), {}),  # a subclass
+        ((torch.ones(1), _Point(cs.PerReplica([1, 2]), 3)), {}),  # a namedtuple (a container)
         ((), {"x": cs.PerReplica([1, 2])}),  # keyword arguments
     ],
 )

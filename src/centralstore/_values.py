@@ -12,6 +12,10 @@ import torch
 from . import _tree
 
 _Tensor = torch.Tensor
+# the leaves that ``split_flat`` hands every replica as they are: tensors, and the Python
+# scalars a step often takes beside them (the global batch size, a step number, a flag)
+_SHARED_LEAVES = frozenset((_Tensor, int, float, bool, str, type(None)))
+_shared_leaf = _SHARED_LEAVES.__contains__
 _set_slot = object.__setattr__
 
 T = TypeVar("T")
@@ -68,18 +72,20 @@ def split_flat(
     args: Sequence[Any], kwargs: dict[str, Any], replicas: int
 ) -> list[tuple[Sequence[Any], dict[str, Any]]] | None:
     """Each replica's ``(args, kwargs)`` in one pass, for the arguments of nearly every
-    ``run``: no keyword arguments, and positional ones that are tensors or ``PerReplica``s of
-    ``replicas`` components each. None otherwise (containers, other leaves, another count):
-    the general walk (``select``) takes those, and its check names a wrong count.
+    ``run``: no keyword arguments, and positional ones that are ``PerReplica``s of
+    ``replicas`` components each, tensors, or Python scalars (``int``, ``float``, ``bool``,
+    ``str``, None), which every replica sees as they are. None otherwise (containers, other
+    leaves, another count): the general walk (``select``) takes those, and its check names a
+    wrong count.
 
-    >>> split_flat((PerReplica([1, 2]),), {}, 2)
-    [((1,), {}), ((2,), {})]
+    >>> split_flat((PerReplica([1, 2]), 64), {}, 2)
+    [((1, 64), {}), ((2, 64), {})]
     """
     if kwargs:
         return None
     kinds = list(map(type, args))
     if PerReplica not in kinds:
-        if kinds.count(_Tensor) == len(kinds):  # all tensors (counted in C)
+        if all(map(_shared_leaf, kinds)):  # (in C)
             return [(args, kwargs)] * replicas
         return None
     columns: list[Sequence[Any]] = []
@@ -88,7 +94,7 @@ def split_flat(
             if len(arg._values) != replicas:
                 return None
             columns.append(arg._values)
-        elif kind is _Tensor:
+        elif kind in _SHARED_LEAVES:
             columns.append((arg,) * replicas)
         else:
             return None
