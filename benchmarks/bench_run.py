@@ -8,6 +8,8 @@ function called plainly in the same process:
   run(lambda x: x, (tensor,))   the same with an argument passed to every replica
   run(f, (PerReplica, PerReplica))  a step's input: two PerReplica arguments, each replica
                                 its components; f returns nothing
+  run(f, (PerReplica, 64))      the same with a Python number beside the batch (a global
+                                batch size): each replica gets the number as it is
   run(f, (PerReplica,)) -> (x, {'accuracy': x})  a step's outputs: each replica returns
                                 its component and a dict of it, which run regroups into
                                 PerReplica leaves of the same structure
@@ -104,7 +106,7 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
     def nothing() -> None:
         return None
 
-    def consume(x: torch.Tensor, y: torch.Tensor) -> None:
+    def consume(x: torch.Tensor, y: torch.Tensor | int) -> None:
         return None
 
     def identity(x: torch.Tensor) -> torch.Tensor:
@@ -143,6 +145,10 @@ def cases(replicas: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]
         "run(f, (PerReplica, PerReplica))": (
             lambda: strategy.run(consume, args=(value, value)),
             lambda: consume(components[0], components[0]), 1,
+        ),
+        "run(f, (PerReplica, 64))": (
+            lambda: strategy.run(consume, args=(value, 64)),
+            lambda: consume(components[0], 64), 1,
         ),
         "run(f, (PerReplica,)) -> (x, {'accuracy': x})": (
             lambda: strategy.run(step_outputs, args=(value,)),
