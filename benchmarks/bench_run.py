@@ -41,8 +41,10 @@ beginning empty, and both should follow the work.
 A third table times ``run(lambda: None)`` with the small transformer's 26 variables in scope
 right after a sweep through 64 MB of memory (untimed), as a training loop's run follows an
 optimizer step whose sweep over a model larger than the caches leaves none of the run's code
-and data in them, and the same run repeated at once: a run's Python costs several times
-more there (docs/design.md §7), which is what a training step pays.
+and data in them, right after sleeping 1 ms (untimed: the process touches nothing, so
+whatever the run finds evicted, the machine's other work evicted), and the same run repeated
+at once: a run's Python costs several times more after either (docs/design.md §7), which is
+what a training step pays.
 
 Times are the process's CPU time by default (``--clock wall`` for wall-clock time): on a
 machine with several times more runnable threads than cores (a load average of 8 to 13 on 2
@@ -283,13 +285,15 @@ def print_accumulation(results: dict[tuple[int, str], float], rounds: int) -> No
 
 
 SWEEP_MB = 64
+ASLEEP_S = 1e-3
 
 
-def measure_cold(samples: int) -> dict[int, tuple[float, float]]:
+def measure_cold(samples: int) -> dict[int, tuple[float, float, float]]:
     """R -> median microseconds of ``run(lambda: None)`` with the small transformer's 26
     variables in scope right after a sweep through ``SWEEP_MB`` of memory (untimed: what an
-    optimizer step over a model larger than the caches does to them), and of the same run
-    repeated at once."""
+    optimizer step over a model larger than the caches does to them), right after sleeping
+    ``ASLEEP_S`` (untimed: what the rest of the machine does to them meanwhile), and of the
+    same run repeated at once."""
     sweep = torch.zeros(SWEEP_MB * 2**20 // 4)
     setups = {}
     for replicas in REPLICAS:
@@ -298,29 +302,42 @@ def measure_cold(samples: int) -> dict[int, tuple[float, float]]:
         strategy.run(lambda: None)  # the first run, which checks the modules it calls
         setups[replicas] = (strategy, model)
     cold: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
+    asleep: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
     warm: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
+
+    def timed(strategy: cs.Strategy, times: list[float]) -> None:
+        start = _clock()
+        strategy.run(lambda: None)
+        times.append((_clock() - start) * 1e6)
+
     for sample in range(samples):
         for replicas in REPLICAS if sample % 2 == 0 else REPLICAS[::-1]:
             strategy = setups[replicas][0]
             sweep.add_(1.0)
-            for times in (cold, warm):
-                start = _clock()
-                strategy.run(lambda: None)
-                times[replicas].append((_clock() - start) * 1e6)
+            timed(strategy, cold[replicas])
+            time.sleep(ASLEEP_S)
+            timed(strategy, asleep[replicas])
+            timed(strategy, warm[replicas])
     return {
-        replicas: (statistics.median(cold[replicas]), statistics.median(warm[replicas]))
+        replicas: (
+            statistics.median(cold[replicas]), statistics.median(asleep[replicas]),
+            statistics.median(warm[replicas]),
+        )
         for replicas in REPLICAS
     }
 
 
-def print_cold(results: dict[int, tuple[float, float]], samples: int) -> None:
+def print_cold(results: dict[int, tuple[float, float, float]], samples: int) -> None:
     print(f"\nrun(lambda: None), 26 variables: median microseconds over {samples} runs right "
-          f"after a {SWEEP_MB} MB sweep, and repeated at once")
-    header = f"{'R':>3}{'after sweep':>13}{'at once':>10}{'ratio':>8}"
+          f"after a {SWEEP_MB} MB sweep, right after sleeping {ASLEEP_S * 1e3:g} ms, and "
+          "repeated at once")
+    header = (f"{'R':>3}{'after sweep':>13}{'ratio':>7}{'after sleep':>13}{'ratio':>7}"
+              f"{'at once':>10}")
     print(header)
     print("-" * len(header))
-    for replicas, (cold, warm) in results.items():
-        print(f"{replicas:>3}{cold:>13.1f}{warm:>10.1f}{cold / warm:>8.1f}")
+    for replicas, (cold, asleep, warm) in results.items():
+        print(f"{replicas:>3}{cold:>13.1f}{cold / warm:>7.1f}{asleep:>13.1f}"
+              f"{asleep / warm:>7.1f}{warm:>10.1f}")
 
 
 def main() -> None:
