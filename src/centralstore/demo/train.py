@@ -79,7 +79,16 @@ def distributed_training(
     if settings.checkpoint_dir is not None:  # resume where an interrupted run stopped
         checkpoints = backup.manager(settings.checkpoint_dir, model, optimizer, schedule, state)
         resumed = checkpoints.restore_or_initialize()
-    dataset = strategy.experimental_distribute_dataset(loader)
+    # The comparison's plain loops take turns with this one step by step (``run``): a thread
+    # making this loop's batches ahead would make them during their steps too, and slow
+    # them. With the comparison on, each batch is made when the loop asks for it, as the
+    # plain loops make theirs.
+    placed_on_request = cs.InputOptions(
+        experimental_fetch_to_device=False, experimental_place_dataset_on_device=True
+    )
+    dataset = strategy.experimental_distribute_dataset(
+        loader, placed_on_request if settings.compare else None
+    )
     test_dataset = strategy.experimental_distribute_dataset(
         held_out_batches(data, settings.batch_size)
     )
