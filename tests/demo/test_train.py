@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from demo.reading import (
 
 import centralstore as cs
 from centralstore.demo import job, report, train
+from centralstore.input import prefetch
 
 
 class Finished(NamedTuple):
@@ -321,3 +323,30 @@ def test_centralstore_demo_resumes_from_its_checkpoint_dir(tmp_path: Path) -> No
     assert summary["resumed_from"] == str(tmp_path / "ckpts" / "ckpt-1")
     assert first.summary["resumed_from"] is None
     assert "Warning" not in result.stderr
+
+
+@pytest.mark.parametrize(("compare", "threads"), [(True, 0), (False, 1)])
+def test_with_the_comparison_the_replicas_batches_are_made_when_the_loop_asks(
+    compare: bool, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain loops take their steps between the replicas' (``job.interleaved``): a
+    thread making the replicas' batches ahead would make them during those steps too. With
+    the comparison on, no such thread starts, though the loop is away long enough between
+    its steps (2 ms here, 24 steps of 128) for the distributed input to start one without
+    it."""
+    started: list[object] = []
+    make = prefetch.PrefetchIterator
+    monkeypatch.setattr(
+        prefetch, "PrefetchIterator",
+        lambda *args, **kwargs: started.append(args) or make(*args, **kwargs),
+    )
+    data = small_digits(train=1437, test=8)
+    settings = job.Settings(epochs=2, batch_size=128, compare=compare)
+    strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
+    _, training = train.distributed_training(
+        strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
+    )
+    for result in training:
+        if result is None:
+            time.sleep(0.002)  # the other loops' steps
+    assert len(started) == threads
