@@ -23,7 +23,7 @@ def test_distributed_run_matches_its_one_device_twin_on_three_replicas() -> None
     distributed, initial = train.train_distributed(
         strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
     )
-    reference = finish(one_device.one_device_epochs(initial, data, settings, torch.device("cpu")))
+    reference = finish(one_device.one_device_training(initial, data, settings, torch.device("cpu")))
     assert one_device.max_abs_difference(distributed.model, reference.model) < 1e-5
     assert distributed.history.loss == pytest.approx(reference.history.loss, rel=1e-4)
     assert distributed.history.test_accuracy == reference.history.test_accuracy
@@ -42,9 +42,9 @@ def test_the_loop_in_slices_trains_as_the_replicas_do(replicas: int, batch_size:
         strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
     )
     sliced = finish(
-        one_device.one_device_epochs(initial, data, settings, torch.device("cpu"), replicas)
+        one_device.one_device_training(initial, data, settings, torch.device("cpu"), replicas)
     )
-    whole = finish(one_device.one_device_epochs(initial, data, settings, torch.device("cpu")))
+    whole = finish(one_device.one_device_training(initial, data, settings, torch.device("cpu")))
     assert one_device.max_abs_difference(distributed.model, sliced.model) < 1e-5
     assert one_device.max_abs_difference(whole.model, sliced.model) < 1e-5
     assert sliced.history.loss == pytest.approx(whole.history.loss, rel=1e-4)
@@ -90,7 +90,7 @@ def test_each_training_yields_after_every_step_and_times_only_its_own_steps() ->
     initial, distributed = train.distributed_training(
         strategy, data, settings, lambda e, s: report.progress(e, 2, s, io.StringIO())
     )
-    plain = one_device.one_device_epochs(initial, data, settings, torch.device("cpu"), 2)
+    plain = one_device.one_device_training(initial, data, settings, torch.device("cpu"), 2)
     for training in (distributed, plain):
         steps, run = _stepped(training, pause=0.2)
         assert steps == 6

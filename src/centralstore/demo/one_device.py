@@ -42,7 +42,7 @@ def reference_device(strategy: cs.Strategy) -> torch.device:
     return torch.device("cpu") if name.startswith("cpu") else torch.device(name)
 
 
-def one_device_epochs(
+def one_device_training(
     initial: dict[str, torch.Tensor],
     data: Digits,
     settings: Settings,

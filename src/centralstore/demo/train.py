@@ -42,7 +42,7 @@ from .job import (
     steps_per_epoch,
     train_batches,
 )
-from .one_device import max_abs_difference, one_device_epochs, reference_device
+from .one_device import max_abs_difference, one_device_training, reference_device
 
 
 def train_distributed(
@@ -79,16 +79,15 @@ def distributed_training(
     if settings.checkpoint_dir is not None:  # resume where an interrupted run stopped
         checkpoints = backup.manager(settings.checkpoint_dir, model, optimizer, schedule, state)
         resumed = checkpoints.restore_or_initialize()
-    # The comparison's plain loops take turns with this one step by step (``run``): a thread
-    # making this loop's batches ahead would make them during their steps too, and slow
-    # them. With the comparison on, each batch is made when the loop asks for it, as the
-    # plain loops make theirs.
-    placed_on_request = cs.InputOptions(
-        experimental_fetch_to_device=False, experimental_place_dataset_on_device=True
-    )
-    dataset = strategy.experimental_distribute_dataset(
-        loader, placed_on_request if settings.compare else None
-    )
+    options = None
+    if settings.compare:
+        # The comparison's plain loops take turns with this one step by step (``run``): a
+        # thread making this loop's batches ahead would make them during their steps too,
+        # and slow them. So each batch is made when the loop asks, as theirs are.
+        options = cs.InputOptions(
+            experimental_fetch_to_device=False, experimental_place_dataset_on_device=True
+        )
+    dataset = strategy.experimental_distribute_dataset(loader, options)
     test_dataset = strategy.experimental_distribute_dataset(
         held_out_batches(data, settings.batch_size)
     )
@@ -199,10 +198,10 @@ def run(
     device = reference_device(strategy)
     replicas = strategy.num_replicas_in_sync
     trainings = [training]
-    if settings.compare:  # plain PyTorch on one device, an epoch of each training in turn
-        trainings.append(one_device_epochs(initial, data, settings, device))
+    if settings.compare:  # plain PyTorch on one device, a step of each training in turn
+        trainings.append(one_device_training(initial, data, settings, device))
         if replicas > 1:  # the replicas' passes without centralstore: what it costs itself
-            trainings.append(one_device_epochs(initial, data, settings, device, replicas))
+            trainings.append(one_device_training(initial, data, settings, device, replicas))
     distributed, *plain = interleaved(trainings)
     console.results(distributed)
     reference: Run | None = plain[0] if plain else None
