@@ -325,9 +325,9 @@ def test_centralstore_demo_resumes_from_its_checkpoint_dir(tmp_path: Path) -> No
     assert "Warning" not in result.stderr
 
 
-@pytest.mark.parametrize(("compare", "threads"), [(True, 0), (False, 1)])
+@pytest.mark.parametrize("compare", [True, False])
 def test_with_the_comparison_the_replicas_batches_are_made_when_the_loop_asks(
-    compare: bool, threads: int, monkeypatch: pytest.MonkeyPatch
+    compare: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The plain loops take their steps between the replicas' (``job.interleaved``): a
     thread making the replicas' batches ahead would make them during those steps too. With
@@ -349,4 +349,4 @@ def test_with_the_comparison_the_replicas_batches_are_made_when_the_loop_asks(
     for result in training:
         if result is None:
             time.sleep(0.002)  # the other loops' steps
-    assert len(started) == threads
+    assert bool(started) is not compare
