@@ -52,16 +52,21 @@ def progress(epoch: int, epochs: int, steps: int, stream: TextIO) -> Progress:
     return _Bar(label, steps, stream) if stream.isatty() else _Line(label, steps, stream)
 
 
+_STEPS = "{l_bar}{bar}| {n_fmt}/{total_fmt} steps"  # tqdm's bar, without its clock
+
+
 @final
 class _Bar:
-    """A tqdm bar with the running loss and accuracy, and the test accuracy once known. Its
-    clock is the wall's: the comparisons' steps, taken between the epoch's, count in it."""
+    """A tqdm bar with the running loss and accuracy, then the epoch's time and its test
+    accuracy, as ``_Line`` prints them. tqdm's own elapsed time and rate are left out: its
+    clock is the wall's, in which the comparisons' steps, taken between the epoch's, count."""
 
     def __init__(self, label: str, steps: int, stream: TextIO) -> None:
         from tqdm import tqdm
 
         self._bar = tqdm(
-            total=steps, desc=label, unit="step", file=stream, leave=True, dynamic_ncols=True
+            total=steps, desc=label, unit="step", file=stream, leave=True, dynamic_ncols=True,
+            bar_format=_STEPS + "{postfix}",
         )
 
     def step(self, loss: float, accuracy: float) -> None:
@@ -69,6 +74,7 @@ class _Bar:
         self._bar.update(1)
 
     def close(self, test_accuracy: float, seconds: float) -> None:
+        self._bar.bar_format = _STEPS + f" in {seconds:.1f} s" + "{postfix}"
         self._bar.set_postfix_str(f"{self._bar.postfix}, test_acc={test_accuracy:.4f}")
         self._bar.close()
 
