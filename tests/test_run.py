@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from paths import each_path, run_on, strategy_on
+from paths import each_path, run_on, step_on, strategy_on
 from replicas import context, local, replica_id, strategy_of
 
 import centralstore as cs
@@ -42,6 +42,29 @@ def test_kwargs_must_be_a_dict(kwargs: Any) -> None:
 def test_args_may_be_a_list_and_kwargs_none() -> None:
     strategy = strategy_of(2)
     assert strategy.run(lambda a, b: a + b, args=[1, 2], kwargs=None) == 3
+
+
+@each_path
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_flat_keyword_arguments_reach_each_replica_as_positional_ones_do(
+    path: str, replicas: int
+) -> None:
+    """``run(fn, args=..., kwargs=...)`` with a ``PerReplica``, a tensor and Python scalars
+    among the keywords: each replica gets its component and the shared values themselves."""
+    strategy = strategy_on(path, replicas)
+    shared = torch.ones(1)
+    x = cs.PerReplica([torch.full((1,), float(r)) for r in range(replicas)])
+    labels = cs.PerReplica([10 * r for r in range(replicas)])
+
+    def step(xs: torch.Tensor, *, labels: int, scale: float, mask: torch.Tensor,
+             note: str | None) -> tuple[int, float, int, bool, str | None]:
+        return replica_id(), float(xs) * scale, labels, mask is shared, note
+
+    out = strategy.run(
+        step_on(path, step), args=(x,),
+        kwargs={"labels": labels, "scale": 2.0, "mask": shared, "note": None},
+    )
+    assert list(local(strategy, out)) == [(r, 2.0 * r, 10 * r, True, None) for r in range(replicas)]
 
 
 @pytest.mark.parametrize("replicas", REPLICAS)

@@ -117,6 +117,23 @@ def test_split_flat_hands_every_replica_a_python_scalar_as_it_is(scalar: object)
     assert _values.split_flat((t, scalar), {}, 2) == [((t, scalar), {})] * 2
 
 
+def test_split_flat_gives_each_replica_its_keyword_arguments_as_select_does() -> None:
+    """``run(fn, args=..., kwargs=...)``: each replica's keyword arguments hold its own
+    components and the scalars and tensors every replica shares, positional ones as before;
+    without a ``PerReplica`` every replica gets the very same dictionary."""
+    x, t = torch.zeros(2), torch.ones(1)
+    args = (cs.PerReplica([x, t]),)
+    kwargs = {"labels": cs.PerReplica([t, x]), "training": True, "mask": t}
+    parts = _values.split_flat(args, kwargs, 2)
+    assert parts == [
+        (tuple(_values.select(args, r)), _values.select(kwargs, r)) for r in (0, 1)
+    ]
+    assert parts is not None and parts[1][1]["labels"] is x and parts[1][1]["mask"] is t
+    shared = {"training": False, "mask": t}
+    split = _values.split_flat((x,), shared, 2)
+    assert split is not None and all(own is shared for _, own in split)
+
+
 _Point = namedtuple("_Point", "x y")
 
 
@@ -128,7 +145,8 @@ _Point = namedtuple("_Point", "x y")
         ((cs.PerReplica([1, 2]), 3 + 0j), {}),  # a leaf that is neither tensor nor scalar
         ((cs.PerReplica([1, 2]), torch.nn.Parameter(torch.ones(1))), {}),  # a subclass
         ((torch.ones(1), _Point(cs.PerReplica([1, 2]), 3)), {}),  # a namedtuple (a container)
-        ((), {"x": cs.PerReplica([1, 2])}),  # keyword arguments
+        ((), {"x": [cs.PerReplica([1, 2])]}),  # a keyword argument holding a container
+        ((torch.ones(1),), {"x": cs.PerReplica([1, 2, 3])}),  # a keyword's wrong count
     ],
 )
 def test_split_flat_leaves_everything_else_to_the_general_walk(

@@ -72,33 +72,39 @@ def split_flat(
     args: Sequence[Any], kwargs: dict[str, Any], replicas: int
 ) -> list[tuple[Sequence[Any], dict[str, Any]]] | None:
     """Each replica's ``(args, kwargs)`` in one pass, for the arguments of nearly every
-    ``run``: no keyword arguments, and positional ones that are ``PerReplica``s of
-    ``replicas`` components each, tensors, or Python scalars (``int``, ``float``, ``bool``,
-    ``str``, None), which every replica sees as they are. None otherwise (containers, other
-    leaves, another count): the general walk (``select``) takes those, and its check names a
-    wrong count.
+    ``run``: positional and keyword arguments that are ``PerReplica``s of ``replicas``
+    components each, tensors, or Python scalars (``int``, ``float``, ``bool``, ``str``,
+    None), which every replica sees as they are. None otherwise (containers, other leaves,
+    another count): the general walk (``select``) takes those, and its check names a wrong
+    count.
 
     >>> split_flat((PerReplica([1, 2]), 64), {}, 2)
     [((1, 64), {}), ((2, 64), {})]
+    >>> split_flat((), {"x": PerReplica([1, 2]), "training": True}, 2)
+    [((), {'x': 1, 'training': True}), ((), {'x': 2, 'training': True})]
     """
-    if kwargs:
-        return None
-    kinds = list(map(type, args))
+    leaves = (*args, *kwargs.values()) if kwargs else args
+    kinds = list(map(type, leaves))
     if PerReplica not in kinds:
         if all(map(_shared_leaf, kinds)):  # (in C)
             return [(args, kwargs)] * replicas
         return None
     columns: list[Sequence[Any]] = []
-    for arg, kind in zip(args, kinds):
+    for leaf, kind in zip(leaves, kinds):
         if kind is PerReplica:
-            if len(arg._values) != replicas:
+            if len(leaf._values) != replicas:
                 return None
-            columns.append(arg._values)
+            columns.append(leaf._values)
         elif kind in _SHARED_LEAVES:
-            columns.append((arg,) * replicas)
+            columns.append((leaf,) * replicas)
         else:
             return None
-    return [(row, kwargs) for row in zip(*columns)]
+    if not kwargs:
+        return [(row, kwargs) for row in zip(*columns)]
+    positional, names = len(args), list(kwargs)
+    return [
+        (row[:positional], dict(zip(names, row[positional:]))) for row in zip(*columns)
+    ]
 
 
 def select(tree: Any, replica: int) -> Any:
