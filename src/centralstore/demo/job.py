@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -113,6 +114,26 @@ def finish(training: Training) -> Run:
         if result is not None:
             return result
     raise RuntimeError("The training ended without a run: every training yields its run last.")
+
+
+T = TypeVar("T")
+
+
+def timed(batches: Iterable[T]) -> Iterator[tuple[T, float]]:
+    """Each batch with the ``time.perf_counter()`` at which fetching it began: a step timed
+    from there counts its batch's making, and not whatever ran since the step before.
+
+    >>> [batch for batch, began in timed("ab")]
+    ['a', 'b']
+    """
+    iterator = iter(batches)
+    while True:
+        began = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        yield batch, began
 
 
 def interleaved(trainings: Sequence[Training]) -> list[Run]:

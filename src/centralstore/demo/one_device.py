@@ -32,6 +32,7 @@ from .job import (
     Training,
     make_model,
     make_optimizer,
+    timed,
     train_batches,
 )
 
@@ -69,13 +70,7 @@ def one_device_training(
     epoch_seconds: list[float] = []
     for _ in range(settings.epochs):
         loss_sum, correct, seen, seconds = 0.0, 0, 0, 0.0
-        batches = _to(device, loader)
-        while True:
-            start = time.perf_counter()
-            batch = next(batches, None)
-            if batch is None:
-                break
-            images, labels = batch
+        for (images, labels), start in timed(_to(device, loader)):
             optimizer.zero_grad()
             if slices == 1:
                 logits = model(images)

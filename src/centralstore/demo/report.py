@@ -65,7 +65,7 @@ class _Bar:
         from tqdm import tqdm
 
         self._bar = tqdm(
-            total=steps, desc=label, unit="step", file=stream, leave=True, dynamic_ncols=True,
+            total=steps, desc=label, file=stream, leave=True, dynamic_ncols=True,
             bar_format=_STEPS + "{postfix}",
         )
 

@@ -40,6 +40,7 @@ from .job import (
     make_model,
     make_optimizer,
     steps_per_epoch,
+    timed,
     train_batches,
 )
 from .one_device import max_abs_difference, one_device_training, reference_device
@@ -115,13 +116,7 @@ def distributed_training(
     def train_epoch(epoch: int) -> Iterator[None]:
         bar = progress(epoch, len(dataset))
         began = state.seconds
-        batches = state.begin_epoch(dataset)
-        while True:
-            start = time.perf_counter()
-            step = next(batches, None)
-            if step is None:
-                break
-            images, labels = step
+        for (images, labels), start in timed(state.begin_epoch(dataset)):
             batch = global_size(strategy, labels)
             optimizer.zero_grad()
             loss, hits = strategy.run(train_step, args=(images, labels, batch))
