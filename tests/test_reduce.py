@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import namedtuple
 from typing import Any
@@ -261,6 +262,43 @@ def test_reduce_keeps_the_autograd_graph() -> None:
     w.grad = None
     strategy.reduce(SUM, cs.PerReplica([w * 2, w * 3])).sum().backward()
     same(w.grad, [5.0, 5.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int32])
+@pytest.mark.parametrize("op", [SUM, MEAN])
+def test_alike_tensors_skip_the_general_path_with_the_same_bits(
+    dtype: torch.dtype, op: ReduceOp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain tensors of one dtype and shape on the result's device add up in replica order
+    without the general path (``added_alike``), to the bits it gives; anything else still
+    takes it."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [(torch.randn(5, 3, generator=generator) * 100).to(dtype) for _ in range(3)]
+    value = cs.PerReplica(parts)
+    strategy = strategy_of(3)
+    expected = strategy._workers.reduce(op, [parts], None, torch.device("cpu"))[0]
+    general: list[Any] = []
+    taken = type(strategy._workers).reduce
+
+    def counted(*args: Any) -> Any:
+        general.append(args)
+        return taken(*args)
+
+    monkeypatch.setattr(type(strategy._workers), "reduce", counted)
+    result = strategy.reduce(op, value, axis=None)
+    assert result.dtype == expected.dtype and torch.equal(result, expected)
+    assert general == []
+    for other in (  # a bool, a subclass, another shape or dtype, a number: the general path
+        [part.bool() for part in parts],
+        [torch.nn.Parameter(part.double()) for part in parts],
+        [parts[0], parts[1], parts[2].reshape(3, 5)],
+        [*parts[:2], parts[2].to(torch.int64 if dtype.is_floating_point else torch.float32)],
+        [1, parts[1], parts[2]],
+    ):
+        general.clear()
+        with contextlib.suppress(ValueError, TypeError):  # (different dtypes raise there)
+            strategy.reduce(op, cs.PerReplica(other), axis=None)
+        assert len(general) == 1
 
 
 def test_reduce_accepts_numbers_and_numpy_components() -> None:

@@ -27,7 +27,15 @@ from .. import _context, _integrations, _replicas, _tree
 from .._devices import CurrentStreams
 from .._placement import Placement
 from .._random import ReplicaRandomness, Streams
-from .._reduce import Axis, ReduceOp, gather_axis, reduce_axes, reduce_plain
+from .._reduce import (
+    Axis,
+    ReduceOp,
+    added_alike,
+    gather_axis,
+    mean_of,
+    reduce_axes,
+    reduce_plain,
+)
 from .._reduce import result_device as _result_device
 from .._replica_context import ReplicaContext
 from .._values import PerReplica, ValueContext, local_results, regroup, select, split_flat
@@ -454,7 +462,12 @@ class Strategy(abc.ABC):
         reduce_axes(axis)  # checked here too, so that a plain or empty value gets the error
         if isinstance(value, PerReplica) and len(value) == self._placement.local_replicas:
             # the common case, without the pytree walk
-            return self._workers.reduce(op, [value.values], axis, _result_device())[0]
+            device = _result_device()
+            if axis is None and self._one_process:  # and its usual values, one addition each
+                total = added_alike(value.values, device)
+                if total is not None:
+                    return total if op is ReduceOp.SUM else mean_of(total, len(value))
+            return self._workers.reduce(op, [value.values], axis, device)[0]
         if (
             type(value) is torch.Tensor and axis is None and not self._plain_is_local
             and (op is ReduceOp.MEAN or self._placement.num_replicas == 1)
