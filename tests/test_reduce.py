@@ -438,6 +438,46 @@ def test_gather_errors(components: Any, axis: int, match: str) -> None:
         strategy_of(2).gather(cs.PerReplica(components), axis)
 
 
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_of_tensors_alike_skips_the_general_path_with_the_same_result(
+    axis: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain tensors of one rank on the result's device are concatenated without the
+    general path (``concatenated_alike``), as it concatenates them; anything else, and
+    components ``torch.cat`` refuses, still take it, which names what differs."""
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(2, 3), (1, 3), (4, 3)] if axis == 0 else [(2, 1), (2, 3), (2, 2)]
+    parts = [torch.randn(*size, generator=generator) for size in sizes]
+    parts[1] = parts[1].double()  # (torch.cat promotes, on either path)
+    strategy = strategy_of(3)
+    expected = strategy._workers.gather([parts], axis, torch.device("cpu"))[0][0]
+    general: list[Any] = []
+    taken = type(strategy._workers).gather
+
+    def counted(*args: Any) -> Any:
+        general.append(args)
+        return taken(*args)
+
+    monkeypatch.setattr(type(strategy._workers), "gather", counted)
+    result = strategy.gather(cs.PerReplica(parts), axis=axis)
+    assert result.dtype == expected.dtype and torch.equal(result, expected)
+    assert general == []
+    for other, error in (
+        ([torch.tensor(1.0)] * 3, "at least one dimension"),
+        ([parts[0], parts[1], parts[2].reshape(-1)], "equal rank"),
+        ([parts[0], parts[1], torch.ones(5, 5)], "equal sizes on the other axes"),
+        ([torch.nn.Parameter(part) for part in parts], None),
+        ([np.ones(sizes[0]), parts[1], parts[2]], None),
+    ):
+        general.clear()
+        if error is None:
+            strategy.gather(cs.PerReplica(other), axis=axis)
+        else:
+            with pytest.raises(ValueError, match=error):
+                strategy.gather(cs.PerReplica(other), axis=axis)
+        assert len(general) == 1
+
+
 def test_gather_returns_a_plain_value_unchanged_and_walks_structures() -> None:
     strategy = strategy_of(2)
     tensor = torch.ones(2)

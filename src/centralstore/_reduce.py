@@ -314,6 +314,34 @@ def reduce_plain(op: ReduceOp, value: Any, num_replicas: int, axis: Axis) -> Any
     return reduce_components(op, [tensor] * num_replicas, axis, device)
 
 
+def concatenated_alike(
+    components: Sequence[Any], axis: int, device: torch.device
+) -> torch.Tensor | None:
+    """``gather``'s concatenation in its usual case, without the general path's conversions
+    and checks: plain tensors on ``device``, of one rank with ``axis`` in range, that
+    ``torch.cat`` joins (the general path's call). None when one is anything else, or when
+    ``torch.cat`` refuses them: the general path converts it, or names what differs.
+
+    >>> concatenated_alike([torch.ones(1, 2), torch.zeros(2, 2)], 0, torch.device("cpu")).shape
+    torch.Size([3, 2])
+    >>> concatenated_alike([torch.ones(1, 2), torch.zeros(1, 3)], 0, torch.device("cpu")) is None
+    True
+    """
+    first = components[0]
+    if type(first) is not torch.Tensor or first.device != device:
+        return None
+    rank = first.dim()
+    if not -rank <= axis < rank:  # (a scalar has no axis)
+        return None
+    for part in components[1:]:
+        if type(part) is not torch.Tensor or part.dim() != rank or part.device != device:
+            return None
+    try:
+        return torch.cat(components, dim=axis)  # type: ignore[arg-type]
+    except RuntimeError:  # (other sizes on another axis)
+        return None
+
+
 def gather_components(components: Sequence[Any], axis: int, device: torch.device) -> torch.Tensor:
     """Concatenate the per-replica ``components`` along ``axis`` on ``device``."""
     axis = gather_axis(axis)

@@ -31,6 +31,7 @@ from .._reduce import (
     Axis,
     ReduceOp,
     added_alike,
+    concatenated_alike,
     gather_axis,
     mean_of,
     reduce_axes,
@@ -514,7 +515,12 @@ class Strategy(abc.ABC):
         axis = gather_axis(axis)
         if isinstance(value, PerReplica) and len(value) == self._placement.local_replicas:
             # the common case, without the pytree walk
-            return self._workers.gather([value.values], axis, _result_device())[0][0]
+            device = _result_device()
+            if self._one_process:  # and its usual values, one concatenation
+                joined = concatenated_alike(value.values, axis, device)
+                if joined is not None:
+                    return joined
+            return self._workers.gather([value.values], axis, device)[0][0]
         self._check_components(value, "gather's value")
         leaves, spec = _tree.flatten(value)
         results = list(leaves)
