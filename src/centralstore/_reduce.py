@@ -236,8 +236,8 @@ def added_alike(components: Sequence[Any], device: torch.device) -> torch.Tensor
     conversions and checks: plain tensors on ``device``, of one shape and one dtype other
     than bool, added in replica order (``_add_in_order``'s additions, so the same bits and
     graph). None when one is anything else: the general path converts it, or names what
-    differs. (Right after a step's forward the general path cost 15 to 30 us here, this
-    one 7 to 10.)
+    differs. (Right after the replicas' forwards a ``reduce`` took 22 to 37 us here through
+    the general path, 15 to 23 through this one.)
 
     >>> added_alike([torch.tensor([1., 2]), torch.tensor([3., 4])], torch.device("cpu"))
     tensor([4., 6.])
