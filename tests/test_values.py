@@ -287,6 +287,19 @@ def test_regroup_walks_plain_outputs_without_torchs_pytree(monkeypatch: pytest.M
     assert merged.values == (0, 1)
 
 
+def test_regroup_tells_plain_tensors_for_leaves_in_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's loss, a plain tensor from each replica, is a leaf by its type, without
+    asking torch's pytree for each (a Python call a leaf)."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch's pytree was asked about a plain tensor")
+
+    monkeypatch.setattr(_values._tree, "is_leaf", refuse)
+    assert _values.regroup([_X, _Y]).values == (_X, _Y)
+    loss, shared = _values.regroup([(_X, _S), (_Y, _S)])
+    assert loss.values == (_X, _Y) and shared is _S
+
+
 def test_run_with_none_from_one_replica_raises() -> None:
     strategy = cs.CentralStorageStrategy(["cpu:0", "cpu:1"])
 

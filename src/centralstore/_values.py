@@ -182,6 +182,8 @@ def _regroup_plain(row: Sequence[Any]) -> Any:
             if type(other) is not dict or list(other) != keys:
                 raise _NotPlain
         return {key: _regroup_plain([other[key] for other in row]) for key in keys}
+    if cls is torch.Tensor and all(map(is_, map(type, row), repeat(cls))):  # leaves, in C
+        return head if all(map(is_, row, repeat(head))) else PerReplica(row)
     if not all(map(_tree.is_leaf, row)):
         raise _NotPlain
     if all(map(is_, row, repeat(head))):
