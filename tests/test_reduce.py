@@ -264,6 +264,22 @@ def test_reduce_keeps_the_autograd_graph() -> None:
     same(w.grad, [5.0, 5.0])
 
 
+def general_calls(
+    strategy: cs.CentralStorageStrategy, name: str, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """The calls that reach the general path of ``strategy``'s ``name`` (``reduce`` or
+    ``gather`` of its workers), recorded while they go on to it."""
+    calls: list[Any] = []
+    general = getattr(type(strategy._workers), name)
+
+    def counted(*args: Any) -> Any:
+        calls.append(args)
+        return general(*args)
+
+    monkeypatch.setattr(type(strategy._workers), name, counted)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int32])
 @pytest.mark.parametrize("op", [SUM, MEAN])
 def test_alike_tensors_skip_the_general_path_with_the_same_bits(
@@ -277,14 +293,7 @@ def test_alike_tensors_skip_the_general_path_with_the_same_bits(
     value = cs.PerReplica(parts)
     strategy = strategy_of(3)
     expected = strategy._workers.reduce(op, [parts], None, torch.device("cpu"))[0]
-    general: list[Any] = []
-    taken = type(strategy._workers).reduce
-
-    def counted(*args: Any) -> Any:
-        general.append(args)
-        return taken(*args)
-
-    monkeypatch.setattr(type(strategy._workers), "reduce", counted)
+    general = general_calls(strategy, "reduce", monkeypatch)
     result = strategy.reduce(op, value, axis=None)
     assert result.dtype == expected.dtype and torch.equal(result, expected)
     assert general == []
@@ -451,14 +460,7 @@ def test_gather_of_tensors_alike_skips_the_general_path_with_the_same_result(
     parts[1] = parts[1].double()  # (torch.cat promotes, on either path)
     strategy = strategy_of(3)
     expected = strategy._workers.gather([parts], axis, torch.device("cpu"))[0][0]
-    general: list[Any] = []
-    taken = type(strategy._workers).gather
-
-    def counted(*args: Any) -> Any:
-        general.append(args)
-        return taken(*args)
-
-    monkeypatch.setattr(type(strategy._workers), "gather", counted)
+    general = general_calls(strategy, "gather", monkeypatch)
     result = strategy.gather(cs.PerReplica(parts), axis=axis)
     assert result.dtype == expected.dtype and torch.equal(result, expected)
     assert general == []
