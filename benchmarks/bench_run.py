@@ -44,7 +44,12 @@ optimizer step whose sweep over a model larger than the caches leaves none of th
 and data in them, right after sleeping 1 ms (untimed: the process touches nothing, so
 whatever the run finds evicted, the machine's other work evicted), and the same run repeated
 at once: a run's Python costs several times more after either (docs/design.md §7), which is
-what a training step pays.
+what a training step pays. A fourth column splits the cold cost: the run right after the
+sweep and an untimed run of a twin strategy over a model of its own, which brings back the
+code and the structures every run shares (the interpreter's, torch's, centralstore's
+functions and classes) but none of the timed run's own objects (its store, records and
+tensors): what is left over the run repeated at once is what its own data costs cold, the
+rest of the cold cost is the code it runs.
 
 Times are the process's CPU time by default (``--clock wall`` for wall-clock time): on a
 machine with several times more runnable threads than cores (a load average of 8 to 13 on 2
@@ -288,56 +293,66 @@ SWEEP_MB = 64
 ASLEEP_S = 1e-3
 
 
-def measure_cold(samples: int) -> dict[int, tuple[float, float, float]]:
+def measure_cold(samples: int) -> dict[int, tuple[float, float, float, float]]:
     """R -> median microseconds of ``run(lambda: None)`` with the small transformer's 26
     variables in scope right after a sweep through ``SWEEP_MB`` of memory (untimed: what an
-    optimizer step over a model larger than the caches does to them), right after sleeping
-    ``ASLEEP_S`` (untimed: what the rest of the machine does to them meanwhile), and of the
-    same run repeated at once."""
+    optimizer step over a model larger than the caches does to them), right after the sweep
+    and a twin strategy's run (untimed: the code warm again, the timed run's own objects
+    not), right after sleeping ``ASLEEP_S`` (untimed: what the rest of the machine does to
+    them meanwhile), and of the same run repeated at once."""
     sweep = torch.zeros(SWEEP_MB * 2**20 // 4)
     setups = {}
     for replicas in REPLICAS:
-        strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
-        model = transformer_in(strategy)
-        strategy.run(lambda: None)  # the first run, which checks the modules it calls
-        setups[replicas] = (strategy, model)
-    cold: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
-    asleep: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
-    warm: dict[int, list[float]] = {replicas: [] for replicas in REPLICAS}
+        pair = []
+        for _ in range(2):  # the timed strategy and its twin, each with a model of its own
+            strategy = cs.CentralStorageStrategy([f"cpu:{i}" for i in range(replicas)])
+            model = transformer_in(strategy)
+            strategy.run(lambda: None)  # the first run, which checks the modules it calls
+            pair.append((strategy, model))
+        setups[replicas] = pair
+    names = ("cold", "code warm", "asleep", "warm")
+    times: dict[int, dict[str, list[float]]] = {
+        replicas: {name: [] for name in names} for replicas in REPLICAS
+    }
 
-    def timed(strategy: cs.Strategy, times: list[float]) -> None:
+    def timed(strategy: cs.Strategy, into: list[float]) -> None:
         start = _clock()
         strategy.run(lambda: None)
-        times.append((_clock() - start) * 1e6)
+        into.append((_clock() - start) * 1e6)
 
     for sample in range(samples):
         for replicas in REPLICAS if sample % 2 == 0 else REPLICAS[::-1]:
-            strategy = setups[replicas][0]
+            (strategy, _), (twin, _) = setups[replicas]
+            found = times[replicas]
             sweep.add_(1.0)
-            timed(strategy, cold[replicas])
+            timed(strategy, found["cold"])
+            sweep.add_(1.0)
+            twin.run(lambda: None)
+            timed(strategy, found["code warm"])
             time.sleep(ASLEEP_S)
-            timed(strategy, asleep[replicas])
-            timed(strategy, warm[replicas])
+            timed(strategy, found["asleep"])
+            timed(strategy, found["warm"])
     return {
         replicas: (
-            statistics.median(cold[replicas]), statistics.median(asleep[replicas]),
-            statistics.median(warm[replicas]),
+            statistics.median(found["cold"]), statistics.median(found["code warm"]),
+            statistics.median(found["asleep"]), statistics.median(found["warm"]),
         )
-        for replicas in REPLICAS
+        for replicas, found in times.items()
     }
 
 
-def print_cold(results: dict[int, tuple[float, float, float]], samples: int) -> None:
+def print_cold(results: dict[int, tuple[float, float, float, float]], samples: int) -> None:
     print(f"\nrun(lambda: None), 26 variables: median microseconds over {samples} runs right "
-          f"after a {SWEEP_MB} MB sweep, right after sleeping {ASLEEP_S * 1e3:g} ms, and "
+          f"after a {SWEEP_MB} MB sweep, after the sweep and a twin strategy's run (its code "
+          f"warm, its own objects not), right after sleeping {ASLEEP_S * 1e3:g} ms, and "
           "repeated at once")
-    header = (f"{'R':>3}{'after sweep':>13}{'ratio':>7}{'after sleep':>13}{'ratio':>7}"
-              f"{'at once':>10}")
+    header = (f"{'R':>3}{'after sweep':>13}{'ratio':>7}{'code warm':>11}{'ratio':>7}"
+              f"{'after sleep':>13}{'ratio':>7}{'at once':>10}")
     print(header)
     print("-" * len(header))
-    for replicas, (cold, asleep, warm) in results.items():
-        print(f"{replicas:>3}{cold:>13.1f}{cold / warm:>7.1f}{asleep:>13.1f}"
-              f"{asleep / warm:>7.1f}{warm:>10.1f}")
+    for replicas, (cold, code_warm, asleep, warm) in results.items():
+        print(f"{replicas:>3}{cold:>13.1f}{cold / warm:>7.1f}{code_warm:>11.1f}"
+              f"{code_warm / warm:>7.1f}{asleep:>13.1f}{asleep / warm:>7.1f}{warm:>10.1f}")
 
 
 def main() -> None:

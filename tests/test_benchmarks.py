@@ -37,7 +37,7 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
         ("bench_run.py", ["--rounds", "1", "--batch", "2", "--accumulation-rounds", "1",
                           "--cold-runs", "2"],
          ["reduce(MEAN, PerReplica)", "gather(PerReplica, axis=0)", "target: trivial run",
-          "right after a 64 MB sweep"]),
+          "right after a 64 MB sweep", "a twin strategy's run", "code warm"]),
         ("bench_models.py", ["--rounds", "1", "--steps", "1", "--models", "cnn",
                              "--compiled-models", "--no-accumulation"],
          ["cnn    eager     4 cs R=2", "cnn    eval      4 cs R=1"]),
