@@ -167,7 +167,7 @@ def test_close_stops_the_thread_and_ends_the_iteration() -> None:
     iterator = iter(distribute_dataset(Endless(), TWO))
     assert next(iterator) is not None
     iterator.close()
-    assert wait_for_no_input_thread(before, seconds=0.5)
+    assert wait_for_no_input_thread(before)
     with pytest.raises(StopIteration):
         next(iterator)
 

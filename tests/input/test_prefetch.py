@@ -85,7 +85,7 @@ def test_close_stops_the_thread_and_ends_the_iteration() -> None:
     iterator = PrefetchIterator(source, buffer_size=1)
     assert next(iterator) == 1
     iterator.close()
-    assert wait_until(lambda: input_threads() <= before, seconds=0.5)
+    assert wait_until(lambda: input_threads() <= before)
     made = source.made
     with pytest.raises(StopIteration):
         next(iterator)
