@@ -17,6 +17,13 @@ all with AdamW and the loss scaled by the global batch:
   plain    one device, a batch of P              (the baseline of cs R=1)
   plain again  a second instance of plain      (its ratio to plain is the run's noise)
   cs R=1   CentralStorageStrategy on cpu:0, a batch of P
+  undo     plain, with what a one-replica run that can be undone must do at least (the
+           baseline's floor, as ``apart`` is the halves'): when the step's pass begins,
+           each parameter's and buffer's ``requires_grad`` and post-accumulate-grad hooks
+           read, the gradients already in ``.grad`` set aside, the buffers' bytes copied
+           (the floating ones at every step, the integers when a version counter moved);
+           after its backward, the gradients set aside added back. Passes in C, no
+           strategy, no lock, no context, no checks (``_Undo``)
   whole    one device, one pass over 2P          (the floor's reference)
   halves   one device, two passes of P that accumulate gradients (the same work as two
            replicas: the baseline of cs R=2)
@@ -43,7 +50,8 @@ rows carry none.
 one device that is not centralstore. ``apart / halves`` is what keeping each replica's
 gradients to itself costs by itself: the sums run after backward, on memory gone cold,
 where the halves add each gradient inside the engine as it is made. The line under ``cs R=2``
-gives it against ``apart`` in the same rounds: about what centralstore's own bookkeeping costs.
+gives it against ``apart`` in the same rounds: about what centralstore's own bookkeeping costs;
+the line under ``cs R=1`` gives the same against ``undo``.
 
 The configurations take turns step by step, each step timed alone, in an order drawn afresh for
 every step; each round after the first (which times the instances of the warm-up tail) builds
@@ -95,12 +103,15 @@ three faults of the compiled path: benchmarks/README.md.)
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import operator
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from itertools import compress, repeat
+from operator import is_not
 from typing import Any
 
 import torch
@@ -209,7 +220,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], Loss]] = 
     "cnn": (demo_cnn, _classes((1, 8, 8)), _cnn_loss),
     "bn": (_batch_norm_cnn, _classes((3, 8, 8)), _cnn_loss),
 }
-CONFIGS = ("plain", "plain again", "cs R=1", "whole", "halves", "apart", "cs R=2")
+CONFIGS = ("plain", "plain again", "cs R=1", "undo", "whole", "halves", "apart", "cs R=2")
 COMPILED = ("plain", "cs R=1", "halves", "cs R=2")  # each compiles: the floor's row is eager's
 ACCUMULATED = ("halves x4", "apart x4", "cs R=2 x4", "cs R=2 x4 one run")
 EVALUATED = ("plain", "plain again", "cs R=1", "halves", "cs R=2")
@@ -233,6 +244,55 @@ def _some(values: list[Any]) -> bool:
 def _set_grads(params: list[nn.Parameter], grads: list[Any]) -> None:
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
+
+
+class _Undo:
+    """The ``undo`` configuration's record of one pass: what a one-replica run must do at
+    least so that a failure could leave ``.grad`` and the buffers as before it, each pass
+    over the tensors a ``map`` in C (centralstore's ``Undo`` keeps the same record)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        buffers = list(model.buffers())
+        self.tensors = [*model.parameters(), *buffers]
+        floating = [buffer.is_floating_point() for buffer in buffers]
+        views = [buffer.view(-1).view(torch.uint8) for buffer in buffers]  # made once
+        self.floats = list(compress(views, floating))
+        self.integers = [view for view, f in zip(views, floating, strict=True) if not f]
+        self.versions: list[int] = []  # the integers' counters at their last copy
+        self.kept: torch.Tensor | None = None
+        self.learned: list[torch.Tensor] = []
+        self.held: list[Any] | None = None  # the gradients set aside, if any
+
+    def begin(self) -> None:
+        """Before the pass: the record."""
+        flags = list(map(_REQUIRES_GRAD, self.tensors))
+        learned = self.tensors if all(flags) else list(compress(self.tensors, flags))
+        held = list(map(_GRAD, learned))
+        self.held = held if any(map(is_not, held, repeat(None))) else None
+        if self.held is not None:
+            _consume(map(setattr, learned, repeat("grad"), repeat(None)))
+        any(map(_HOOKS, learned))  # (hooks would be held until the record is committed)
+        if self.floats:
+            torch.cat(self.floats)
+        if self.integers:
+            versions = list(map(_VERSION, self.integers))
+            if versions != self.versions or self.kept is None:
+                self.kept, self.versions = torch.cat(self.integers), versions
+        self.learned = learned
+
+    def end(self) -> None:
+        """After the pass's backward: the gradients set aside take the pass's added."""
+        if self.held is not None:
+            with torch.no_grad():
+                torch._foreach_add_(self.held, list(map(_GRAD, self.learned)))
+            _consume(map(setattr, self.learned, repeat("grad"), self.held))
+
+
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_VERSION = operator.attrgetter("_version")
+_consume = collections.deque(maxlen=0).extend
 
 
 def make_step(
@@ -268,6 +328,17 @@ def make_step(
                 loss(xs, ys).backward()
             optimizer.step()
 
+        if config == "undo":
+            undo = _Undo(model)
+
+            def undo_step() -> None:
+                optimizer.zero_grad()
+                undo.begin()
+                loss(x, y).backward()
+                undo.end()
+                optimizer.step()
+
+            return _plain(undo_step)
         if not config.startswith("apart"):
             return _plain(plain_step)
         params = list(model.parameters())
@@ -446,14 +517,15 @@ RATIOS = {  # the ratio's row, its baseline, its target
     "cs R=1": ("plain", 1.02),
     "cs R=2": ("halves", 1.03),
     "halves": ("whole", None),
+    "undo": ("plain", None),
     "apart": ("halves", None),
     "apart x4": ("halves x4", None),
     "cs R=2 x4": ("halves x4", 1.03),
     "cs R=2 x4 one run": ("halves x4", 1.03),
 }
-# a second ratio of these rows: against the least a run must do to ``.grad`` (centralstore's
-# own bookkeeping, measured in the same rounds)
-BOOKKEEPING = {"cs R=2": "apart", "cs R=2 x4": "apart x4"}
+# a second ratio of these rows: against the least a run must do to ``.grad`` and the buffers
+# (centralstore's own bookkeeping, measured in the same rounds)
+BOOKKEEPING = {"cs R=1": "undo", "cs R=2": "apart", "cs R=2 x4": "apart x4"}
 
 
 def _against(times: list[list[float]], baseline: list[list[float]]) -> str:

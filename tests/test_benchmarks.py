@@ -40,7 +40,7 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
           "right after a 64 MB sweep", "a twin strategy's run", "code warm"]),
         ("bench_models.py", ["--rounds", "1", "--steps", "1", "--models", "cnn",
                              "--compiled-models", "--no-accumulation"],
-         ["cnn    eager     4 cs R=2", "cnn    eval      4 cs R=1"]),
+         ["cnn    eager     4 cs R=2", "cnn    eager     4 undo", "cnn    eval      4 cs R=1"]),
         ("bench_train.py", ["--rounds", "1", "--steps", "2", "--models", "mlp", "--no-memory"],
          ["cs R=2"]),
         ("bench_overhead.py", ["--models", "cnn"], ["cnn    cs R=2"]),
@@ -128,3 +128,45 @@ def test_plain_steps_are_timed_without_centralstores_optimizer_hooks(tmp_path: P
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[0,", "1,", "1]"]
+
+
+def test_the_one_replica_floor_sets_gradients_aside_and_adds_them_back(tmp_path: Path) -> None:
+    """(bench_models.py's ``undo`` configuration, the floor of ``cs R=1``, does the record's
+    work: ``.grad`` is empty for the pass and then holds the gradients set aside plus the
+    pass's, the bits of plain PyTorch accumulating; the integer buffers are copied again
+    only when a counter moved. In a process of its own, as the script runs.)"""
+    script = (
+        "import copy, torch\n"
+        "import bench_models as bm\n"
+        "torch.manual_seed(0)\n"
+        "model = bm._batch_norm_cnn()\n"
+        "twin = copy.deepcopy(model)\n"
+        "x = torch.randn(4, 3, 8, 8)\n"
+        "for m in (model, twin):\n"
+        "    m(x).sum().backward()\n"
+        "undo = bm._Undo(model)\n"
+        "undo.begin()\n"
+        "checks = [all(p.grad is None for p in model.parameters())]\n"
+        "kept = undo.kept\n"
+        "model(x).sum().backward()\n"
+        "twin(x).sum().backward()\n"
+        "undo.end()\n"
+        "pairs = zip(model.parameters(), twin.parameters(), strict=True)\n"
+        "checks.append(all(torch.equal(p.grad, q.grad) for p, q in pairs))\n"
+        "undo.begin()\n"
+        "checks.append(undo.kept is not kept)\n"
+        "counters = [b for b in model.buffers() if not b.is_floating_point()]\n"
+        "checks.append(torch.equal(undo.kept.view(torch.int64), torch.stack(counters)))\n"
+        "model.eval()(x).sum().backward()\n"
+        "undo.end()\n"
+        "kept = undo.kept\n"
+        "undo.begin()\n"
+        "checks.append(undo.kept is kept)\n"
+        "print(checks)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=BENCHMARKS, capture_output=True, text=True,
+        timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["[True,", "True,", "True,", "True,", "True]"]
