@@ -19,11 +19,12 @@ all with AdamW and the loss scaled by the global batch:
   cs R=1   CentralStorageStrategy on cpu:0, a batch of P
   undo     plain, with what a one-replica run that can be undone must do at least (the
            baseline's floor, as ``apart`` is the halves'): when the step's pass begins,
-           each parameter's and buffer's ``requires_grad`` and post-accumulate-grad hooks
-           read, the gradients already in ``.grad`` set aside, the buffers' bytes copied
-           (the floating ones at every step, the integers when a version counter moved);
-           after its backward, the gradients set aside added back. Passes in C, no
-           strategy, no lock, no context, no checks (``_Undo``)
+           each parameter's and buffer's ``requires_grad`` read, the post-accumulate-grad
+           hooks of those that require grad looked for and the gradients already in their
+           ``.grad`` set aside, the buffers' bytes copied (the floating ones at every step,
+           the integers when a version counter moved); after its backward, the gradients
+           set aside added back. Passes in C, no strategy, no lock, no context, no checks
+           (``_Undo``)
   whole    one device, one pass over 2P          (the floor's reference)
   halves   one device, two passes of P that accumulate gradients (the same work as two
            replicas: the baseline of cs R=2)
@@ -111,7 +112,6 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from itertools import compress, repeat
-from operator import is_not
 from typing import Any
 
 import torch
@@ -268,7 +268,7 @@ class _Undo:
         flags = list(map(_REQUIRES_GRAD, self.tensors))
         learned = self.tensors if all(flags) else list(compress(self.tensors, flags))
         held = list(map(_GRAD, learned))
-        self.held = held if any(map(is_not, held, repeat(None))) else None
+        self.held = held if any(map(operator.is_not, held, repeat(None))) else None
         if self.held is not None:
             _consume(map(setattr, learned, repeat("grad"), repeat(None)))
         any(map(_HOOKS, learned))  # (hooks would be held until the record is committed)
