@@ -233,8 +233,15 @@ def compiled(fn: Callable[..., torch.Tensor], config: str) -> Callable[..., torc
     return torch.compile(fn, dynamic=False)
 
 
+_GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
+_VERSION = operator.attrgetter("_version")
+_consume = collections.deque(maxlen=0).extend
+
+
 def _grads(params: list[nn.Parameter]) -> list[Any]:
-    return list(map(operator.attrgetter("grad"), params))
+    return list(map(_GRAD, params))
 
 
 def _some(values: list[Any]) -> bool:
@@ -286,13 +293,6 @@ class _Undo:
             with torch.no_grad():
                 torch._foreach_add_(self.held, list(map(_GRAD, self.learned)))
             _consume(map(setattr, self.learned, repeat("grad"), self.held))
-
-
-_GRAD = operator.attrgetter("grad")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
-_VERSION = operator.attrgetter("_version")
-_consume = collections.deque(maxlen=0).extend
 
 
 def make_step(

@@ -31,6 +31,15 @@ def bench(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str
     )
 
 
+def in_benchmarks(script: str) -> subprocess.CompletedProcess[str]:
+    """``python -c SCRIPT`` in a process of its own that imports the benchmark modules as the
+    scripts do, output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=BENCHMARKS, capture_output=True, text=True,
+        timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
+    )
+
+
 @pytest.mark.parametrize(
     ("script", "args", "expected"),
     [
@@ -122,15 +131,12 @@ def test_plain_steps_are_timed_without_centralstores_optimizer_hooks(tmp_path: P
         "count()\n"
         "print(seen)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=BENCHMARKS, capture_output=True, text=True,
-        timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
-    )
+    result = in_benchmarks(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[0,", "1,", "1]"]
 
 
-def test_the_one_replica_floor_sets_gradients_aside_and_adds_them_back(tmp_path: Path) -> None:
+def test_the_one_replica_floor_sets_gradients_aside_and_adds_them_back() -> None:
     """(bench_models.py's ``undo`` configuration, the floor of ``cs R=1``, does the record's
     work: ``.grad`` is empty for the pass and then holds the gradients set aside plus the
     pass's, the bits of plain PyTorch accumulating; the integer buffers are copied again
@@ -164,9 +170,6 @@ def test_the_one_replica_floor_sets_gradients_aside_and_adds_them_back(tmp_path:
         "checks.append(undo.kept is kept)\n"
         "print(checks)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=BENCHMARKS, capture_output=True, text=True,
-        timeout=120, check=False, env={**os.environ, "PYTHONPATH": str(BENCHMARKS)},
-    )
+    result = in_benchmarks(script)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["[True,", "True,", "True,", "True,", "True]"]
